@@ -1,0 +1,1 @@
+"""Sharding: paths, placement, state placement modes and logical axis rules."""

@@ -1,0 +1,1 @@
+"""Training: gradient reductions and train steps."""
