@@ -1,0 +1,47 @@
+import jax
+import numpy as np
+from flax import nnx
+
+import shardax
+from shardax import data_parallel_rules
+
+
+def test_data_parallel_rules_replicate_annotated_parameters(mesh8):
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+    with jax.set_mesh(mesh8), nnx.logical_axis_rules(data_parallel_rules()):
+        layer = nnx.Linear(16, 32, rngs=nnx.Rngs(0), kernel_init=init)
+        specs = nnx.get_partition_spec(nnx.state(layer))
+    kernel = layer.kernel[...]
+    assert kernel.sharding.is_fully_replicated and len(kernel.addressable_shards) == 8
+    assert tuple(specs["kernel"].get_value()) == (None, None)
+    reference = nnx.initializers.lecun_normal()(nnx.Rngs(0).params(), (16, 32))
+    for shard in kernel.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(reference), rtol=1e-6)
+
+
+def test_data_parallel_rules_split_the_batch(mesh8):
+    rules = dict(data_parallel_rules("data"))
+    assert rules["batch"] == "data"
+    assert {name: axis for name, axis in rules.items() if name != "batch"} == {
+        name: None for name in ("length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+    }
+    assert dict(data_parallel_rules("replica"))["batch"] == "replica"
+
+
+EXPECTED_API = {
+    "DataParallel", "DeviceMeshManager", "create_data_parallel_sharding", "data_parallel_rules",
+    "data_parallel_train_step", "describe_mesh", "get_mesh_info", "model_state_shardings",
+    "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
+    "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
+}
+
+
+def test_public_api_is_explicit():
+    public = {name for name in dir(shardax) if not name.startswith("_")}
+    modules = {"data_parallel", "mesh", "sharding", "train"}
+    assert public - modules == EXPECTED_API, sorted((public - modules) ^ EXPECTED_API)
+    methods = {"create_data_parallel_sharding", "shard_batch", "shard_model_state", "all_reduce_gradients",
+               "replicate_params"}
+    for name in methods:
+        assert callable(getattr(shardax.DataParallel, name))
+        assert isinstance(shardax.DataParallel.__dict__[name + "_static"], staticmethod)
