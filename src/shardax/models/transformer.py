@@ -1,0 +1,172 @@
+"""A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
+
+Pre-norm blocks (causal self-attention, GELU MLP), learned or rotary positions, a tied or
+untied output head. The blocks are created with ``nnx.vmap`` and applied with ``nnx.scan``, so
+their parameters carry a leading ``layers`` axis and compile time does not grow with depth.
+Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
+precision); ``remat`` chooses what the backward pass recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.layers import annotated_param, metadata_only
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Shape and numerics of the model."""
+
+    vocab_size: int = 256  # bytes
+    seq_len: int = 128  # longest context (learned positions are this long)
+    d_model: int = 128
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 512
+    positions: str = "learned"  # "learned" or "rotary"
+    tie_embeddings: bool = True
+    remat: str = "none"  # a key of REMAT_POLICIES
+    compute_dtype: str = "float32"  # "float32" or "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
+        if self.positions not in ("learned", "rotary"):
+            raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def dtype(self) -> Any:
+        return COMPUTE_DTYPES[self.compute_dtype]
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None = None) -> nnx.Param:
+    """A normal-initialised parameter (fan-in scaled unless ``scale``), annotated with ``axes``."""
+    std = scale if scale is not None else shape[0] ** -0.5
+    return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, features: int):
+        key = jax.random.key(0)  # ones/zeros ignore it
+        self.scale = annotated_param(nnx.initializers.ones, key, (features,), ("embed",))
+        self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
+        return (normed * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (10000 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * inv_freq  # (T, H/2)
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+        d, n, h, f = config.d_model, config.n_heads, config.head_dim, config.d_ff
+        self.config = config
+        self.attn_norm = LayerNorm(d)
+        self.query = _param(rngs, (d, n, h), ("embed", "heads", "kv"))
+        self.key = _param(rngs, (d, n, h), ("embed", "heads", "kv"))
+        self.value = _param(rngs, (d, n, h), ("embed", "heads", "kv"))
+        self.attn_out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), scale=(n * h) ** -0.5)
+        self.mlp_norm = LayerNorm(d)
+        self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
+        self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
+        dtype = self.config.dtype
+        y = self.attn_norm(x).astype(dtype)
+        q, k, v = (jnp.einsum("btd,dnh->btnh", y, w[...].astype(dtype)) for w in (self.query, self.key, self.value))
+        if self.config.positions == "rotary":
+            positions = jnp.arange(x.shape[1])
+            q, k = rotary(q, positions), rotary(k, positions)
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        x = x + jnp.einsum("btnh,nhd->btd", attended, self.attn_out[...].astype(dtype)).astype(x.dtype)
+        y = self.mlp_norm(x).astype(dtype)
+        hidden = jax.nn.gelu(y @ self.mlp_in[...].astype(dtype))  # (B, T, F)
+        return x + (hidden @ self.mlp_out[...].astype(dtype)).astype(x.dtype)
+
+
+class TransformerLM(nnx.Module):
+    """tokens (B, T) int -> logits (B, T, vocab) float32."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        with metadata_only():
+            self._build(config, rngs)
+
+    def _build(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
+        self.config = config
+        d = config.d_model
+        self.embedding = _param(rngs, (config.vocab_size, d), ("vocab", "embed"), scale=0.02)
+        if config.positions == "learned":
+            self.position = _param(rngs, (config.seq_len, d), ("length", "embed"), scale=0.02)
+        self.final_norm = LayerNorm(d)
+        if not config.tie_embeddings:
+            self.head = _param(rngs, (d, config.vocab_size), ("embed", "vocab"))
+
+        @nnx.split_rngs(splits=config.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs)
+
+        self.blocks = make_blocks(rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        config = self.config
+        length = tokens.shape[1]
+        if length > config.seq_len and config.positions == "learned":
+            raise ValueError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
+        x = jnp.take(self.embedding[...], tokens, axis=0)  # (B, T, D) float32
+        if config.positions == "learned":
+            x = x + self.position[...][:length]
+
+        def apply_block(x: jax.Array, block: Block) -> jax.Array:
+            return block(x)
+
+        policy = REMAT_POLICIES[config.remat]
+        if config.remat != "none":
+            apply_block = nnx.remat(apply_block, policy=policy)
+        x = nnx.scan(apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        x = self.final_norm(x).astype(config.dtype)
+        head = self.embedding[...].T if config.tie_embeddings else self.head[...]
+        return (x @ head.astype(config.dtype)).astype(jnp.float32)
+
+
+def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``."""
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))

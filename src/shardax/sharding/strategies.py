@@ -1,0 +1,130 @@
+"""Parallelism strategies as data: each is a rules table plus a few switches, nothing more.
+
+A strategy says, for a model and a mesh, where parameters are stored, how they are laid out
+while computing, where gradients and optimizer state live, and how the batch is split.
+``dp``, ``zero1``, ``zero2``, ``fsdp``, ``tp``, ``fsdp_tp`` and ``hsdp`` are values of one
+class; a new one is ``Strategy(name=..., param_rules=...)``, no subclassing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from shardax.mesh import describe_mesh
+from shardax.sharding.place import spec_axes
+from shardax.sharding.rules import LOGICAL_AXES, Rules, add_axis_to_largest_dim, resolve_spec
+
+
+def _rules(**targets: Any) -> Rules:
+    """A full rules table: the given logical names mapped, every other known name replicated."""
+    return tuple((name, targets.get(name)) for name in LOGICAL_AXES if name != "batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How one kind of parallelism lays out a training state.
+
+    Attributes:
+      name: what ``--strategy`` calls it.
+      param_rules: logical axis name -> mesh axes, for parameters as stored.
+      batch_axes: mesh axes the batch dimension is split over (absent axes are skipped).
+      fsdp_axis: if set, every parameter is stored sharded over this axis: on the dimension the
+        rules give it, else on its largest dimension that divides (FSDP / ZeRO-3).
+      gather_axes: mesh axes taken out of the parameter layout for compute (FSDP gathers the
+        parameters it needs, layer by layer, and reduce-scatters their gradients).
+      optimizer_axes: extra mesh axes the optimizer state is sharded over beyond the parameter's
+        own layout (ZeRO-1/2).
+      shard_gradients: gradients take the optimizer-state layout, so the compiler
+        reduce-scatters them instead of all-reducing (ZeRO-2).
+      required_axes: mesh axes that must exist for the strategy to mean anything.
+      description: one line for tables and ``--help``.
+    """
+
+    name: str
+    param_rules: Rules
+    batch_axes: tuple[str, ...] = ("data",)
+    fsdp_axis: str | None = None
+    gather_axes: tuple[str, ...] = ()
+    optimizer_axes: tuple[str, ...] = ()
+    shard_gradients: bool = False
+    required_axes: tuple[str, ...] = ("data",)
+    description: str = ""
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        missing = [axis for axis in self.required_axes if axis not in mesh.shape]
+        if missing:
+            example = ",".join(f"{axis}={'-1' if i == 0 else 2}" for i, axis in enumerate(self.required_axes))
+            raise ValueError(
+                f"strategy {self.name!r} needs mesh axes {self.required_axes} but the mesh is "
+                f"{describe_mesh(mesh)}; use e.g. --mesh {example}"
+            )
+
+    def param_spec(
+        self, logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, where: str
+    ) -> tuple[PartitionSpec, list[str]]:
+        """Storage layout of one parameter, with notes on anything that fell back."""
+        notes: list[str] = []
+        spec = PartitionSpec()
+        if logical is not None:
+            spec, notes = resolve_spec(logical, shape, mesh, self.param_rules, where)
+        if self.fsdp_axis is not None:
+            with_fsdp = add_axis_to_largest_dim(spec, shape, mesh, self.fsdp_axis)
+            if with_fsdp is None:
+                notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
+            else:
+                spec = with_fsdp
+        return spec, notes
+
+    def compute_spec(self, param_spec: PartitionSpec) -> PartitionSpec:
+        """The parameter's layout while computing: ``param_spec`` without the gathered axes."""
+        def keep(entry: Any) -> Any:
+            axes = tuple(a for a in spec_axes(entry) if a not in self.gather_axes)
+            return None if not axes else axes[0] if len(axes) == 1 else axes
+
+        return PartitionSpec(*(keep(entry) for entry in param_spec))
+
+    def optimizer_spec(self, param_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+        """Layout of optimizer state that mirrors a parameter (Adam's mu and nu)."""
+        spec = param_spec
+        for axis in self.optimizer_axes:
+            spec = add_axis_to_largest_dim(spec, shape, mesh, axis) or spec
+        return spec
+
+    def batch_spec(self, mesh: Mesh) -> PartitionSpec:
+        """Split the leading (batch) dimension over every batch axis the mesh has."""
+        axes = tuple(a for a in self.batch_axes if a in mesh.shape)
+        return PartitionSpec(axes if len(axes) > 1 else (axes[0] if axes else None))
+
+
+STRATEGIES: dict[str, Strategy] = {
+    strategy.name: strategy
+    for strategy in (
+        Strategy("dp", _rules(), description="replicated state, gradients all-reduced"),
+        Strategy("zero1", _rules(), optimizer_axes=("data",),
+                 description="optimizer state sharded over data"),
+        Strategy("zero2", _rules(), optimizer_axes=("data",), shard_gradients=True,
+                 description="optimizer state and gradients sharded over data (reduce-scatter)"),
+        Strategy("fsdp", _rules(embed="data"), fsdp_axis="data", gather_axes=("data",),
+                 description="parameters, gradients and optimizer state sharded over data (ZeRO-3)"),
+        Strategy("tp", _rules(mlp="model", heads="model", vocab="model"), required_axes=("model",),
+                 description="Megatron tensor parallelism: heads and MLP hidden over model"),
+        Strategy("fsdp_tp", _rules(embed="data", mlp="model", heads="model", vocab="model"),
+                 fsdp_axis="data", gather_axes=("data",), required_axes=("data", "model"),
+                 description="FSDP over data x tensor parallelism over model (2-D mesh)"),
+        Strategy("hsdp", _rules(embed="data"), batch_axes=("replica", "data"), fsdp_axis="data",
+                 gather_axes=("data",), required_axes=("replica", "data"),
+                 description="FSDP within groups over data, replicated across groups over replica"),
+    )
+}
+
+
+def get_strategy(strategy: str | Strategy) -> Strategy:
+    """A built-in strategy by name, or the given ``Strategy`` itself."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[strategy]
