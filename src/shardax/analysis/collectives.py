@@ -58,7 +58,16 @@ _ARRAY_SHAPE = re.compile(r"^(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective operation of a compiled program, as seen by one device."""
+    """One collective operation of a compiled program, as seen by one device.
+
+    ``kind`` is the HLO op (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
+    ``"all-to-all"``, ``"collective-permute"``, ...) or :data:`REDUCE_SCATTER_PATTERN`;
+    ``name`` the instruction name; ``shapes`` the result's array shapes without layouts
+    (several when XLA combined ops into a tuple); ``bytes`` their total size;
+    ``replica_groups`` the device-group attribute as written (``''`` if absent);
+    ``shard_bytes`` the bytes the dynamic-slices keep for the reduce-scatter pattern,
+    otherwise equal to ``bytes``.
+    """
 
     kind: str
     name: str
@@ -166,7 +175,8 @@ def _parse_instruction(line: str) -> tuple[_Instruction, bool] | None:
         if equals:
             attributes[key.strip()] = value.strip()
     shape = line[position:shape_end]
-    return _Instruction(start["name"], shape, opcode["opcode"], operands, attributes), start["root"] is not None
+    instruction = _Instruction(start["name"], shape, opcode["opcode"], operands, attributes)
+    return instruction, start["root"] is not None
 
 
 def _parse_module(hlo_text: str) -> dict[str, _Computation]:
@@ -230,6 +240,7 @@ def _array_bytes(array_shape: str) -> int:
 
 
 def _shape_bytes(shape: str) -> int:
+    """Bytes of a shape, summed over tuple elements."""
     return sum(_array_bytes(array) for array in _array_shapes(shape))
 
 
