@@ -36,3 +36,33 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
         actual,
         expected,
     )
+
+
+class AnnotatedMLP(nnx.Module):
+    """Megatron-style column -> row MLP, plus an unannotated head whose bias (4) never divides by 8."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        from shardax.layers import ColumnParallelLinear, RowParallelLinear
+
+        self.up = ColumnParallelLinear(16, 64, rngs=rngs)
+        self.down = RowParallelLinear(64, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x + self.down(jax.nn.gelu(self.up(x))))
+
+
+def tiny_transformer_config(**overrides):
+    from shardax.models.transformer import TransformerConfig
+
+    settings = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def token_batches(steps, batch_size=16, length=17, vocab=64, seed=0):
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, vocab, size=(4, length))  # few patterns repeated: learnable in 20 steps
+    for _ in range(steps):
+        rows = base[rng.integers(0, 4, size=batch_size)]
+        yield {"tokens": rows.astype(np.int32)}

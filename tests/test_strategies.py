@@ -1,0 +1,129 @@
+"""Every strategy trains exactly like one device, and keeps its layout while doing so."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardax import DeviceMeshManager
+from shardax.model_parallel import parallelize
+from shardax.models.transformer import TransformerLM, next_token_loss
+from small_models import (AnnotatedMLP, assert_trees_close, mse_loss, regression_batches, tiny_transformer_config,
+                          token_batches)
+
+STEPS = 20
+CASES = [
+    ("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
+    ("zero2", "data=4,model=2"), ("fsdp", "data=2,model=4"),
+    ("tp", "data=2,model=4"), ("tp", "model=8"),
+    ("fsdp_tp", "data=2,model=4"), ("fsdp_tp", "data=4,model=2"),
+    ("hsdp", "replica=2,data=4"),
+]
+MODELS = {
+    "mlp": (lambda rngs: AnnotatedMLP(rngs), mse_loss, lambda: regression_batches(STEPS)),
+    "transformer": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), next_token_loss,
+                    lambda: token_batches(STEPS)),
+}
+
+
+def train(model_name, strategy, mesh):
+    factory, loss_fn, batches = MODELS[model_name]
+    parallel = parallelize(factory, optax.adamw(1e-2), mesh, strategy)
+    state = parallel.init(seed=0)
+    initial = parallel.state_shardings
+    assert jax.tree.map(lambda a: a.sharding, state) == initial  # init landed where the layout says
+    step = parallel.train_step(loss_fn)
+    losses = []
+    for batch in batches():
+        state, metrics = step(state, parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, state, parallel
+
+
+_REFERENCE = {}
+
+
+def reference(model_name):
+    if model_name not in _REFERENCE:
+        one_device = DeviceMeshManager(devices=jax.devices()[:1]).create_device_mesh("data=1")
+        _REFERENCE[model_name] = train(model_name, "dp", one_device)
+    return _REFERENCE[model_name]
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("strategy, mesh_shape", CASES, ids=[f"{s}-{m}" for s, m in CASES])
+def test_strategy_matches_one_device(model_name, strategy, mesh_shape):
+    ref_losses, ref_state, _ = reference(model_name)
+    mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
+    losses, state, parallel = train(model_name, strategy, mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < 0.7 * losses[0]
+    # Sharded reductions sum in another order (fp32 rounding ~1e-7); Adam divides by sqrt(nu),
+    # which lifts that to ~1e-6 on the few weights whose gradients are near zero, so the
+    # parameters get an absolute floor of 1e-5 (weights are ~0.1-0.5).
+    assert_trees_close(jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-5)
+    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=1e-6)
+    # the layout survived 20 updates: every leaf where init put it
+    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+def shard_shapes(array):
+    return {shard.data.shape for shard in array.addressable_shards}
+
+
+def test_layouts_per_strategy_on_what_devices_hold():
+    mesh8 = DeviceMeshManager().create_device_mesh("data=8")
+    mesh2x4 = DeviceMeshManager().create_device_mesh("data=2,model=4")
+    factory = lambda rngs: AnnotatedMLP(rngs)  # noqa: E731
+    tx = optax.adam(1e-3)
+
+    dp = parallelize(factory, tx, mesh8, "dp").init()
+    assert shard_shapes(dp.params["up"]["kernel"][...]) == {(16, 64)}
+
+    zero1 = parallelize(factory, tx, mesh8, "zero1").init()
+    assert shard_shapes(zero1.params["up"]["kernel"][...]) == {(16, 64)}
+    assert shard_shapes(zero1.opt_state[0].mu["up"]["kernel"][...]) == {(16, 8)}  # largest dim 64 / 8
+
+    fsdp = parallelize(factory, tx, mesh8, "fsdp").init()
+    assert fsdp.params["up"]["kernel"][...].sharding.spec == P("data", None)  # `embed` over data
+    assert shard_shapes(fsdp.params["up"]["kernel"][...]) == {(2, 64)}
+    assert shard_shapes(fsdp.params["head"]["kernel"][...]) == {(2, 4)}  # unannotated: largest divisible dim
+    assert fsdp.params["head"]["bias"][...].sharding.is_fully_replicated  # 4 does not divide by 8
+
+    tp = parallelize(factory, tx, mesh2x4, "tp").init()
+    assert tp.params["up"]["kernel"][...].sharding.spec == P(None, "model")  # column parallel
+    assert tp.params["down"]["kernel"][...].sharding.spec == P("model", None)  # row parallel
+    assert shard_shapes(tp.params["down"]["kernel"][...]) == {(16, 16)}
+
+    both = parallelize(factory, tx, mesh2x4, "fsdp_tp").init()
+    assert both.params["up"]["kernel"][...].sharding.spec == P("data", "model")
+    assert shard_shapes(both.params["up"]["kernel"][...]) == {(8, 16)}
+    for shard in both.params["up"]["kernel"][...].addressable_shards:  # each device: its own block
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(jax.device_get(both.params["up"]["kernel"][...]))[shard.index]
+        )
+
+
+def test_initial_values_do_not_depend_on_the_strategy():
+    factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
+    one = parallelize(factory, optax.adam(1e-3), DeviceMeshManager(devices=jax.devices()[:1]).create_device_mesh("data=1"))
+    sharded = parallelize(factory, optax.adam(1e-3), DeviceMeshManager().create_device_mesh("data=2,model=4"), "fsdp_tp")
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.init(3).params), jax.device_get(sharded.init(3).params))
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+    mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
+    factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
+    results = {}
+    for accum in (1, 4):
+        parallel = parallelize(factory, optax.adamw(1e-2), mesh, "fsdp_tp")
+        state, step = parallel.init(), parallel.train_step(next_token_loss, grad_accum=accum)
+        losses = []
+        for batch in token_batches(5, batch_size=32):
+            state, metrics = step(state, parallel.place_batch(batch))
+            losses.append(float(metrics["loss"]))
+        results[accum] = (losses, jax.device_get(state.params))
+    np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
+    assert_trees_close(results[4][1], results[1][1], rtol=1e-5, atol=1e-5)  # Adam-amplified rounding, as above
