@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.sharding.compute import for_compute
 from shardax.sharding.place import check_spec
 
 
@@ -63,7 +64,7 @@ class ShardedLinear(nnx.Module):
         _place(self.bias, mesh, bias_axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...] + self.bias[...]
+        return x @ for_compute(self.kernel) + for_compute(self.bias)
 
 
 class ColumnParallelLinear(ShardedLinear):
@@ -88,8 +89,8 @@ class ShardedEmbed(nnx.Module):
                                          (num_embeddings, features), ("vocab", "embed"))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids, axis=0)
+        return jnp.take(for_compute(self.embedding), ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits over the vocabulary for features ``x`` (a tied output head)."""
-        return x @ self.embedding[...].T
+        return x @ for_compute(self.embedding).T

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.sharding.compute import compute_layout
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import place_batch
 from shardax.sharding.strategies import Strategy, get_strategy
@@ -88,6 +89,7 @@ class ParallelModel:
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
+            layer_layout=functools.partial(compute_layout, self.mesh, self.strategy),
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.layers import annotated_param, metadata_only
+from shardax.sharding.compute import for_compute
 
 REMAT_POLICIES = {
     "none": None,
@@ -78,7 +79,7 @@ class LayerNorm(nnx.Module):
         mean = x32.mean(-1, keepdims=True)
         var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
         normed = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
-        return (normed * self.scale[...] + self.bias[...]).astype(x.dtype)
+        return (normed * for_compute(self.scale) + for_compute(self.bias)).astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -109,15 +110,15 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
         dtype = self.config.dtype
         y = self.attn_norm(x).astype(dtype)
-        q, k, v = (jnp.einsum("btd,dnh->btnh", y, w[...].astype(dtype)) for w in (self.query, self.key, self.value))
+        q, k, v = (jnp.einsum("btd,dnh->btnh", y, for_compute(w).astype(dtype)) for w in (self.query, self.key, self.value))
         if self.config.positions == "rotary":
             positions = jnp.arange(x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
-        x = x + jnp.einsum("btnh,nhd->btd", attended, self.attn_out[...].astype(dtype)).astype(x.dtype)
+        x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out).astype(dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
-        hidden = jax.nn.gelu(y @ self.mlp_in[...].astype(dtype))  # (B, T, F)
-        return x + (hidden @ self.mlp_out[...].astype(dtype)).astype(x.dtype)
+        hidden = jax.nn.gelu(y @ for_compute(self.mlp_in).astype(dtype))  # (B, T, F)
+        return x + (hidden @ for_compute(self.mlp_out).astype(dtype)).astype(x.dtype)
 
 
 class TransformerLM(nnx.Module):
@@ -149,9 +150,10 @@ class TransformerLM(nnx.Module):
         length = tokens.shape[1]
         if length > config.seq_len and config.positions == "learned":
             raise ValueError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
-        x = jnp.take(self.embedding[...], tokens, axis=0)  # (B, T, D) float32
+        embedding = for_compute(self.embedding)
+        x = jnp.take(embedding, tokens, axis=0)  # (B, T, D) float32
         if config.positions == "learned":
-            x = x + self.position[...][:length]
+            x = x + for_compute(self.position)[:length]
 
         def apply_block(x: jax.Array, block: Block) -> jax.Array:
             return block(x)
@@ -159,9 +161,12 @@ class TransformerLM(nnx.Module):
         policy = REMAT_POLICIES[config.remat]
         if config.remat != "none":
             apply_block = nnx.remat(apply_block, policy=policy)
-        x = nnx.scan(apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.blocks)
+        x = nnx.scan(
+            apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        )(x, self.blocks)
         x = self.final_norm(x).astype(config.dtype)
-        head = self.embedding[...].T if config.tie_embeddings else self.head[...]
+        head = embedding.T if config.tie_embeddings else for_compute(self.head)
         return (x @ head.astype(config.dtype)).astype(jnp.float32)
 
 

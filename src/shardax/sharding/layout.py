@@ -52,7 +52,7 @@ def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy | str) -> dict[str,
         layouts[path] = LeafLayout(
             path=path, shape=shape, dtype=getattr(value, "dtype", None), logical=logical, spec=spec,
             compute_spec=strategy.compute_spec(spec),
-            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh), notes=tuple(notes),
+            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh, logical), notes=tuple(notes),
         )
     return layouts
 
@@ -98,8 +98,19 @@ class Layout:
         return _shardings(tree, self.mesh, self._param_spec("spec"))
 
     def compute(self, tree: Any) -> Any:
-        """Shardings of the parameters while computing (FSDP axes gathered)."""
-        return _shardings(tree, self.mesh, self._param_spec("compute_spec"))
+        """Shardings of the parameters while computing (FSDP axes gathered).
+
+        Stacked layers (a ``layers`` logical axis) keep their storage layout here: gathering a
+        whole stack up front would hold every layer at once; ``for_compute`` gathers them one
+        layer at a time inside the scan instead.
+        """
+        def spec_of(path: str, leaf: Any) -> PartitionSpec:
+            layout = self.leaves.get(path)
+            if layout is None:
+                return PartitionSpec()
+            return layout.spec if "layers" in (layout.logical or ()) else layout.compute_spec
+
+        return _shardings(tree, self.mesh, spec_of)
 
     def gradients(self, tree: Any) -> Any:
         """Where gradients are reduced to: optimizer layout for ZeRO-2, else the parameter's."""

@@ -101,17 +101,25 @@ def resolve_spec(
     return PartitionSpec(*entries), notes
 
 
-def add_axis_to_largest_dim(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, axis: str) -> PartitionSpec | None:
+def add_axis_to_largest_dim(
+    spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh, axis: str,
+    logical: tuple[str | None, ...] | None = None,
+) -> PartitionSpec | None:
     """``spec`` with ``axis`` added on the largest still-unsharded dimension that divides by it.
 
-    Returns ``spec`` unchanged when it already uses ``axis`` (or the axis is absent/size 1), and
-    ``None`` when no dimension can take it.
+    A stacked ``layers`` dimension is never chosen: a layer's slice must look the same inside a
+    scan as its stack does outside. Returns ``spec`` unchanged when it already uses ``axis``
+    (or the axis is absent/size 1), and ``None`` when no dimension can take it.
     """
     size = mesh.shape.get(axis, 1)
     entries = list(spec) + [None] * (len(shape) - len(spec))
     if size == 1 or any(axis in spec_axes(entry) for entry in entries):
         return PartitionSpec(*entries)
-    free = [(shape[d], -d) for d, entry in enumerate(entries) if entry is None and shape[d] % size == 0]
+    names = logical if logical is not None and len(logical) == len(shape) else (None,) * len(shape)
+    free = [
+        (shape[d], -d) for d, entry in enumerate(entries)
+        if entry is None and shape[d] % size == 0 and names[d] != "layers"
+    ]
     if not free:
         return None
     entries[-max(free)[1]] = axis

@@ -71,7 +71,7 @@ class Strategy:
         if logical is not None:
             spec, notes = resolve_spec(logical, shape, mesh, self.param_rules, where)
         if self.fsdp_axis is not None:
-            with_fsdp = add_axis_to_largest_dim(spec, shape, mesh, self.fsdp_axis)
+            with_fsdp = add_axis_to_largest_dim(spec, shape, mesh, self.fsdp_axis, logical)
             if with_fsdp is None:
                 notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
             else:
@@ -86,11 +86,14 @@ class Strategy:
 
         return PartitionSpec(*(keep(entry) for entry in param_spec))
 
-    def optimizer_spec(self, param_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    def optimizer_spec(
+        self, param_spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh,
+        logical: tuple[str | None, ...] | None = None,
+    ) -> PartitionSpec:
         """Layout of optimizer state that mirrors a parameter (Adam's mu and nu)."""
         spec = param_spec
         for axis in self.optimizer_axes:
-            spec = add_axis_to_largest_dim(spec, shape, mesh, axis) or spec
+            spec = add_axis_to_largest_dim(spec, shape, mesh, axis, logical) or spec
         return spec
 
     def batch_spec(self, mesh: Mesh) -> PartitionSpec:

@@ -8,6 +8,7 @@ in/out shardings keep parameters and optimizer state where the layout says.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardax.sharding.compute import gather_for_compute
 from shardax.train.state import TrainState
 
 
@@ -46,13 +48,19 @@ def build_train_step(
     gradient_shardings: Any,
     batch_sharding: Any,
     grad_accum: int = 1,
+    layer_layout: Callable[[], Any] = contextlib.nullcontext,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``."""
+    """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
+
+    ``layer_layout()`` is entered while the loss is traced, so layers that read their weights
+    through ``for_compute`` gather (and reduce-scatter) them one layer at a time.
+    """
 
     def loss_and_rest(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any]:
-        params = jax.lax.with_sharding_constraint(params, compute_shardings)
+        params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
         model = nnx.merge(graphdef, params, rest)
-        loss = loss_fn(model, batch)
+        with layer_layout():
+            loss = loss_fn(model, batch)
         return loss, nnx.split(model, nnx.Param, ...)[2]
 
     grad_fn = jax.value_and_grad(loss_and_rest, has_aux=True)

@@ -1,0 +1,76 @@
+"""Parameters as layers use them: gathered for compute, their gradients sent to the storage layout.
+
+Inside a scanned stack of layers the step cannot constrain one layer's weights at a time; the
+layer has to. ``for_compute(param)`` does it: it reads the parameter, constrains it to the
+strategy's compute layout (for FSDP, the all-gather of just this layer), and makes its
+gradient take the strategy's gradient layout (the reduce-scatter of just this layer). Outside
+a ``compute_layout`` context it is a plain read, so models stay usable on their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.sharding.rules import logical_axes_of
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Any] | None] = contextvars.ContextVar("shardax_compute", default=None)
+
+
+@contextlib.contextmanager
+def compute_layout(mesh: Mesh, strategy: Any) -> Iterator[None]:
+    """Within this context (while a step is traced), ``for_compute`` applies ``strategy`` on ``mesh``."""
+    token = _ACTIVE.set((mesh, strategy))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding) -> jax.Array:
+    """``value`` constrained to ``compute``; its cotangent constrained to ``gradient``.
+
+    A plain sharding constraint would transpose to the same constraint on the cotangent, which
+    for a gathered (replicated) weight means an all-reduce of the full gradient; here the
+    backward pass goes straight to the gradient layout, which the compiler turns into a
+    reduce-scatter when that layout is sharded.
+    """
+
+    @jax.custom_vjp
+    def gather(x: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, compute)
+
+    def forward(x: jax.Array) -> tuple[jax.Array, None]:
+        return gather(x), None
+
+    def backward(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
+        return (jax.lax.with_sharding_constraint(cotangent, gradient),)
+
+    gather.defvjp(forward, backward)
+    return gather(value)
+
+
+def layer_specs(strategy: Any, logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh,
+                where: str) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """(storage, compute, gradient) specs of one parameter under ``strategy``."""
+    spec, _ = strategy.param_spec(logical, shape, mesh, where)
+    gradient = strategy.optimizer_spec(spec, shape, mesh, logical) if strategy.shard_gradients else spec
+    return spec, strategy.compute_spec(spec), gradient
+
+
+def for_compute(param: nnx.Variable) -> jax.Array:
+    """The value of ``param`` laid out for compute under the active strategy (see module doc)."""
+    value = param[...]
+    active = _ACTIVE.get()
+    logical = logical_axes_of(param)
+    if active is None or logical is None or len(logical) != value.ndim:
+        return value
+    mesh, strategy = active
+    _, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
+    return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
