@@ -20,6 +20,7 @@ that kind only when every element it hands on is sliced.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -66,7 +67,8 @@ class Collective:
     (several when XLA combined ops into a tuple); ``bytes`` their total size;
     ``replica_groups`` the device-group attribute as written (``''`` if absent);
     ``shard_bytes`` the bytes the dynamic-slices keep for the reduce-scatter pattern,
-    otherwise equal to ``bytes``.
+    otherwise equal to ``bytes``; ``executions`` how many times it runs per step (the trip
+    counts of the loops around it, e.g. once per layer inside a scan).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class Collective:
     bytes: int
     replica_groups: str
     shard_bytes: int
+    executions: int = 1
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,29 @@ def _collective_from(
     return Collective(kind, instruction.name, tuple(_array_shapes(shape)), total, groups, shard_bytes)
 
 
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _executions(computations: dict[str, _Computation]) -> dict[str, int]:
+    """Runs per program execution of each computation: while bodies times their known trip counts."""
+    runs = {name: 1 for name in computations}
+    for _ in range(len(computations)):  # nested loops settle within as many passes as computations
+        changed = False
+        for computation in computations.values():
+            for instruction in computation.instructions:
+                if instruction.opcode != "while":
+                    continue
+                trip = _TRIP_COUNT.search(instruction.attributes.get("backend_config", ""))
+                count = runs[computation.name] * (int(trip.group(1)) if trip else 1)
+                for role in ("body", "condition"):
+                    called = instruction.attributes.get(role, "").lstrip("%")
+                    if called in runs and runs[called] != count:
+                        runs[called], changed = count, True
+        if not changed:
+            break
+    return runs
+
+
 def find_collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled HLO module, in program order.
 
@@ -337,6 +363,7 @@ def find_collectives(hlo_text: str) -> list[Collective]:
     """
     computations = _parse_module(hlo_text)
     fused = _fused_computation_names(computations)
+    runs = _executions(computations)
     found = []
     for computation in computations.values():
         if computation.name in fused:
@@ -344,15 +371,18 @@ def find_collectives(hlo_text: str) -> list[Collective]:
         for instruction in computation.instructions:
             collective = _collective_from(computations, computation, instruction)
             if collective is not None:
-                found.append(collective)
+                found.append(dataclasses.replace(collective, executions=runs[computation.name]))
     return found
 
 
 def summarize(collectives: Iterable[Collective]) -> dict[str, dict[str, int]]:
-    """Count and total result bytes per kind: ``{kind: {"count": n, "bytes": total}}``."""
+    """Per kind, what one step executes: ``{kind: {"count": n, "bytes": total}}``.
+
+    Collectives inside loops count once per iteration.
+    """
     summary: dict[str, dict[str, int]] = {}
     for collective in collectives:
         entry = summary.setdefault(collective.kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += collective.bytes
+        entry["count"] += collective.executions
+        entry["bytes"] += collective.bytes * collective.executions
     return summary
