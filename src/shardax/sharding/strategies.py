@@ -72,7 +72,7 @@ class Strategy:
             spec, notes = resolve_spec(logical, shape, mesh, self.param_rules, where)
         if self.fsdp_axis is not None:
             with_fsdp = add_axis_to_largest_dim(spec, shape, mesh, self.fsdp_axis, logical)
-            if with_fsdp is None:
+            if with_fsdp is None and shape:  # scalars are replicated without comment
                 notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
             else:
                 spec = with_fsdp
