@@ -72,10 +72,10 @@ class Strategy:
             spec, notes = resolve_spec(logical, shape, mesh, self.param_rules, where)
         if self.fsdp_axis is not None:
             with_fsdp = add_axis_to_largest_dim(spec, shape, mesh, self.fsdp_axis, logical)
-            if with_fsdp is None and shape:  # scalars are replicated without comment
-                notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
-            else:
+            if with_fsdp is not None:
                 spec = with_fsdp
+            elif shape:  # scalars are replicated without comment
+                notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
         return spec, notes
 
     def compute_spec(self, param_spec: PartitionSpec) -> PartitionSpec:
