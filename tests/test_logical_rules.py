@@ -137,3 +137,27 @@ def test_init_goes_straight_into_shards():
     memory = init.lower().compile().memory_analysis()
     assert memory.output_size_in_bytes == pytest.approx(full / 8, rel=0.02)
     assert memory.output_size_in_bytes + memory.temp_size_in_bytes < full / 2
+
+
+def test_sharded_embed_splits_the_vocabulary_under_tp():
+    from shardax import ShardedEmbed
+
+    class Tagger(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = ShardedEmbed(64, 16, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.embed.attend(self.embed(ids))  # (B, T, 64) logits from a tied table
+
+    def loss_fn(model, batch):
+        logits = model(batch["ids"])
+        return -jax.numpy.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    parallel = parallelize(lambda rngs: Tagger(rngs), optax.sgd(0.1), MESH_2x4, "tp")
+    state = parallel.init()
+    table = state.params["embed"]["embedding"][...]
+    assert table.sharding.spec == P("model", None)
+    assert {s.data.shape for s in table.addressable_shards} == {(16, 16)}
+    batch = {"ids": np.arange(32, dtype=np.int32).reshape(4, 8)}
+    state, metrics = parallel.train_step(loss_fn)(state, parallel.place_batch(batch))
+    assert np.isfinite(float(metrics["loss"])) and state.params["embed"]["embedding"][...].sharding.spec == P("model", None)

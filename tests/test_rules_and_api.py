@@ -33,12 +33,15 @@ EXPECTED_API = {
     "data_parallel_train_step", "describe_mesh", "get_mesh_info", "model_state_shardings",
     "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
     "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
+    "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "parallelize",
+    "reshard", "for_compute", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
+    "TrainState",
 }
 
 
 def test_public_api_is_explicit():
     public = {name for name in dir(shardax) if not name.startswith("_")}
-    modules = {"data_parallel", "mesh", "sharding", "train"}
+    modules = {"data_parallel", "mesh", "sharding", "train", "layers", "model_parallel", "models", "analysis"}
     assert public - modules == EXPECTED_API, sorted((public - modules) ^ EXPECTED_API)
     methods = {"create_data_parallel_sharding", "shard_batch", "shard_model_state", "all_reduce_gradients",
                "replicate_params"}

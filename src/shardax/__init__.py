@@ -11,9 +11,24 @@ from shardax.data_parallel import place_nnx_state_on_shards as place_nnx_state_o
 from shardax.data_parallel import reduce_gradient_tree as reduce_gradient_tree
 from shardax.data_parallel import reduce_gradients_across_devices as reduce_gradients_across_devices
 from shardax.data_parallel import spmd_train_step as spmd_train_step
+from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
+from shardax.layers import RowParallelLinear as RowParallelLinear
+from shardax.layers import ShardedEmbed as ShardedEmbed
+from shardax.layers import ShardedLinear as ShardedLinear
 from shardax.mesh import DeviceMeshManager as DeviceMeshManager
 from shardax.mesh import describe_mesh as describe_mesh
 from shardax.mesh import get_mesh_info as get_mesh_info
 from shardax.mesh import parse_mesh_shape as parse_mesh_shape
+from shardax.model_parallel import ParallelModel as ParallelModel
+from shardax.model_parallel import parallelize as parallelize
+from shardax.model_parallel import reshard as reshard
+from shardax.sharding.compute import for_compute as for_compute
+from shardax.sharding.report import ShardingReport as ShardingReport
+from shardax.sharding.report import report as report
+from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES
+from shardax.sharding.strategies import STRATEGIES as STRATEGIES
+from shardax.sharding.strategies import Strategy as Strategy
+from shardax.sharding.strategies import get_strategy as get_strategy
+from shardax.train.state import TrainState as TrainState
 
 __version__ = "0.1.0"
