@@ -99,6 +99,17 @@ class ParallelModel:
             donate_argnums=(0,) if donate else (),
         )
 
+    def eval_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> Callable[[TrainState, Any], jax.Array]:
+        """A compiled ``(state, batch) -> loss`` with the same layouts as the train step."""
+
+        def evaluate(state: TrainState, batch: Any) -> jax.Array:
+            model = nnx.merge(self.graphdef, state.params, state.rest)
+            with compute_layout(self.mesh, self.strategy):
+                return loss_fn(model, batch)
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
+
     def merge(self, state: TrainState) -> nnx.Module:
         """An ``nnx.Module`` holding ``state``'s parameters (sharded as they are)."""
         return nnx.merge(self.graphdef, state.params, state.rest)

@@ -1,0 +1,123 @@
+"""``shardax train``: the command line. Flags override a YAML config file, which overrides presets.
+
+Bad input (flags, data, a checkpoint directory) ends with one line on stderr and exit code 2;
+nothing already saved is touched before every setting has been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user gave; printed as one line, no traceback."""
+
+
+def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("train", help="train the transformer LM on text",
+                                   description="Train a byte-level transformer LM with any parallelism strategy.")
+    add = parser.add_argument
+    add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
+    add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
+    add("--mesh", help="device mesh, e.g. data=4,model=2 (default: all devices on data)")
+    add("--preset", help="model size: tiny, notebook, small, medium, large, 1b (default tiny)")
+    add("--steps", type=int, help="optimizer steps (default: the preset's)")
+    add("--batch-size", type=int, help="global batch size in sequences")
+    add("--grad-accum", type=int, help="microbatches per step (default 1)")
+    add("--seq-len", type=int, help="bytes per training sequence")
+    add("--lr", type=float, help="peak learning rate")
+    add("--seed", type=int, help="seed for initialisation and data order (default 0)")
+    add("--data", nargs="+", help="text files or folders (default: the Python standard library's source)")
+    add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
+    add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+        help="what the backward pass recomputes instead of storing")
+    add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
+    add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
+    add("--log-every", type=int, help="steps between metric records (default 10)")
+    add("--checkpoint-dir", help="directory for checkpoints")
+    add("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
+    add("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
+    add("--metrics", help="JSON-lines metrics file; a PNG of the loss curves is written beside it")
+    add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
+    add("--sample-bytes", type=int, help="length of the greedy sample at the end (default 160; 0: none)")
+    return parser
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as error:
+        raise UsageError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except yaml.YAMLError as error:
+        raise UsageError(f"--config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
+    return {str(key).replace("-", "_"): value for key, value in loaded.items()}
+
+
+def train_config(args: argparse.Namespace):
+    """Presets < YAML file < flags, as a ``TrainConfig``."""
+    from shardax.train.trainer import TrainConfig
+
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    values = _load_yaml(args.config) if args.config else {}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise UsageError(f"--config {args.config}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(fields))}")
+    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
+    if isinstance(values.get("data"), str):
+        values["data"] = [values["data"]]
+    return TrainConfig(**values)
+
+
+def _configure_jax(devices: int) -> None:
+    """Before JAX starts: simulated CPU devices, quiet logs."""
+    import jax
+
+    if devices < 1:
+        raise UsageError(f"--devices {devices} must be at least 1")
+    jax.config.update("jax_num_cpu_devices", devices)
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = train_config(args)
+    _configure_jax(config.devices)
+    from shardax.train.trainer import run
+
+    result = run(config)
+    if result.final_val_loss is not None and not result.final_val_loss < result.unigram_loss:
+        print(f"warning: validation loss {result.final_val_loss:.4f} is not below the unigram baseline "
+              f"{result.unigram_loss:.4f}; train longer or raise --lr", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _train_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return {"train": _train}[args.command](args)
+    except (UsageError, ValueError, FileNotFoundError) as error:
+        print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"shardax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

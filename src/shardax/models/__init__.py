@@ -1,0 +1,1 @@
+"""Models shardax trains: a transformer LM and its size presets."""

@@ -1,0 +1,61 @@
+"""Named model sizes, from seconds on a laptop CPU to about a billion parameters.
+
+Each preset is a model shape plus the training settings it is meant to run with; flags
+override any of them. Parameter counts are for the byte vocabulary (256) unless stated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardax.models.transformer import TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model shape and the run settings that suit it."""
+
+    model: dict[str, Any]
+    steps: int
+    batch_size: int
+    lr: float
+    description: str
+
+    def config(self, **overrides: Any) -> TransformerConfig:
+        return TransformerConfig(**{**self.model, **overrides})
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(dict(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512,
+                        positions="rotary"), steps=300, batch_size=32, lr=3e-3,
+                   description="0.8M parameters: trains in about two minutes on a 2-core CPU"),
+    "notebook": Preset(dict(vocab_size=512, seq_len=64, d_model=256, n_heads=8, n_layers=4, d_ff=1024,
+                            positions="learned", tie_embeddings=False), steps=50, batch_size=32, lr=3e-4,
+                       description="the seed notebook's model: vocab 512, seq 64, d 256, 8 heads, 4 layers"),
+    "small": Preset(dict(vocab_size=256, seq_len=256, d_model=384, n_heads=6, n_layers=6, d_ff=1536,
+                         positions="rotary"), steps=2000, batch_size=64, lr=1e-3, description="11M parameters"),
+    "medium": Preset(dict(vocab_size=256, seq_len=512, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
+                          positions="rotary"), steps=5000, batch_size=64, lr=6e-4,
+                     description="85M parameters (GPT-2 small's body)"),
+    "large": Preset(dict(vocab_size=256, seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=4096,
+                         positions="rotary"), steps=10000, batch_size=64, lr=3e-4, description="302M parameters"),
+    "1b": Preset(dict(vocab_size=256, seq_len=1024, d_model=2048, n_heads=16, n_layers=20, d_ff=8192,
+                      positions="rotary", remat="dots_saveable"), steps=10000, batch_size=64, lr=2e-4,
+                 description="1.0B parameters (remat on by default)"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown --preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def parameter_count(config: TransformerConfig) -> int:
+    """Parameters of a ``TransformerLM`` with this config, from its shapes."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    per_layer = 4 * d * d + 2 * d * f + 4 * d
+    tables = v * d * (1 if config.tie_embeddings else 2)
+    positions = config.seq_len * d if config.positions == "learned" else 0
+    return config.n_layers * per_layer + tables + positions + 2 * d
