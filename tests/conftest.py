@@ -29,3 +29,6 @@ def mesh8():
 @pytest.fixture(params=[(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def mesh2d(request):
     return make_mesh(request.param, ("data", "model"))
+
+
+from cli_helpers import small_corpus  # noqa: E402,F401  (a fixture for the CLI tests)

@@ -87,7 +87,11 @@ def _configure_jax(devices: int) -> None:
 
     if devices < 1:
         raise UsageError(f"--devices {devices} must be at least 1")
-    jax.config.update("jax_num_cpu_devices", devices)
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:  # JAX already started in this process (shardax used as a library)
+        if jax.devices()[0].platform == "cpu" and jax.device_count() != devices:
+            raise UsageError(f"--devices {devices}: JAX already started here with {jax.device_count()} devices") from None
     logging.getLogger("absl").setLevel(logging.ERROR)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -203,10 +203,9 @@ def run(config: TrainConfig) -> TrainResult:
         if step % config.log_every == 0 or step == steps or step == start + 1:
             loss = float(step_metrics["loss"])  # waits for the step
             now = time.perf_counter()
-            if compiled_at is None:  # the first step includes compilation: not a speed
-                compiled_at, mark, mark_step = now, now, step
-            elapsed = (now - mark) / max(step - mark_step, 1)
-            record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / elapsed if step > mark_step else 0.0,
+            elapsed = (now - mark) / (step - mark_step)  # the first record includes compilation
+            compiled_at = compiled_at or now
+            record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / elapsed,
                       "step_time_s": elapsed, "lr": float(schedule(step - 1)),
                       "grad_norm": float(step_metrics["grad_norm"])}
             mark, mark_step = now, step
@@ -233,7 +232,7 @@ def run(config: TrainConfig) -> TrainResult:
         text = greedy_sample(parallel, state, prompt, config.sample_bytes, model.seq_len)
         display.print("[bold]sample[/bold] (greedy, prompt from validation text):",
                       (prompt + b"|" + text).decode("utf-8", errors="replace"))
-    measured_steps = steps - max(start, (compiled_at and start + 1) or start)
+    measured_steps = steps - start - 1  # after the first (compiling) step
     tokens_per_sec = tokens_per_step * measured_steps / trained if trained > 0 and measured_steps else 0.0
     layout = report(parallel)
     display.summary(summary_rows(steps=steps - start, tokens=(steps - start) * tokens_per_step, wall_s=wall,

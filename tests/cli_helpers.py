@@ -1,0 +1,39 @@
+"""Run ``shardax`` as a user does: a real process, its exit code, what it printed."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+
+def shardax(*args, timeout=300, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    result = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True, text=True,
+                            timeout=timeout, env=env)
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """The `json` package's source: ~40 KB of real text, quick to read."""
+    folder = tmp_path_factory.mktemp("corpus")
+    source = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    for path in source.glob("*.py"):
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+# Small, quick runs: the tiny model on short sequences.
+QUICK = ("--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--sample-bytes", "8")

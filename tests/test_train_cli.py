@@ -1,0 +1,99 @@
+"""`shardax train` end to end: every strategy, metrics, clear errors."""
+
+import math
+
+import pytest
+
+from cli_helpers import QUICK, read_metrics, shardax
+from shardax.cli import main
+
+STRATEGY_MESHES = [("dp", None), ("zero1", None), ("zero2", None), ("fsdp", None), ("tp", "data=2,model=4"),
+                   ("fsdp_tp", None), ("hsdp", None)]
+
+
+@pytest.mark.parametrize("strategy, mesh", STRATEGY_MESHES, ids=[s for s, _ in STRATEGY_MESHES])
+def test_every_strategy_trains_through_the_cli(strategy, mesh, small_corpus, tmp_path, capsys):
+    args = ["train", *QUICK, "--steps", "4", "--log-every", "1", "--eval-every", "2", "--data", str(small_corpus),
+            "--strategy", strategy, "--metrics", str(tmp_path / "m.jsonl")]
+    if mesh:
+        args += ["--mesh", mesh]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"strategy {strategy}" in out and "summary" in out
+    losses = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert main(["train", *QUICK, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--data", str(small_corpus),
+                 "--metrics", str(metrics)]) == 0
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 6]  # first step, every 2nd, and evaluations (3, 6)
+    for record in records:
+        if "loss" in record:
+            assert {"step", "loss", "tokens_per_sec", "step_time_s", "lr", "grad_norm"} <= set(record)
+            assert record["step_time_s"] > 0 and record["grad_norm"] > 0 and record["lr"] >= 0
+    evaluated = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [3, 6]
+    assert all(math.isclose(r["val_bits_per_byte"], r["val_loss"] / math.log(2)) for r in evaluated)
+    png = metrics.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "validation loss" in out and "unigram baseline" in out and "sample" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
+    (["--batch-size", "12"], "--batch-size 12 does not split over the batch axes ('data',) of mesh data=8"),
+    (["--strategy", "fsdp_tp", "--mesh", "data=8"], "strategy 'fsdp_tp' needs mesh axes ('data', 'model')"),
+    (["--preset", "huge"], "unknown --preset 'huge'; choose one of tiny, notebook"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--data", "/nonexistent/text"], "--data '/nonexistent/text' does not exist"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
+    (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+])
+def test_bad_flags_are_one_line_errors(args, message):
+    result = shardax("train", *QUICK, "--steps", "2", *args, check=False)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardax train: error: ") and message in last, result.stderr
+
+
+def test_bad_data_is_a_clear_error(tmp_path):
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [(binary, "no usable text in --data"), (short, "bytes of training text, fewer than the 33"),
+             (empty, "holds no text files")]
+    for data, message in cases:
+        result = shardax("train", *QUICK, "--steps", "2", "--data", data, check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert message in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_binary_files_are_skipped_and_counted(small_corpus, tmp_path, capsys):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for path in small_corpus.iterdir():
+        (mixed / path.name).write_bytes(path.read_bytes())
+    (mixed / "image.txt").write_bytes(b"\x89PNG\x00\x00" * 50)
+    assert main(["train", *QUICK, "--steps", "1", "--data", str(mixed), "--eval-every", "0"]) == 0
+    assert "1 skipped" in capsys.readouterr().out
+
+
+def test_yaml_config_with_flags_winning(small_corpus, tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"steps: 5\nlog-every: 1\nstrategy: fsdp\ndata: {small_corpus}\nmetrics: {tmp_path / 'm.jsonl'}\n")
+    assert main(["train", *QUICK, "--config", str(config), "--steps", "3"]) == 0
+    assert "strategy fsdp" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
+    config.write_text("stepz: 5\n")
+    result = shardax("train", "--config", config, check=False)
+    assert result.returncode == 2 and "unknown setting 'stepz'" in result.stderr
