@@ -67,6 +67,10 @@ class Checkpointer:
         )
         return unflatten_state(target, restored["state"]), dict(restored["record"])
 
+    def arrays(self, step: int) -> dict[str, Any]:
+        """The saved arrays of ``step`` as a flat dict, without a target layout (for inspection)."""
+        return dict(self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"])
+
     def record(self, step: int) -> dict[str, Any]:
         return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])
 

@@ -1,0 +1,91 @@
+"""Checkpoints: a run killed with SIGKILL resumes bit-exactly; a checkpoint restores into another layout."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from cli_helpers import QUICK, read_metrics, shardax
+from shardax.train.checkpoint import Checkpointer
+
+STEPS = 8
+COMMON = (*QUICK, "--steps", STEPS, "--log-every", 1, "--eval-every", 0, "--checkpoint-every", 3)
+
+
+def final_arrays(directory, step=STEPS):
+    flat = Checkpointer(directory).arrays(step)
+    return {key: np.asarray(value) for key, value in flat.items()}
+
+
+def run_until_killed(args, metrics, kill_after_step):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    process = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, args)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if metrics.exists() and any(r["step"] >= kill_after_step for r in read_metrics(metrics)):
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, process.stderr.read()[-2000:]
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoints_then_resume_is_bit_exact(small_corpus, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    shardax("train", *COMMON, "--data", small_corpus, "--checkpoint-dir", straight / "ckpt",
+            "--metrics", straight / "m.jsonl")
+    run_until_killed(["train", *COMMON, "--data", small_corpus, "--checkpoint-dir", killed / "ckpt",
+                      "--metrics", killed / "m.jsonl"], killed / "m.jsonl", kill_after_step=5)
+    saved = Checkpointer(killed / "ckpt").all_steps()
+    assert max(saved) in (3, 6) and STEPS not in saved  # killed before the end: resumes from 3 (or 6)
+    resumed = shardax("train", *COMMON, "--data", small_corpus, "--checkpoint-dir", killed / "ckpt",
+                      "--metrics", killed / "m.jsonl", "--resume")
+    assert f"resumed from step {max(saved)}" in resumed.stdout
+    expected, got = final_arrays(straight / "ckpt"), final_arrays(killed / "ckpt")
+    assert expected.keys() == got.keys()
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    straight_losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
+    assert [r["loss"] for r in read_metrics(killed / "m.jsonl")] == straight_losses  # bit-identical floats
+
+
+@pytest.mark.slow
+def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
+    base = (*QUICK, "--steps", 6, "--log-every", 1, "--eval-every", 0, "--data", small_corpus)
+    shardax("train", *base, "--checkpoint-every", 4, "--checkpoint-dir", tmp_path / "dp",
+            "--metrics", tmp_path / "dp.jsonl")
+    shutil.copytree(tmp_path / "dp", tmp_path / "moved")
+    shutil.rmtree(tmp_path / "moved" / "6")  # keep the dp checkpoint of step 4 only
+    moved = shardax("train", *base, "--checkpoint-dir", tmp_path / "moved", "--resume", "--strategy", "fsdp_tp",
+                    "--mesh", "data=2,model=4", "--metrics", tmp_path / "moved.jsonl")
+    assert "resumed from step 4" in moved.stdout and "strategy fsdp_tp" in moved.stdout
+    continued = [r["loss"] for r in read_metrics(tmp_path / "moved.jsonl")]
+    uninterrupted = [r["loss"] for r in read_metrics(tmp_path / "dp.jsonl")]
+    assert len(continued) == 2
+    np.testing.assert_allclose(continued, uninterrupted[4:], rtol=1e-5)  # the same run, in another layout
+    restored = final_arrays(tmp_path / "moved", 6)
+    for key, value in final_arrays(tmp_path / "dp", 6).items():
+        np.testing.assert_allclose(restored[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
+    shardax("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", small_corpus, "--checkpoint-dir", tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, check=False)
+    assert result.returncode == 2 and "already holds checkpoints (latest step 2); pass --resume" in result.stderr
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
+                     "--preset", "notebook", check=False)
+    assert result.returncode == 2 and "holds a different model" in result.stderr
+    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
+                     check=False)
+    assert result.returncode == 2 and "raise --steps" in result.stderr
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
