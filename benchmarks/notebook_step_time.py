@@ -1,0 +1,119 @@
+"""Seed notebook vs shardax: step time and tokens/s of the notebook's model, same devices, one run.
+
+The notebook's own implementation (flax.linen + TrainState, replicated state) is read from
+the seed document at run time (``../shared/seeds/notebook-data-parallelism-in-jax.txt``, or
+--notebook PATH) and executed as written; shardax trains its ``notebook`` preset (same shapes:
+vocab 512, seq 64, d_model 256, 8 heads, 4 layers, d_ff 1024, batch 32) with strategy dp.
+The two are timed interleaved, step for step, so machine noise hits both alike.
+
+    python benchmarks/notebook_step_time.py [--devices 8] [--steps 30]
+
+Writes benchmarks/results/notebook_step_time.json and prints a markdown row.
+"""
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--devices", type=int, default=8)
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--notebook", default=str(Path(__file__).resolve().parents[2] / "shared" / "seeds"
+                                                / "notebook-data-parallelism-in-jax.txt"))
+args = parser.parse_args()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", args.devices)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from shardax import DeviceMeshManager, parallelize  # noqa: E402
+from shardax.models.presets import get_preset  # noqa: E402
+from shardax.models.transformer import TransformerLM, next_token_loss  # noqa: E402
+
+
+def notebook_namespace(path):
+    """Execute the notebook's definition cells (everything before its final `train()` call)."""
+    text = Path(path).read_text()
+    cells = re.split(r"\n\s*In \[\d+\]:\s*\n", text)[1:]
+    code = "\n".join(cell.split("\n## ")[0] for cell in cells)
+    code = code.split("\ntrain()")[0]
+    namespace = {"__name__": "notebook"}
+    exec(compile(code, path, "exec"), namespace)  # noqa: S102 - the seed's own code, on purpose
+    return namespace
+
+
+def notebook_stepper(nb, mesh):
+    cfg = nb["TrainCfg"]()
+    with jax.set_mesh(mesh):
+        state, model = nb["create_train_state"](jax.random.PRNGKey(cfg.seed), cfg)
+        state = state.replace(params=nb["replicate_tree_to_mesh"](state.params, mesh),
+                              opt_state=nb["replicate_tree_to_mesh"](state.opt_state, mesh))
+        step = nb["build_step_fn"](cfg, model)
+    data = nb["make_toy_dataset"](cfg, 1234)
+    holder = {"state": state, "i": 0}
+
+    def run_one():
+        batch = data[(holder["i"] * cfg.batch_size) % len(data):][: cfg.batch_size]
+        holder["i"] += 1
+        with jax.set_mesh(mesh):
+            holder["state"], loss = step(holder["state"], nb["shard_batch_to_mesh"](batch, mesh, cfg.seq_len))
+        return loss
+
+    return run_one, cfg
+
+
+def shardax_stepper(mesh, cfg):
+    model = get_preset("notebook").config()
+    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(cfg.lr), mesh, "dp")
+    state = {"state": parallel.init(seed=0)}
+    step = parallel.train_step(next_token_loss)
+    tokens = np.random.RandomState(1234).randint(0, model.vocab_size, size=(cfg.batch_size, model.seq_len + 1))
+
+    def run_one():
+        state["state"], metrics = step(state["state"], parallel.place_batch({"tokens": tokens.astype(np.int32)}))
+        return metrics["loss"]
+
+    return run_one
+
+
+def timed(run_one):
+    start = time.perf_counter()
+    jax.block_until_ready(run_one())
+    return time.perf_counter() - start
+
+
+nb = notebook_namespace(args.notebook)
+mesh = DeviceMeshManager().create_device_mesh("data=-1")
+notebook_step, cfg = notebook_stepper(nb, mesh)
+shardax_step = shardax_stepper(mesh, cfg)
+for warm in range(3):  # compile and settle both
+    timed(notebook_step), timed(shardax_step)
+notebook_times, shardax_times = [], []
+for _ in range(args.steps):
+    notebook_times.append(timed(notebook_step))
+    shardax_times.append(timed(shardax_step))
+tokens = cfg.batch_size * cfg.seq_len
+result = {
+    "benchmark": "notebook_step_time",
+    "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} {jax.devices()[0].platform} devices",
+    "jax": jax.__version__,
+    "config": "vocab 512, seq 64, d_model 256, 8 heads, 4 layers, d_ff 1024, global batch 32, dp",
+    "notebook_step_s": statistics.median(notebook_times),
+    "shardax_step_s": statistics.median(shardax_times),
+    "notebook_tokens_per_s": tokens / statistics.median(notebook_times),
+    "shardax_tokens_per_s": tokens / statistics.median(shardax_times),
+}
+result["tokens_per_s_ratio"] = result["shardax_tokens_per_s"] / result["notebook_tokens_per_s"]
+out = Path(__file__).parent / "results" / "notebook_step_time.json"
+out.parent.mkdir(exist_ok=True)
+out.write_text(json.dumps(result, indent=2) + "\n")
+print(f"| notebook config, {result['machine']} | notebook {1000 * result['notebook_step_s']:.0f} ms/step "
+      f"({result['notebook_tokens_per_s']:,.0f} tok/s) | shardax {1000 * result['shardax_step_s']:.0f} ms/step "
+      f"({result['shardax_tokens_per_s']:,.0f} tok/s) | ratio {result['tokens_per_s_ratio']:.2f} |")
