@@ -1,0 +1,77 @@
+"""The transformer LM: causal, positions, tied head, remat and mixed precision."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardax.models.presets import PRESETS, parameter_count
+from shardax.models.transformer import TransformerLM, next_token_loss
+from small_models import tiny_transformer_config
+
+TOKENS = np.random.default_rng(0).integers(0, 64, size=(4, 17)).astype(np.int32)
+
+
+def loss_and_grads(**overrides):
+    model = TransformerLM(tiny_transformer_config(**overrides), rngs=nnx.Rngs(0))
+    return nnx.value_and_grad(next_token_loss)(model, {"tokens": TOKENS})
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_causal_a_future_token_never_changes_earlier_logits(positions):
+    model = TransformerLM(tiny_transformer_config(positions=positions), rngs=nnx.Rngs(0))
+    changed = TOKENS.copy()
+    changed[:, 10] = (changed[:, 10] + 1) % 64
+    before, after = model(TOKENS[:, :16]), model(changed[:, :16])
+    np.testing.assert_array_equal(np.asarray(before[:, :10]), np.asarray(after[:, :10]))
+    assert not np.allclose(np.asarray(before[:, 10:]), np.asarray(after[:, 10:]))
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+def test_remat_changes_memory_not_results(remat):
+    loss, grads = loss_and_grads()
+    loss_remat, grads_remat = loss_and_grads(remat=remat)
+    np.testing.assert_allclose(float(loss_remat), float(loss), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 grads_remat, grads)
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    loss, _ = loss_and_grads()
+    loss_bf16, grads_bf16 = loss_and_grads(compute_dtype="bfloat16")
+    assert abs(float(loss_bf16) - float(loss)) < 0.02 * float(loss)
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads_bf16)} == {jnp.dtype("float32")}
+
+
+def test_layers_are_stacked_for_scan_and_annotated():
+    model = TransformerLM(tiny_transformer_config(n_layers=3), rngs=nnx.Rngs(0))
+    assert model.blocks.query.shape == (3, 32, 4, 8)
+    assert model.blocks.query.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "kv")
+    for _, variable in nnx.iter_graph(model):
+        if isinstance(variable, nnx.Param):
+            assert variable.get_metadata().get("out_sharding"), "every parameter carries logical axes"
+
+
+def test_tied_and_untied_heads():
+    tied = TransformerLM(tiny_transformer_config(), rngs=nnx.Rngs(0))
+    untied = TransformerLM(tiny_transformer_config(tie_embeddings=False), rngs=nnx.Rngs(0))
+    assert not hasattr(tied, "head") and untied.head.shape == (32, 64)
+    count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
+    assert count(untied) - count(tied) == 32 * 64
+    assert count(tied) == parameter_count(tiny_transformer_config())
+
+
+def test_presets_span_seconds_to_a_billion_parameters():
+    assert parameter_count(PRESETS["tiny"].config()) < 1e6
+    assert 0.9e9 < parameter_count(PRESETS["1b"].config()) < 1.2e9
+    notebook = PRESETS["notebook"].config()
+    assert (notebook.vocab_size, notebook.seq_len, notebook.d_model, notebook.n_heads, notebook.n_layers,
+            notebook.d_ff, PRESETS["notebook"].batch_size) == (512, 64, 256, 8, 4, 1024, 32)
+
+
+def test_bad_model_settings():
+    with pytest.raises(ValueError, match="d_model=30 must divide by n_heads=4"):
+        tiny_transformer_config(d_model=30)
+    with pytest.raises(ValueError, match="remat='some'; use one of none, full"):
+        tiny_transformer_config(remat="some")
