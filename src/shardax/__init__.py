@@ -11,6 +11,9 @@ from shardax.data_parallel import place_nnx_state_on_shards as place_nnx_state_o
 from shardax.data_parallel import reduce_gradient_tree as reduce_gradient_tree
 from shardax.data_parallel import reduce_gradients_across_devices as reduce_gradients_across_devices
 from shardax.data_parallel import spmd_train_step as spmd_train_step
+from shardax.distributed import ClusterSpec as ClusterSpec
+from shardax.distributed import detect_cluster as detect_cluster
+from shardax.distributed import init_distributed as init_distributed
 from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
 from shardax.layers import RowParallelLinear as RowParallelLinear
 from shardax.layers import ShardedEmbed as ShardedEmbed

@@ -96,9 +96,19 @@ def _configure_jax(devices: int) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def _join_cluster(devices: int) -> None:
+    """Simulated CPU devices, then the JAX cluster if this process is one of several."""
+    from shardax.distributed import detect_cluster, init_distributed
+
+    if detect_cluster().num_processes > 1:
+        devices = int(os.environ.get("SHARDAX_DEVICES_PER_PROCESS", devices))
+    _configure_jax(devices)
+    init_distributed()
+
+
 def _train(args: argparse.Namespace) -> int:
     config = train_config(args)
-    _configure_jax(config.devices)
+    _join_cluster(config.devices)
     from shardax.train.trainer import run
 
     result = run(config)
@@ -108,13 +118,33 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "launch", help="run a command as N processes of one JAX cluster on this machine",
+        description="Start N processes wired together through a coordinator on 127.0.0.1, e.g. "
+                    "shardax launch -n 2 -- shardax train --strategy fsdp")
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="how many processes")
+    parser.add_argument("--devices-per-process", type=int, help="simulated CPU devices each (default 8 // n)")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command to run")
+    return parser
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from shardax.launch import launch
+
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    devices = args.devices_per_process or max(1, 8 // max(args.num_processes, 1))
+    return launch(command, args.num_processes, devices)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
+    _launch_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        return {"train": _train}[args.command](args)
+        return {"train": _train, "launch": _launch}[args.command](args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -68,8 +68,17 @@ class Checkpointer:
         return unflatten_state(target, restored["state"]), dict(restored["record"])
 
     def arrays(self, step: int) -> dict[str, Any]:
-        """The saved arrays of ``step`` as a flat dict, without a target layout (for inspection)."""
-        return dict(self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"])
+        """The saved arrays of ``step`` as a flat dict on this process's first device (for inspection).
+
+        Works whatever topology wrote the checkpoint (a target layout is built from its metadata).
+        """
+        metadata = ocp.StandardCheckpointer().metadata(self.directory / str(step) / "state")
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = {key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device) for key, leaf in tree.items()}
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        return dict(restored["state"])
 
     def record(self, step: int) -> dict[str, Any]:
         return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])

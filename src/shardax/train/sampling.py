@@ -23,6 +23,7 @@ def greedy_sample(parallel, state, prompt: bytes, new_bytes: int, context: int) 
         recent = tokens[-context:]
         window = np.zeros((1, context), np.int32)
         window[0, : len(recent)] = recent
-        token = next_byte(state.params, state.rest, jax.device_put(window, replicated), len(recent))
-        tokens.append(int(token))
+        placed = jax.make_array_from_callback(window.shape, replicated, lambda index: window[index])
+        token = next_byte(state.params, state.rest, placed, len(recent))
+        tokens.append(int(np.asarray(token.addressable_data(0))))
     return bytes(tokens[len(prompt[-context:]) :])

@@ -129,8 +129,19 @@ def _restore(checkpointer: Checkpointer, parallel: ParallelModel, model: Transfo
     return state, step
 
 
+def host_float(value: jax.Array) -> float:
+    """A replicated scalar as a Python float, on every process (no cross-host fetch needed)."""
+    return float(np.asarray(value.addressable_data(0)))
+
+
+def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
+    """Rows every process knows in full, as a global array (each process fills its own devices)."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+
 def _evaluate(eval_step, state, batches, parallel: ParallelModel) -> float:
-    losses = [float(eval_step(state, parallel.place_batch({"tokens": rows}))) for rows in batches]
+    sharding = parallel.layout.batch()
+    losses = [host_float(eval_step(state, {"tokens": global_rows(rows, sharding)})) for rows in batches]
     return float(np.mean(losses))
 
 
@@ -201,13 +212,13 @@ def run(config: TrainConfig) -> TrainResult:
         state, step_metrics = train_step(state, sampler.global_batch(step - 1, parallel.layout.batch()))
         record = None
         if step % config.log_every == 0 or step == steps or step == start + 1:
-            loss = float(step_metrics["loss"])  # waits for the step
+            loss = host_float(step_metrics["loss"])  # waits for the step
             now = time.perf_counter()
             elapsed = (now - mark) / (step - mark_step)  # the first record includes compilation
             compiled_at = compiled_at or now
             record = {"step": step, "loss": loss, "tokens_per_sec": tokens_per_step / elapsed,
                       "step_time_s": elapsed, "lr": float(schedule(step - 1)),
-                      "grad_norm": float(step_metrics["grad_norm"])}
+                      "grad_norm": host_float(step_metrics["grad_norm"])}
             mark, mark_step = now, step
             display.step(step, record)
         else:
@@ -227,7 +238,7 @@ def run(config: TrainConfig) -> TrainResult:
     if checkpointer is not None:
         checkpointer.close()
     image = metrics.plot()
-    if config.sample_bytes and jax.process_index() == 0:
+    if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = bytes(corpus.validation[: min(48, model.seq_len // 2)])
         text = greedy_sample(parallel, state, prompt, config.sample_bytes, model.seq_len)
         display.print("[bold]sample[/bold] (greedy, prompt from validation text):",

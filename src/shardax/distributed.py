@@ -1,0 +1,152 @@
+"""Many hosts on JAX's own multi-controller runtime (``jax.distributed``).
+
+``init_distributed()`` finds out where it runs (explicit arguments, ``SHARDAX_*`` variables,
+SLURM, Open MPI, Kubernetes or a Cloud TPU pod), then joins the cluster. On one process it
+does nothing. JAX aborts the whole process when the coordinator cannot be reached or a peer
+never arrives; a watchdog here ends the wait first, with one line saying what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+import jax
+
+EXIT_CLUSTER_FAILURE = 3
+DEFAULT_PORT = 8476
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """Where this process stands: how it was found, the coordinator, the process count and index."""
+
+    source: str  # explicit, environment, slurm, openmpi, kubernetes, tpu-pod, single
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
+    head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if head is None:
+        raise ValueError(f"cannot read a host from SLURM nodelist {nodelist!r}")
+    prefix, ranges = head.group(1), head.group(3)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _port(env: Mapping[str, str], fallback: int = DEFAULT_PORT) -> int:
+    return int(env.get("SHARDAX_COORDINATOR_PORT", fallback))
+
+
+def detect_cluster(env: Mapping[str, str] = os.environ) -> ClusterSpec:
+    """The cluster this process belongs to, from its environment (see the module docstring)."""
+    if "SHARDAX_NUM_PROCESSES" in env:
+        return ClusterSpec("environment", env.get("SHARDAX_COORDINATOR_ADDRESS"),
+                           int(env["SHARDAX_NUM_PROCESSES"]), int(env.get("SHARDAX_PROCESS_ID", 0)))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        host = _first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
+        port = _port(env, 12000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return ClusterSpec("slurm", f"{host}:{port}", int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        uri = env.get("OMPI_MCA_orte_hnp_uri", "") or env.get("PMIX_SERVER_URI2", "")
+        host = re.search(r"tcp4?://([^:,;/]+)", uri)
+        address = env.get("SHARDAX_COORDINATOR_ADDRESS") or (f"{host.group(1)}:{_port(env)}" if host else None)
+        return ClusterSpec("openmpi", address, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]))
+    if "TPU_WORKER_HOSTNAMES" in env and "TPU_WORKER_ID" in env:
+        hosts = env["TPU_WORKER_HOSTNAMES"].split(",")
+        return ClusterSpec("tpu-pod", f"{hosts[0]}:{_port(env)}", len(hosts), int(env["TPU_WORKER_ID"]))
+    if "JOB_COMPLETION_INDEX" in env and "KUBERNETES_SERVICE_HOST" in env:
+        count = env.get("SHARDAX_NUM_PROCESSES") or env.get("JOB_PARALLELISM") or env.get("NUM_PROCESSES")
+        if count is None:
+            raise ValueError("Kubernetes indexed Job found but the process count is unknown; "
+                             "set SHARDAX_NUM_PROCESSES (and SHARDAX_COORDINATOR_ADDRESS=<pod-0 host>:<port>)")
+        return ClusterSpec("kubernetes", env.get("SHARDAX_COORDINATOR_ADDRESS"), int(count),
+                           int(env["JOB_COMPLETION_INDEX"]))
+    return ClusterSpec("single", None, 1, 0)
+
+
+def _wait_for_coordinator(address: str, deadline: float) -> bool:
+    host, _, port = address.rpartition(":")
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(0.25)
+    return False
+
+
+def _fail(message: str) -> None:
+    print(f"shardax: error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_CLUSTER_FAILURE)
+
+
+def _watchdog(spec: ClusterSpec, timeout_s: float) -> threading.Timer:
+    """Ends the process with a clear line if joining takes longer than ``timeout_s``."""
+    who = f"process {spec.process_id} of {spec.num_processes}"
+    if spec.process_id == 0:
+        reason = (f"{who}: not every process joined the cluster at {spec.coordinator_address} within "
+                  f"{timeout_s:.0f} s; check that all {spec.num_processes} were started with this address")
+    else:
+        reason = (f"{who}: the coordinator at {spec.coordinator_address} accepted the connection but the "
+                  f"cluster did not form within {timeout_s:.0f} s; check that every process was started")
+    timer = threading.Timer(timeout_s, _fail, args=(reason,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def init_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: float = 300,
+    heartbeat_timeout_s: int = 60,
+    cpu_devices: int | None = None,
+) -> ClusterSpec:
+    """Join the JAX cluster this process belongs to; a no-op on a single process.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0; defaults come from the environment.
+      num_processes, process_id: this cluster's size and this process's index.
+      timeout_s: how long to wait for the coordinator and every peer before a clear error
+        (the process exits with code 3 rather than hang or abort).
+      heartbeat_timeout_s: how soon JAX notices that a peer died after the cluster formed.
+      cpu_devices: on CPU, how many devices this process simulates.
+    """
+    spec = detect_cluster()
+    if coordinator_address or num_processes is not None or process_id is not None:
+        spec = ClusterSpec("explicit", coordinator_address or spec.coordinator_address,
+                           num_processes if num_processes is not None else spec.num_processes,
+                           process_id if process_id is not None else spec.process_id)
+    if cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if spec.num_processes <= 1:
+        return spec
+    if not spec.coordinator_address:
+        raise ValueError(f"{spec.source} cluster of {spec.num_processes} processes but no coordinator address; "
+                         "set SHARDAX_COORDINATOR_ADDRESS=host:port (process 0's host)")
+    if not 0 <= spec.process_id < spec.num_processes:
+        raise ValueError(f"process_id {spec.process_id} is outside 0..{spec.num_processes - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    deadline = time.monotonic() + timeout_s
+    if spec.process_id != 0 and not _wait_for_coordinator(spec.coordinator_address, deadline):
+        _fail(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the coordinator address "
+              f"{spec.coordinator_address} within {timeout_s:.0f} s; check the address and that process 0 runs")
+    timer = _watchdog(spec, max(deadline - time.monotonic(), 1.0))
+    try:
+        jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
+                                   process_id=spec.process_id, initialization_timeout=int(timeout_s) + 30,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+    finally:
+        timer.cancel()
+    return spec

@@ -1,0 +1,153 @@
+"""Many hosts, proven with real processes on 127.0.0.1 (gloo collectives)."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cli_helpers import QUICK, read_metrics, shardax
+from shardax.distributed import detect_cluster
+from shardax.train.checkpoint import Checkpointer
+
+RUN = (*QUICK, "--steps", 3, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
+LAUNCH_2x4 = ("launch", "-n", 2, "--devices-per-process", 4, "--", "shardax")
+
+
+def final_arrays(directory, step):
+    return {k: np.asarray(v) for k, v in Checkpointer(directory).arrays(step).items()}
+
+
+def train_pair(strategy, corpus, tmp_path):
+    """The same run as 1 process x 8 devices and as 2 processes x 4 devices."""
+    args = (*RUN, "--data", corpus, "--strategy", strategy)
+    one = shardax("train", *args, "--checkpoint-dir", tmp_path / "one", "--metrics", tmp_path / "one.jsonl")
+    two = shardax(*LAUNCH_2x4, "train", *args, "--checkpoint-dir", tmp_path / "two",
+                  "--metrics", tmp_path / "two.jsonl")
+    return one, two
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "fsdp", "fsdp_tp"])
+def test_two_processes_train_like_one(strategy, small_corpus, tmp_path):
+    one, two = train_pair(strategy, small_corpus, tmp_path)
+    assert "[0] shardax train" in two.stdout and "[1] shardax train" not in two.stdout  # printed once
+    assert "on mesh" in two.stdout and "8 cpu devices" in two.stdout
+    losses_one = [r["loss"] for r in read_metrics(tmp_path / "one.jsonl")]
+    losses_two = [r["loss"] for r in read_metrics(tmp_path / "two.jsonl")]
+    assert len(losses_two) == 3
+    np.testing.assert_allclose(losses_two, losses_one, rtol=1e-5)
+    expected, got = final_arrays(tmp_path / "one", 3), final_arrays(tmp_path / "two", 3)
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path):
+    train_pair("fsdp", small_corpus, tmp_path)
+    more = (*QUICK, "--steps", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
+            "--strategy", "fsdp", "--resume")
+    into_two = shardax(*LAUNCH_2x4, "train", *more, "--checkpoint-dir", tmp_path / "one",
+                       "--metrics", tmp_path / "one.jsonl")
+    into_one = shardax("train", *more, "--checkpoint-dir", tmp_path / "two", "--metrics", tmp_path / "two.jsonl")
+    assert "resumed from step 3" in into_two.stdout and "resumed from step 3" in into_one.stdout
+    step4 = [read_metrics(tmp_path / name)[-1] for name in ("one.jsonl", "two.jsonl")]
+    assert [r["step"] for r in step4] == [4, 4]
+    np.testing.assert_allclose(step4[0]["loss"], step4[1]["loss"], rtol=1e-5)
+    a, b = final_arrays(tmp_path / "one", 4), final_arrays(tmp_path / "two", 4)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def _collect(stream, lines):
+    for line in iter(stream.readline, ""):
+        lines.append(line)
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_corpus, tmp_path):
+    args = (*QUICK, "--steps", 200, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
+            "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 2, "--metrics", tmp_path / "m.jsonl")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launcher = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4), "train", *map(str, args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    threading.Thread(target=_collect, args=(launcher.stdout, lines), daemon=True).start()
+    deadline = time.time() + 240
+    while time.time() < deadline and not (
+        (tmp_path / "m.jsonl").exists() and any(r["step"] >= 5 for r in read_metrics(tmp_path / "m.jsonl"))
+    ):
+        assert launcher.poll() is None, "".join(lines)[-3000:]
+        time.sleep(0.1)
+    pids = {int(l.split("pid")[1]) for l in lines if l.startswith("[launch] process")}
+    victim = next(int(l.split("pid")[1]) for l in lines if l.startswith("[launch] process 1:"))
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    launcher.wait(timeout=60)
+    assert time.time() - killed_at < 60
+    assert launcher.returncode != 0
+    assert "process 1 of 2 was killed by SIGKILL" in launcher.stderr.read()
+    for pid in pids:  # nobody left hanging
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    last = Checkpointer(tmp_path / "ckpt").latest_step()
+    assert last is not None and last >= 2
+    resumed = shardax("train", *QUICK, "--steps", last + 1, "--eval-every", 0, "--sample-bytes", 0,
+                      "--data", small_corpus, "--checkpoint-dir", tmp_path / "ckpt", "--resume")
+    assert f"resumed from step {last}" in resumed.stdout
+
+
+def _join(address, processes, index, timeout):
+    code = ("from shardax.distributed import init_distributed; "
+            f"init_distributed({address!r}, {processes}, {index}, timeout_s={timeout}, cpu_devices=2); print('joined')")
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return result, time.time() - started
+
+
+def test_wrong_coordinator_address_is_a_clear_error_not_a_hang():
+    result, took = _join("127.0.0.1:1", 2, 1, 3)
+    assert result.returncode == 3 and "joined" not in result.stdout
+    assert "process 1 of 2: nothing answered at the coordinator address 127.0.0.1:1 within 3 s" in result.stderr
+    assert took < 60
+
+
+def test_missing_peer_is_a_clear_error_not_a_hang():
+    from shardax.launch import free_port
+
+    result, took = _join(f"127.0.0.1:{free_port()}", 2, 0, 3)
+    assert result.returncode == 3 and "joined" not in result.stdout
+    assert "process 0 of 2: not every process joined the cluster" in result.stderr
+    assert took < 60
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, ("single", None, 1, 0)),
+    ({"SHARDAX_NUM_PROCESSES": "4", "SHARDAX_PROCESS_ID": "2", "SHARDAX_COORDINATOR_ADDRESS": "10.1.2.3:9999"},
+     ("environment", "10.1.2.3:9999", 4, 2)),
+    ({"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_JOB_ID": "4242"},
+     ("slurm", "gpu07:16242", 16, 5)),
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node1,node2"}, ("slurm", "node1:12000", 2, 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3", "OMPI_MCA_orte_hnp_uri": "123.0;tcp://10.0.0.5:4000"},
+     ("openmpi", "10.0.0.5:8476", 8, 3)),
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}, ("tpu-pod", "t0:8476", 4, 2)),
+    ({"JOB_COMPLETION_INDEX": "1", "KUBERNETES_SERVICE_HOST": "x", "JOB_PARALLELISM": "3",
+      "SHARDAX_COORDINATOR_ADDRESS": "job-0.svc:1234"}, ("kubernetes", "job-0.svc:1234", 3, 1)),
+])
+def test_cluster_detection(env, expected):
+    spec = detect_cluster(env)
+    assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == expected
+
+
+def test_kubernetes_without_a_process_count_says_what_to_set():
+    with pytest.raises(ValueError, match="set SHARDAX_NUM_PROCESSES"):
+        detect_cluster({"JOB_COMPLETION_INDEX": "0", "KUBERNETES_SERVICE_HOST": "x"})
+
+
+def test_launcher_needs_a_command():
+    result = shardax("launch", "-n", 2, check=False)
+    assert result.returncode == 2 and "nothing to launch" in result.stderr
