@@ -8,12 +8,24 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import tempfile
+
 import pytest
+
+# Subprocesses share JAX's persistent compilation cache: the many short runs of the same small
+# programs compile once per test session instead of once per process.
+COMPILATION_CACHE = tempfile.mkdtemp(prefix="shardax-test-jax-cache-")
+
+
+def subprocess_env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    return env
 
 
 def shardax(*args, timeout=300, check=True):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = subprocess_env()
     result = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True, text=True,
                             timeout=timeout, env=env)
     if check:

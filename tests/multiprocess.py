@@ -23,7 +23,9 @@ def run_workers(script: str, num_processes: int = 2, devices_per_process: int = 
     environment. Any worker failing fails the caller with that worker's stderr.
     """
     port = free_port()
-    env_base = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")}
+    from cli_helpers import subprocess_env
+
+    env_base = subprocess_env()
     procs = []
     for process_id in range(num_processes):
         env = dict(

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from cli_helpers import QUICK, read_metrics, shardax
+from cli_helpers import QUICK, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
 from shardax.train.checkpoint import Checkpointer
 
@@ -72,7 +72,7 @@ def _collect(stream, lines):
 def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_corpus, tmp_path):
     args = (*QUICK, "--steps", 200, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
             "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 2, "--metrics", tmp_path / "m.jsonl")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     launcher = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4), "train", *map(str, args)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from cli_helpers import QUICK, read_metrics, shardax
+from cli_helpers import QUICK, read_metrics, shardax, subprocess_env
 from shardax.train.checkpoint import Checkpointer
 
 STEPS = 8
@@ -24,7 +24,7 @@ def final_arrays(directory, step=STEPS):
 
 
 def run_until_killed(args, metrics, kill_after_step):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     process = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, args)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
