@@ -78,6 +78,7 @@ class Collective:
     replica_groups: str
     shard_bytes: int
     executions: int = 1
+    operand_bytes: int = 0  # bytes of its inputs (0 when they could not be found)
 
 
 @dataclass(frozen=True)
@@ -327,7 +328,10 @@ def _collective_from(
             kind, shard_bytes = REDUCE_SCATTER_PATTERN, kept
     attributes = instruction.attributes
     groups = attributes.get("replica_groups", attributes.get("source_target_pairs", ""))
-    return Collective(kind, instruction.name, tuple(_array_shapes(shape)), total, groups, shard_bytes)
+    shapes = {other.name: other.shape for other in computation.instructions}
+    operands = sum(_shape_bytes(shapes.get(name, "")) for name in instruction.operands)
+    return Collective(kind, instruction.name, tuple(_array_shapes(shape)), total, groups, shard_bytes,
+                      operand_bytes=operands)
 
 
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -386,3 +390,56 @@ def summarize(collectives: Iterable[Collective]) -> dict[str, dict[str, int]]:
         entry["count"] += collective.executions
         entry["bytes"] += collective.bytes * collective.executions
     return summary
+
+
+_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\]\s*(\{(?P<used>[^}]*)\})?")
+_IOTA_GROUPS = re.compile(r"^\[(?P<groups>\d+),(?P<size>\d+)\]")
+
+
+def group_size(replica_groups: str, num_devices: int) -> int:
+    """How many devices take part in each group of a collective, from its groups attribute.
+
+    Reads the explicit form ``{{0,1,2,3},{4,5,6,7}}``, the iota form ``[2,4]<=[8]`` and the
+    mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``; anything else means every device.
+    """
+    text = replica_groups.strip()
+    if text.startswith("{{"):
+        first = text[2:].split("}", 1)[0]
+        return len([part for part in first.split(",") if part.strip()]) or num_devices
+    iota = _IOTA_GROUPS.match(text)
+    if iota:
+        return int(iota["size"])
+    mesh = _MESH_GROUPS.search(text)
+    if mesh:
+        sizes = dict(re.findall(r"'?([\w]+)'?=(\d+)", mesh["axes"]))
+        used = re.findall(r"'?(\w+)'?", mesh["used"] or "") or list(sizes)
+        return math.prod(int(sizes[name]) for name in used if name in sizes) or num_devices
+    return num_devices
+
+
+def wire_bytes(collective: Collective, num_devices: int) -> float:
+    """Bytes one device sends per execution with ring algorithms (what a fast network would carry).
+
+    all-reduce of S over n devices: 2(n-1)/n S; all-gather to S, reduce-scatter from S
+    (including the CPU all-reduce + dynamic-slice form, counted as the reduce-scatter a GPU
+    would run) and all-to-all: (n-1)/n S; collective-permute: S.
+    """
+    if collective.kind == "collective-permute":
+        return float(collective.bytes)
+    if collective.kind == REDUCE_SCATTER_PATTERN:
+        n = max(round(collective.bytes / max(collective.shard_bytes, 1)), 1)
+        return (n - 1) / n * collective.bytes
+    if collective.kind == "all-gather" and collective.operand_bytes:
+        n = max(round(collective.bytes / collective.operand_bytes), 1)
+    elif collective.kind == "reduce-scatter" and collective.operand_bytes:
+        n = max(round(collective.operand_bytes / max(collective.bytes, 1)), 1)
+    else:
+        n = group_size(collective.replica_groups, num_devices)
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n
+    if collective.kind == "all-reduce":
+        return 2 * share * collective.bytes
+    if collective.kind == "reduce-scatter":
+        return share * collective.bytes * n  # the result is one shard of the reduced input
+    return share * collective.bytes

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.layers import annotated_param, metadata_only
-from shardax.sharding.compute import for_compute
+from shardax.sharding.compute import for_compute, without_gathered
 
 REMAT_POLICIES = {
     "none": None,
@@ -158,9 +158,8 @@ class TransformerLM(nnx.Module):
         def apply_block(x: jax.Array, block: Block) -> jax.Array:
             return block(x)
 
-        policy = REMAT_POLICIES[config.remat]
-        if config.remat != "none":
-            apply_block = nnx.remat(apply_block, policy=policy)
+        # Always under remat: with "none" it saves everything but FSDP's gathered weights.
+        apply_block = nnx.remat(apply_block, policy=without_gathered(REMAT_POLICIES[config.remat]))
         x = nnx.scan(
             apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
             transform_metadata={nnx.PARTITION_NAME: "layers"},

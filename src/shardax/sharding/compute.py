@@ -15,10 +15,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.sharding.rules import logical_axes_of
+
+# Gathered weights are named so that remat policies can drop them: the backward pass then
+# gathers each layer again instead of keeping every layer's full weights alive (ZeRO-3).
+GATHERED = "shardax_gathered_weight"
+
+
+def without_gathered(policy: Any = None) -> Any:
+    """A remat policy: what ``policy`` saves (everything if None), except gathered weights."""
+    from jax._src.ad_checkpoint import name_p
+
+    def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
+        if primitive is name_p and params.get("name") == GATHERED:
+            return False
+        if primitive.name.startswith("custom_vjp_call"):  # the gather itself (see gather_for_compute)
+            return False
+        return True if policy is None else policy(primitive, *avals, **params)
+
+    return decide
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Any] | None] = contextvars.ContextVar("shardax_compute", default=None)
 
@@ -53,7 +72,7 @@ def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: Named
         return (jax.lax.with_sharding_constraint(cotangent, gradient),)
 
     gather.defvjp(forward, backward)
-    return gather(value)
+    return checkpoint_name(gather(value), GATHERED)
 
 
 def layer_specs(strategy: Any, logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh,

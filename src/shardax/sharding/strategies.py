@@ -124,6 +124,14 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
+_DEFAULT_MESH = {"tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1"}
+
+
+def default_mesh(strategy: str) -> str:
+    """The mesh a strategy gets when none is given: every device on ``data``, plus what it needs."""
+    return _DEFAULT_MESH.get(strategy, "data=-1")
+
+
 def get_strategy(strategy: str | Strategy) -> Strategy:
     """A built-in strategy by name, or the given ``Strategy`` itself."""
     if isinstance(strategy, Strategy):

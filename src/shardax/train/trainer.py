@@ -24,14 +24,11 @@ from shardax.model_parallel import ParallelModel, parallelize
 from shardax.models.presets import get_preset, parameter_count
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 from shardax.sharding.report import report
-from shardax.sharding.strategies import get_strategy
+from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.train.checkpoint import Checkpointer
 from shardax.train.display import RunDisplay, summary_rows
 from shardax.train.metrics import MetricsLog
 from shardax.train.sampling import greedy_sample
-
-DEFAULT_MESH = {"tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1"}
-
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -166,7 +163,7 @@ def prepare(config: TrainConfig) -> tuple[ParallelModel, Corpus, TransformerConf
     """Check every setting and build the laid-out model, before any step or file write."""
     model, steps, batch, lr = _settings(config)
     strategy = get_strategy(config.strategy)
-    mesh = DeviceMeshManager().create_device_mesh(config.mesh or DEFAULT_MESH.get(strategy.name, "data=-1"))
+    mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
     _check_batch(batch, config.grad_accum, mesh, strategy.batch_axes)
     corpus = load_corpus(config.data, min_bytes=model.seq_len + 1)

@@ -1,0 +1,138 @@
+"""``shardax plan``: compile the train step for a target mesh ahead of time and read what it costs.
+
+Nothing runs and no accelerator is needed: the step is lowered and compiled for fake CPU
+devices from abstract shapes, then XLA's ``memory_analysis()`` and the collectives in the
+compiled HLO are set beside shardax's own prediction from shapes and specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+import jax
+import optax
+
+from shardax.analysis.collectives import find_collectives, summarize, wire_bytes
+from shardax.analysis.lint import lint
+from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
+from shardax.mesh import DeviceMeshManager, describe_mesh
+from shardax.model_parallel import parallelize
+from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
+from shardax.sharding.report import format_bytes
+from shardax.sharding.strategies import STRATEGIES, default_mesh, get_strategy
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"``, ``"16GiB"``, ``"512MB"`` or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--device-memory {text!r} is not a size; write it like 80GB, 16GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclasses.dataclass
+class StrategyPlan:
+    strategy: str
+    mesh: str
+    predicted: dict[str, int]  # params, gradients, optimizer, batch, activations, state, total
+    compiled: dict[str, int]  # arguments, outputs, temporaries, aliased, peak
+    collectives: dict[str, dict[str, float]]  # kind -> count, bytes, wire_bytes (per step, per device)
+    collective_bytes: float  # what the compiled step sends per device per step
+    theoretical_collective_bytes: float
+    fits: bool | None
+    lint: list[str]
+    compile_s: float
+
+    @property
+    def predicted_bytes_per_device(self) -> int:
+        return self.predicted["total"]
+
+    @property
+    def compiled_bytes_per_device(self) -> int:
+        return self.compiled["peak"]
+
+    def to_json(self) -> dict[str, Any]:
+        record = dataclasses.asdict(self)
+        record["predicted_bytes_per_device"] = self.predicted_bytes_per_device
+        record["compiled_bytes_per_device"] = self.compiled_bytes_per_device
+        return record
+
+
+def _compile(parallel, batch_size: int, seq_len: int, grad_accum: int):
+    batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
+                                            sharding=parallel.layout.batch())}
+    step = parallel.train_step(next_token_loss, grad_accum=grad_accum)
+    return step.lower(parallel.abstract_state, batch).compile()
+
+
+def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
+                  grad_accum: int = 1, device_memory: int | None = None,
+                  tx: optax.GradientTransformation | None = None) -> StrategyPlan:
+    """Compile one strategy's step on fake devices and measure it (see the module docstring)."""
+    resolved = get_strategy(strategy)
+    mesh = DeviceMeshManager().create_device_mesh(mesh_shape or default_mesh(resolved.name))
+    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, resolved)
+    started = time.perf_counter()
+    compiled = _compile(parallel, batch_size, model.seq_len, grad_accum)
+    compile_s = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+                "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
+    measured["peak"] = measured["arguments"] + measured["temporaries"] + measured["outputs"] - measured["aliased"]
+    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum)
+    predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
+    collectives = find_collectives(compiled.as_text())
+    summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
+               for kind, entry in summarize(collectives).items()}
+    for collective in collectives:
+        summary[collective.kind]["wire_bytes"] += wire_bytes(collective, mesh.devices.size) * collective.executions
+    return StrategyPlan(
+        strategy=resolved.name, mesh=describe_mesh(mesh), predicted=predicted, compiled=measured,
+        collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
+        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size),
+        fits=None if device_memory is None else measured["peak"] <= device_memory,
+        lint=lint(parallel, collectives), compile_s=compile_s,
+    )
+
+
+def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape: str | None, **options: Any
+             ) -> tuple[list[StrategyPlan], list[str]]:
+    """Plans for each strategy (all by default); strategies the mesh cannot host are listed as skipped."""
+    plans, skipped = [], []
+    for name in strategies or list(STRATEGIES):
+        try:
+            plans.append(plan_strategy(model, name, mesh_shape, **options))
+        except ValueError as error:
+            if strategies:  # asked for by name: the user should hear why it cannot run
+                raise
+            skipped.append(f"{name}: {error}")
+    return plans, skipped
+
+
+def recommend(plans: list[StrategyPlan], device_memory: int | None, model: TransformerConfig) -> str:
+    """One paragraph: the least communication that fits, or what would make the model fit."""
+    if not plans:
+        return "No strategy could be compiled for this mesh."
+    fitting = [p for p in plans if p.fits is not False]
+    if fitting:
+        best = min(fitting, key=lambda p: (p.collective_bytes, p.compiled["peak"]))
+        budget = f"within {format_bytes(device_memory)} per device" if device_memory else "(no --device-memory given)"
+        others = ", ".join(f"{p.strategy} {format_bytes(p.collective_bytes)}" for p in fitting if p is not best)
+        return (f"Recommended: {best.strategy} on mesh {best.mesh}. It needs {format_bytes(best.compiled['peak'])} "
+                f"per device {budget} and sends {format_bytes(best.collective_bytes)} per device per step, the "
+                f"least of the strategies that fit" + (f" (others: {others})." if others else "."))
+    smallest = min(plans, key=lambda p: p.compiled["peak"])
+    need = smallest.compiled["peak"] / max(device_memory or 1, 1)
+    hints = [f"about {need:.1f}x the devices with {smallest.strategy} (its state shrinks with the data axis)"]
+    if model.remat == "none":
+        hints.append("--remat full (activations kept per layer only at its input)")
+    hints.append("--grad-accum 4 or more (a quarter of the activations)")
+    hints.append("tensor parallelism (fsdp_tp) to split activations and weights further")
+    return (f"Nothing fits {format_bytes(device_memory)} per device: the smallest is {smallest.strategy} with "
+            f"{format_bytes(smallest.compiled['peak'])}. To fit, try " + "; ".join(hints) + ".")
