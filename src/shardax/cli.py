@@ -137,14 +137,30 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(command, args.num_processes, devices)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from shardax.plan_cli import mesh_devices, run_plan
+
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")  # fake CPU devices stand in for the target
+    except RuntimeError:
+        pass
+    _configure_jax(mesh_devices(args.mesh, args.devices))
+    return run_plan(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from shardax.plan_cli import add_plan_parser
+
     parser = argparse.ArgumentParser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _train_parser(subparsers)
+    add_plan_parser(subparsers, STRATEGY_NAMES)
     _launch_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        return {"train": _train, "launch": _launch}[args.command](args)
+        return {"train": _train, "plan": _plan, "launch": _launch}[args.command](args)
     except (UsageError, ValueError, FileNotFoundError) as error:
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

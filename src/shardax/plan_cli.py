@@ -1,0 +1,102 @@
+"""``shardax plan``: print (or emit as JSON) what each strategy costs for a preset on a mesh."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from shardax.sharding.report import format_bytes
+
+
+def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan", help="compile the train step for a mesh ahead of time and report memory and communication",
+        description="Compile the train step on fake CPU devices (no accelerator needed) and compare XLA's "
+                    "bytes per device and collectives with shardax's predictions.")
+    add = parser.add_argument
+    add("--preset", default="tiny", help="model size (default tiny)")
+    add("--mesh", help="target mesh, e.g. data=64 or data=8,model=8 (default: each strategy's own)")
+    add("--strategy", choices=strategies, action="append", help="strategy to plan (repeatable; default: all)")
+    add("--devices", type=int, help="fake devices (default: the mesh's size, or 8)")
+    add("--device-memory", help="memory of one device, e.g. 80GB, to say what fits")
+    add("--batch-size", type=int, help="global batch (default: the preset's)")
+    add("--seq-len", type=int, help="sequence length (default: the preset's)")
+    add("--grad-accum", type=int, default=1, help="microbatches per step")
+    add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
+    add("--precision", choices=("float32", "bfloat16"), default="float32")
+    add("--json", action="store_true", help="print a JSON list, one object per strategy")
+    return parser
+
+
+def mesh_devices(mesh: str | None, devices: int | None) -> int:
+    """Fake devices to create: as asked, else exactly what a fully specified mesh needs, else 8."""
+    if devices:
+        return devices
+    if mesh and "-1" not in mesh:
+        from shardax.mesh import parse_mesh_shape
+
+        size = 1
+        for _, axis in parse_mesh_shape(mesh):
+            size *= axis
+        return size
+    return 8
+
+
+def _row(plan: Any) -> list[str]:
+    ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
+    fits = "-" if plan.fits is None else ("yes" if plan.fits else "no")
+    return [plan.strategy, plan.mesh, format_bytes(plan.predicted["params"]), format_bytes(plan.predicted["optimizer"]),
+            format_bytes(plan.predicted["gradients"]), format_bytes(plan.predicted["activations"]),
+            f"{format_bytes(plan.predicted['state'])} / {format_bytes(plan.compiled['arguments'])}",
+            format_bytes(plan.compiled["temporaries"]), format_bytes(plan.compiled["peak"]),
+            f"{format_bytes(plan.collective_bytes)} ({ratio:.2f}x)", fits]
+
+
+def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model_description: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal or console.width < 160:
+        console = Console(highlight=False, soft_wrap=True, width=170)
+    table = Table(title=f"shardax plan: {model_description}")
+    for header in ("strategy", "mesh", "params", "optimizer", "grads", "activations (est.)",
+                   "state pred. / XLA", "XLA temp", "XLA peak", "sent per step (vs theory)", "fits"):
+        table.add_column(header)
+    for plan in plans:
+        table.add_row(*_row(plan))
+    console.print(table)
+    console.print("Bytes are per device. 'state' = parameters + optimizer state + this device's batch rows, "
+                  "predicted from shapes and specs vs XLA's compiled arguments; 'sent' counts ring-algorithm "
+                  "bytes of the compiled collectives against the strategy's theoretical minimum.")
+    for plan in plans:
+        for finding in plan.lint:
+            console.print(f"lint [{plan.strategy}]: {finding}")
+    for line in skipped:
+        console.print(f"skipped {line}")
+    console.print(recommendation)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from shardax.analysis.plan import parse_bytes, plan_all, recommend
+    from shardax.models.presets import get_preset, parameter_count
+
+    preset = get_preset(args.preset)
+    overrides: dict[str, Any] = {"compute_dtype": args.precision}
+    if args.seq_len:
+        overrides["seq_len"] = args.seq_len
+    if args.remat:
+        overrides["remat"] = args.remat
+    model = preset.config(**overrides)
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=args.batch_size or preset.batch_size,
+                              grad_accum=args.grad_accum, device_memory=memory)
+    if args.json:
+        json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {args.batch_size or preset.batch_size}"
+    print_plans(plans, skipped, recommend(plans, memory, model), description)
+    return 0
