@@ -1,6 +1,5 @@
 """Start real JAX processes on 127.0.0.1 (gloo CPU collectives) and collect what they print."""
 
-import os
 import socket
 import subprocess
 import sys

@@ -26,7 +26,7 @@ def theoretical_param_floats(strategy, sizes):
     attention, mlp, layer_norms = 4 * D * D, 2 * D * F, 4 * D  # per layer
     tables = 2 * V * D  # embedding + untied head, both (vocab, embed)
     everything = tables + S * D + 2 * D + L * (attention + mlp + layer_norms)
-    data, model, replica = sizes.get("data", 1), sizes.get("model", 1), sizes.get("replica", 1)
+    data, model = sizes.get("data", 1), sizes.get("model", 1)
     if strategy in ("dp", "zero1", "zero2"):
         return everything
     if strategy in ("fsdp", "hsdp"):

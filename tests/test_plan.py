@@ -11,8 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cli_helpers import shardax
 from shardax import DeviceMeshManager, Strategy, parallelize
-from shardax.analysis.collectives import find_collectives
-from shardax.analysis.lint import full_parameter_gathers, lint, optimizer_mismatches
+from shardax.analysis.lint import lint, optimizer_mismatches
 from shardax.analysis.plan import parse_bytes, plan_strategy, recommend
 from shardax.layers import annotated_param
 from shardax.models.presets import get_preset
@@ -125,3 +124,11 @@ def test_plan_for_every_preset_compiles(tmp_path):
     for name in ("tiny", "notebook", "small"):
         plan = plan_strategy(get_preset(name).config(), "fsdp", "data=8", batch_size=8)
         assert plan.predicted["state"] == pytest.approx(plan.compiled["arguments"], rel=0.05)
+
+
+@pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4), ("[4,2]<=[2,4]T(1,0)", 2),
+                                          ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}", 2), ("", 8)])
+def test_group_sizes_in_every_form_xla_writes(groups, size):
+    from shardax.analysis.traffic import group_size
+
+    assert group_size(groups, 8) == size

@@ -1,13 +1,11 @@
 """Checkpoints: a run killed with SIGKILL resumes bit-exactly; a checkpoint restores into another layout."""
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 

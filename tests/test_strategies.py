@@ -4,7 +4,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardax import DeviceMeshManager

@@ -6,7 +6,6 @@ from start import start_worker
 process = start_worker()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from shardax import DataParallel, DeviceMeshManager  # noqa: E402
 

@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import optax
 
-from shardax.analysis.collectives import find_collectives, summarize, wire_bytes
+from shardax.analysis.collectives import find_collectives, summarize
+from shardax.analysis.traffic import wire_bytes
 from shardax.analysis.lint import lint
 from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
 from shardax.mesh import DeviceMeshManager, describe_mesh
