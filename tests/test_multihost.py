@@ -1,6 +1,7 @@
 """Many hosts, proven with real processes on 127.0.0.1 (gloo collectives)."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,19 +23,25 @@ def final_arrays(directory, step):
     return {k: np.asarray(v) for k, v in Checkpointer(directory).arrays(step).items()}
 
 
-def train_pair(strategy, corpus, tmp_path):
-    """The same run as 1 process x 8 devices and as 2 processes x 4 devices."""
-    args = (*RUN, "--data", corpus, "--strategy", strategy)
-    one = shardax("train", *args, "--checkpoint-dir", tmp_path / "one", "--metrics", tmp_path / "one.jsonl")
-    two = shardax(*LAUNCH_2x4, "train", *args, "--checkpoint-dir", tmp_path / "two",
-                  "--metrics", tmp_path / "two.jsonl")
-    return one, two
+_PAIRS = {}
+
+
+def train_pair(strategy, corpus, tmp_path_factory):
+    """The same run as 1 process x 8 devices and as 2 processes x 4 devices (once per session)."""
+    if strategy not in _PAIRS:
+        folder = tmp_path_factory.mktemp(f"pair-{strategy}")
+        args = (*RUN, "--data", corpus, "--strategy", strategy)
+        one = shardax("train", *args, "--checkpoint-dir", folder / "one", "--metrics", folder / "one.jsonl")
+        two = shardax(*LAUNCH_2x4, "train", *args, "--checkpoint-dir", folder / "two",
+                      "--metrics", folder / "two.jsonl")
+        _PAIRS[strategy] = (one, two, folder)
+    return _PAIRS[strategy]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "fsdp_tp"])
-def test_two_processes_train_like_one(strategy, small_corpus, tmp_path):
-    one, two = train_pair(strategy, small_corpus, tmp_path)
+def test_two_processes_train_like_one(strategy, small_corpus, tmp_path_factory):
+    one, two, tmp_path = train_pair(strategy, small_corpus, tmp_path_factory)
     assert "[0] shardax train" in two.stdout and "[1] shardax train" not in two.stdout  # printed once
     assert "on mesh" in two.stdout and "8 cpu devices" in two.stdout
     losses_one = [r["loss"] for r in read_metrics(tmp_path / "one.jsonl")]
@@ -47,8 +54,11 @@ def test_two_processes_train_like_one(strategy, small_corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path):
-    train_pair("fsdp", small_corpus, tmp_path)
+def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path, tmp_path_factory):
+    _, _, pair = train_pair("fsdp", small_corpus, tmp_path_factory)
+    for name in ("one", "two"):  # continue copies: the pair's own files stay as they were
+        shutil.copytree(pair / name, tmp_path / name)
+        shutil.copy(pair / f"{name}.jsonl", tmp_path / f"{name}.jsonl")
     more = (*QUICK, "--steps", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
             "--strategy", "fsdp", "--resume")
     into_two = shardax(*LAUNCH_2x4, "train", *more, "--checkpoint-dir", tmp_path / "one",
