@@ -21,13 +21,19 @@ def final_arrays(directory, step=STEPS):
     return {key: np.asarray(value) for key, value in flat.items()}
 
 
-def run_until_killed(args, metrics, kill_after_step):
+def run_until_killed(args, metrics, checkpoints, kill_after_step, committed_step):
+    """Run ``shardax`` and SIGKILL it once it has logged ``kill_after_step`` and committed ``committed_step``.
+
+    Checkpoints are written in the background, so a slow machine may log later steps before an earlier
+    checkpoint is committed; waiting for both makes "killed between checkpoints" hold on any machine.
+    """
     env = subprocess_env()
     process = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, args)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
-        if metrics.exists() and any(r["step"] >= kill_after_step for r in read_metrics(metrics)):
+        logged = metrics.exists() and any(r["step"] >= kill_after_step for r in read_metrics(metrics))
+        if logged and (checkpoints / str(committed_step)).is_dir():  # orbax renames the folder on commit
             process.send_signal(signal.SIGKILL)
             break
         time.sleep(0.05)
@@ -41,7 +47,8 @@ def test_sigkill_between_checkpoints_then_resume_is_bit_exact(small_corpus, tmp_
     shardax("train", *COMMON, "--data", small_corpus, "--checkpoint-dir", straight / "ckpt",
             "--metrics", straight / "m.jsonl")
     run_until_killed(["train", *COMMON, "--data", small_corpus, "--checkpoint-dir", killed / "ckpt",
-                      "--metrics", killed / "m.jsonl"], killed / "m.jsonl", kill_after_step=5)
+                      "--metrics", killed / "m.jsonl"], killed / "m.jsonl", killed / "ckpt",
+                     kill_after_step=4, committed_step=3)
     saved = Checkpointer(killed / "ckpt").all_steps()
     assert max(saved) in (3, 6) and STEPS not in saved  # killed before the end: resumes from 3 (or 6)
     resumed = shardax("train", *COMMON, "--data", small_corpus, "--checkpoint-dir", killed / "ckpt",
