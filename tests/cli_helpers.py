@@ -13,8 +13,12 @@ import tempfile
 import pytest
 
 # Subprocesses share JAX's persistent compilation cache: the many short runs of the same small
-# programs compile once per test session instead of once per process.
-COMPILATION_CACHE = tempfile.mkdtemp(prefix="shardax-test-jax-cache-")
+# programs compile once per test session instead of once per process. pytest-xdist's workers
+# share one run id, hence one cache; a plain run gets a fresh folder of its own.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+COMPILATION_CACHE = (os.path.join(tempfile.gettempdir(), f"shardax-test-jax-cache-{_RUN}") if _RUN
+                     else tempfile.mkdtemp(prefix="shardax-test-jax-cache-"))
+os.makedirs(COMPILATION_CACHE, exist_ok=True)
 
 
 def subprocess_env():

@@ -8,6 +8,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+from cli_helpers import COMPILATION_CACHE, small_corpus  # noqa: E402,F401  (a fixture for the CLI tests)
+
+# Tests and the `shardax` processes they start share one compilation cache: a program that
+# several tests compile (the same model, strategy and mesh) is compiled once per session.
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
@@ -30,5 +38,3 @@ def mesh8():
 def mesh2d(request):
     return make_mesh(request.param, ("data", "model"))
 
-
-from cli_helpers import small_corpus  # noqa: E402,F401  (a fixture for the CLI tests)

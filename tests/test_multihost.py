@@ -15,6 +15,9 @@ from cli_helpers import QUICK, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
 from shardax.train.checkpoint import Checkpointer
 
+# One pytest-xdist worker runs this file: the 1x8 / 2x4 runs are trained once and shared by the tests below.
+pytestmark = pytest.mark.xdist_group("test_multihost")
+
 RUN = (*QUICK, "--steps", 3, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
 LAUNCH_2x4 = ("launch", "-n", 2, "--devices-per-process", 4, "--", "shardax")
 

@@ -12,6 +12,9 @@ from shardax.models.transformer import TransformerLM, next_token_loss
 from small_models import (AnnotatedMLP, assert_trees_close, mse_loss, regression_batches, tiny_transformer_config,
                           token_batches)
 
+# One pytest-xdist worker runs this file: the one-device reference runs are trained once and shared.
+pytestmark = pytest.mark.xdist_group("test_strategies")
+
 STEPS = 20
 CASES = [
     ("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
