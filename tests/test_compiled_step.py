@@ -23,18 +23,20 @@ BATCH, LENGTH = 16, 17
 def theoretical_param_floats(strategy, sizes):
     """Parameter floats each device holds, from the transformer's shapes and the strategy's intent."""
     V, S, D, F, L = CONFIG.vocab_size, CONFIG.seq_len, CONFIG.d_model, CONFIG.d_ff, CONFIG.n_layers
-    attention, mlp, layer_norms = 4 * D * D, 2 * D * F, 4 * D  # per layer
+    attention, mlp = 4 * D * D, 2 * D * F  # per layer: (embed, heads|mlp) weights
+    hidden_bias, embed_only = F, 4 * D + D  # per layer: the (mlp,) bias; 2 norms and the (embed,) bias
     tables = 2 * V * D  # embedding + untied head, both (vocab, embed)
-    everything = tables + S * D + 2 * D + L * (attention + mlp + layer_norms)
+    everything = tables + S * D + 2 * D + L * (attention + mlp + hidden_bias + embed_only)
     data, model = sizes.get("data", 1), sizes.get("model", 1)
     if strategy in ("dp", "zero1", "zero2"):
         return everything
     if strategy in ("fsdp", "hsdp"):
         return everything / data  # every dimension here divides
-    if strategy == "tp":  # heads, MLP hidden and vocab over model; norms and positions replicated
-        return (tables + L * (attention + mlp)) / model + S * D + 2 * D + L * layer_norms
+    if strategy == "tp":  # heads, MLP hidden and vocab over model; norms, positions, embed biases replicated
+        return (tables + L * (attention + mlp + hidden_bias)) / model + S * D + 2 * D + L * embed_only
     if strategy == "fsdp_tp":  # ... and additionally `embed` over data
-        return (tables + L * (attention + mlp)) / (model * data) + (S * D + 2 * D + L * layer_norms) / data
+        return ((tables + L * (attention + mlp)) / (model * data) + L * hidden_bias / model
+                + (S * D + 2 * D + L * embed_only) / data)
     raise AssertionError(strategy)
 
 

@@ -64,9 +64,10 @@ def test_strategy_matches_one_device(model_name, strategy, mesh_shape):
     assert losses[-1] < 0.7 * losses[0]
     # Sharded reductions sum in another order (fp32 rounding ~1e-7); Adam divides by sqrt(nu),
     # which lifts that to ~1e-6 on the few weights whose gradients are near zero, so the
-    # parameters get an absolute floor of 1e-5 (weights are ~0.1-0.5).
+    # parameters get an absolute floor of 1e-5 (weights are ~0.1-0.5), and Adam's moments one of
+    # 2e-6 (gradients are ~1e-3; a moment near zero differs by ~1e-6 after 20 steps).
     assert_trees_close(jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-5)
-    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=1e-6)
+    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=2e-6)
     # the layout survived 20 updates: every leaf where init put it
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
 

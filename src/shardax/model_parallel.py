@@ -83,13 +83,15 @@ class ParallelModel:
         activation memory).
         """
         params = self.abstract_state.params
+        compute, gradients = self.layout.compute(params), self.layout.gradients(params)
         step = build_train_step(
             self.graphdef, self.tx, loss_fn,
-            compute_shardings=self.layout.compute(params),
-            gradient_shardings=self.layout.gradients(params),
+            compute_shardings=compute,
+            gradient_shardings=gradients,
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
             layer_layout=functools.partial(compute_layout, self.mesh, self.strategy),
+            replicas=self._replicas(compute, gradients),
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
@@ -98,6 +100,15 @@ class ParallelModel:
             out_shardings=(self.state_shardings, replicated),
             donate_argnums=(0,) if donate else (),
         )
+
+    def _replicas(self, compute: Any, gradients: Any) -> tuple[Mesh, tuple[str, ...]] | None:
+        """``(mesh, batch axes)`` when every parameter and gradient is replicated (dp, zero1)."""
+        shardings = jax.tree.leaves((compute, gradients), is_leaf=lambda x: isinstance(x, NamedSharding))
+        if not all(isinstance(s, NamedSharding) and not any(s.spec) for s in shardings):
+            return None
+        spec = self.layout.batch().spec
+        axes = tuple(a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
+        return (self.mesh, axes) if axes else None
 
     def eval_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> Callable[[TrainState, Any], jax.Array]:
         """A compiled ``(state, batch) -> loss`` with the same layouts as the train step."""

@@ -55,7 +55,7 @@ def get_preset(name: str) -> Preset:
 def parameter_count(config: TransformerConfig) -> int:
     """Parameters of a ``TransformerLM`` with this config, from its shapes."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
-    per_layer = 4 * d * d + 2 * d * f + 4 * d
+    per_layer = 4 * d * d + 2 * d * f + f + 5 * d  # attention, MLP and its biases, 2 norms
     tables = v * d * (1 if config.tie_embeddings else 2)
     positions = config.seq_len * d if config.positions == "learned" else 0
     return config.n_layers * per_layer + tables + positions + 2 * d

@@ -91,5 +91,9 @@ def for_compute(param: nnx.Variable) -> jax.Array:
     if active is None or logical is None or len(logical) != value.ndim:
         return value
     mesh, strategy = active
-    _, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
+    storage, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
+    if compute == storage and gradient == storage:
+        # Nothing to gather or scatter (dp, zero1, tp): leave the gradient unconstrained so the
+        # compiler reduces every layer's gradient once, after the loop, in one combined collective.
+        return value
     return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))

@@ -4,18 +4,27 @@ The strategy never appears as a branch here. Parameters are constrained to their
 layout before the forward pass (for FSDP that is the all-gather), gradients to the strategy's
 gradient layout (the compiler then all-reduces or reduce-scatters them), and jit's
 in/out shardings keep parameters and optimizer state where the layout says.
+
+When every parameter and gradient is replicated (``dp``, ``zero1``), the forward and backward
+passes run per device inside ``shard_map`` instead, and one ``pmean`` after the backward pass
+averages all gradients together. The compiler would otherwise reduce each scanned layer's
+gradients inside the layer loop: the same bytes, but one collective per layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from shardax.sharding.compute import gather_for_compute
 from shardax.train.state import TrainState
@@ -49,30 +58,34 @@ def build_train_step(
     batch_sharding: Any,
     grad_accum: int = 1,
     layer_layout: Callable[[], Any] = contextlib.nullcontext,
+    replicas: tuple[Mesh, tuple[str, ...]] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
 
     ``layer_layout()`` is entered while the loss is traced, so layers that read their weights
     through ``for_compute`` gather (and reduce-scatter) them one layer at a time.
+    ``replicas=(mesh, axes)``: every parameter and gradient is replicated and the batch is split
+    over ``axes``, so gradients may be computed per device and averaged once (module doc).
     """
 
-    def loss_and_rest(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any]:
-        params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
+    def loss_and_rest(params: Any, rest: Any, batch: Any, *, local: bool) -> tuple[jax.Array, Any]:
+        if not local:
+            params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
         model = nnx.merge(graphdef, params, rest)
-        with layer_layout():
+        with contextlib.nullcontext() if local else layer_layout():
             loss = loss_fn(model, batch)
         return loss, nnx.split(model, nnx.Param, ...)[2]
 
-    grad_fn = jax.value_and_grad(loss_and_rest, has_aux=True)
-
-    def gradients(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
+    def gradients(params: Any, rest: Any, batch: Any, *, local: bool = False) -> tuple[jax.Array, Any, Any]:
+        grad_fn = jax.value_and_grad(functools.partial(loss_and_rest, local=local), has_aux=True)
         if grad_accum == 1:
             (loss, rest), grads = grad_fn(params, rest, batch)
             return loss, grads, rest
 
         def accumulate(carry, micro):
             loss_sum, grad_sum, rest = carry
-            micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
+            if not local:
+                micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
             (loss, rest), grads = grad_fn(params, rest, micro)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), rest), None
 
@@ -82,8 +95,35 @@ def build_train_step(
         )
         return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads), rest
 
+    def gradients_per_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
+        mesh, axes = replicas
+
+        def on_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
+            # Varying parameters keep one gradient per device (shard_map would otherwise sum
+            # the gradient of a replicated input itself); the pmean is the one reduction.
+            params = jax.tree.map(lambda value: lax.pcast(value, axes, to="varying"), params)
+            loss, grads, rest = gradients(params, rest, batch, local=True)
+            return lax.pmean(loss, axes), lax.pmean(grads, axes), rest
+
+        return jax.shard_map(
+            on_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axes)),
+            out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec()),
+        )(params, rest, batch)
+
+    def per_device_fits(state: TrainState, batch: Any) -> bool:
+        """Per-device gradients need no non-parameter state and rows that split evenly."""
+        if replicas is None or jax.tree.leaves(state.rest):
+            return False
+        mesh, axes = replicas
+        devices = int(np.prod([mesh.shape[axis] for axis in axes]))
+        return all(np.ndim(leaf) >= 1 and np.shape(leaf)[0] % (devices * grad_accum) == 0
+                   for leaf in jax.tree.leaves(batch))
+
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, rest = gradients(state.params, state.rest, batch)
+        if per_device_fits(state, batch):
+            loss, grads, rest = gradients_per_device(state.params, state.rest, batch)
+        else:
+            loss, grads, rest = gradients(state.params, state.rest, batch)
         grads = jax.lax.with_sharding_constraint(grads, gradient_shardings)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
