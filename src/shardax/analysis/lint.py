@@ -32,8 +32,13 @@ def replicated_parameters(layout: Any, limit: int = REPLICATED_LIMIT) -> list[st
     return findings
 
 
-def uneven_dimensions(layout: Any) -> list[str]:
-    return [f"uneven: {note}" for note in layout.notes()]
+UNEVEN_LIMIT = 1 << 16  # a fallback on a smaller tensor (a bias, a norm scale) costs too little to report
+
+
+def uneven_dimensions(layout: Any, limit: int = UNEVEN_LIMIT) -> list[str]:
+    """Parameters of at least ``limit`` bytes that a dimension's size kept from being sharded as ruled."""
+    return [f"uneven: {leaf.path}: {'; '.join(leaf.notes)}" for leaf in layout.leaves.values()
+            if leaf.notes and math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize >= limit]
 
 
 def optimizer_mismatches(parallel: Any) -> list[str]:

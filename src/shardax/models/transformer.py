@@ -1,8 +1,9 @@
 """A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
 
 Pre-norm blocks (causal self-attention, GELU MLP with biases), learned or rotary positions, a
-tied or untied output head. The blocks are created with ``nnx.vmap`` and applied with ``nnx.scan``, so
-their parameters carry a leading ``layers`` axis and compile time does not grow with depth.
+tied or untied output head. The blocks are created with ``nnx.vmap`` and applied with
+``nnx.scan``, so their parameters carry a leading ``layers`` axis and compile time does not
+grow with depth.
 Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
 precision); ``remat`` chooses what the backward pass recomputes.
 """
