@@ -105,6 +105,8 @@ def test_dp_compiles_exactly_the_gradient_all_reduce():
     assert set(summary) == {"all-reduce"}, summary
     scalars = sum(4 * c.executions for c in collectives for s in c.shapes if s.endswith("[]"))
     assert summary["all-reduce"]["bytes"] - scalars == gradient_bytes()
+    # every layer's gradients are reduced together after the layer loop, not once per layer in it
+    assert [c.executions for c in non_scalar(collectives, "all-reduce")] == [1], collectives
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
