@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.sharding.compute import compute_layout
 from shardax.sharding.layout import Layout
-from shardax.sharding.place import place_batch
+from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.strategies import Strategy, get_strategy
 from shardax.train.sharded_step import build_train_step
 from shardax.train.state import TrainState
@@ -107,7 +107,7 @@ class ParallelModel:
         if not all(isinstance(s, NamedSharding) and not any(s.spec) for s in shardings):
             return None
         spec = self.layout.batch().spec
-        axes = tuple(a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry))
+        axes = tuple(axis for entry in spec for axis in spec_axes(entry))
         return (self.mesh, axes) if axes else None
 
     def eval_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> Callable[[TrainState, Any], jax.Array]:

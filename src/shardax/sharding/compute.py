@@ -93,7 +93,7 @@ def for_compute(param: nnx.Variable) -> jax.Array:
     mesh, strategy = active
     storage, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
     if compute == storage and gradient == storage:
-        # Nothing to gather or scatter (dp, zero1, tp): leave the gradient unconstrained so the
-        # compiler reduces every layer's gradient once, after the loop, in one combined collective.
+        # Nothing to gather or scatter (dp, zero1, tp): the weight is used where it is stored and
+        # its gradient stays in that layout, so no constraint (and no custom gradient) is needed.
         return value
     return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
