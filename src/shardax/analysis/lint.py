@@ -74,9 +74,15 @@ def full_parameter_gathers(layout: Any, collectives: list[Collective]) -> list[s
     by_shape: dict[tuple[int, ...], list[Any]] = {}
     for leaf in layout.leaves.values():
         by_shape.setdefault(tuple(leaf.shape), []).append(leaf)
+    # An all-gather of what a reduce-scatter of the same size produced is the second half of a
+    # ring all-reduce (how dp and zero1 average gradients), not a gathered parameter.
+    scattered = [c.operand_bytes for c in collectives if c.kind == "reduce-scatter"]
     findings = []
     for collective in collectives:
         if collective.kind != "all-gather":
+            continue
+        if never_gathers and collective.bytes in scattered:
+            scattered.remove(collective.bytes)
             continue
         for shape in collective.shapes:
             for leaf in by_shape.get(_dims(shape), []):
