@@ -117,18 +117,24 @@ def two_layer_loss(params, x):
 
 @pytest.mark.parametrize("bias_sharded", [True, False], ids=["all-sliced", "bias-replicated"])
 def test_combined_tuple_all_reduce(mesh8, bias_sharded):
-    """XLA combines the three gradients into one tuple all-reduce; sizes add up."""
+    """XLA combines the three gradients into one tuple all-reduce; sizes add up. Elements the
+    program only slices are a reduce-scatter; one it keeps whole is listed as an all-reduce."""
     data, replicated = NamedSharding(mesh8, P("data")), NamedSharding(mesh8, P())
     outputs = {"w1": data, "b": data if bias_sharded else replicated, "w2": data}
     grad = jax.jit(jax.grad(two_layer_loss), in_shardings=(replicated, data), out_shardings=outputs)
     params = {"w1": jnp.ones((64, 32)), "b": jnp.ones((32,)), "w2": jnp.ones((32, 16))}
-    op = only(find_collectives(grad.lower(params, jnp.ones((32, 64))).compile().as_text()))
-    assert len(op.shapes) == 3
-    assert op.bytes == (64 * 32 + 32 + 32 * 16) * F32
+    found = find_collectives(grad.lower(params, jnp.ones((32, 64))).compile().as_text())
     if bias_sharded:
+        op = only(found)
+        assert len(op.shapes) == 3
+        assert op.bytes == (64 * 32 + 32 + 32 * 16) * F32
         assert op.kind == REDUCE_SCATTER_PATTERN and op.shard_bytes == op.bytes // 8
-    else:  # the bias gradient leaves unsliced, so this is no reduce-scatter
-        assert op.kind == "all-reduce" and op.shard_bytes == op.bytes
+    else:  # the bias gradient leaves unsliced: that element alone is a full all-reduce
+        scattered, whole = sorted(found, key=lambda op: op.kind != REDUCE_SCATTER_PATTERN)
+        assert scattered.name == whole.name  # one instruction, two roles
+        assert scattered.kind == REDUCE_SCATTER_PATTERN and len(scattered.shapes) == 2  # the two weights
+        assert scattered.bytes == (64 * 32 + 32 * 16) * F32 and scattered.shard_bytes == scattered.bytes // 8
+        assert whole.kind == "all-reduce" and whole.shapes == ("f32[32]",) and whole.bytes == whole.shard_bytes == 32 * F32
 
 
 def test_summarize_totals_per_kind(mesh8):

@@ -46,8 +46,8 @@ def test_bfloat16_compute_keeps_float32_parameters():
 
 def test_layers_are_stacked_for_scan_and_annotated():
     model = TransformerLM(tiny_transformer_config(n_layers=3), rngs=nnx.Rngs(0))
-    assert model.blocks.query.shape == (3, 32, 4, 8)
-    assert model.blocks.query.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "kv")
+    assert model.blocks.qkv.shape == (3, 32, 3, 4, 8)
+    assert model.blocks.qkv.get_metadata()["out_sharding"] == ("layers", "embed", None, "heads", "kv")
     for _, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Param):
             assert variable.get_metadata().get("out_sharding"), "every parameter carries logical axes"

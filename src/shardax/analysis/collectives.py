@@ -14,8 +14,9 @@ listed once each, however many times the loop runs.
 On the CPU backend the SPMD partitioner writes a reduce-scatter as an all-reduce of the
 full tensor whose only uses are dynamic-slices down to the local shard. Such an all-reduce
 is reported with kind ``"reduce-scatter (all-reduce + dynamic-slice)"``: ``bytes`` is the
-full all-reduce result and ``shard_bytes`` what the slices keep. A tuple all-reduce gets
-that kind only when every element it hands on is sliced.
+full all-reduce result and ``shard_bytes`` what the slices keep. A tuple all-reduce whose
+elements are partly sliced and partly used whole is listed twice under its name: once with
+this kind for the sliced elements, once as an all-reduce for the rest.
 """
 
 from __future__ import annotations
@@ -310,28 +311,57 @@ def _async_result(computation: _Computation, start: _Instruction, kind: str) -> 
     return shape, start.name
 
 
-def _collective_from(
+def _sliced_elements(computations: dict[str, _Computation], computation: _Computation, value: str,
+                     shapes: list[str]) -> list[int | None]:
+    """Per element of a tuple value: the bytes its uses keep when they all slice it, else None."""
+    kept: list[int | None] = [None] * len(shapes)
+    for user, _ in computation.users.get(value, []):
+        if user.opcode != "get-tuple-element":
+            return [None] * len(shapes)
+        index = int(user.attributes.get("index", "-1"))
+        if 0 <= index < len(shapes):
+            kept[index] = _sliced_bytes(computations, computation, user.name)
+    return kept
+
+
+def _collectives_from(
     computations: dict[str, _Computation], computation: _Computation, instruction: _Instruction
-) -> Collective | None:
-    """Describe ``instruction`` as a Collective, or None when it is not one."""
+) -> list[Collective]:
+    """Describe ``instruction`` as Collectives: none when it is not one, two when a tuple
+    all-reduce hands some elements only to slices (a reduce-scatter) and others on whole."""
     kind = _collective_kind(instruction.opcode)
     if kind is None:
-        return None
+        return []
     shape, value = instruction.shape, instruction.name
     if instruction.opcode.endswith("-start"):
         shape, value = _async_result(computation, instruction, kind)
-    total = _shape_bytes(shape)
-    shard_bytes = total
-    if kind == "all-reduce":
-        kept = _sliced_bytes(computations, computation, value)
-        if kept is not None:
-            kind, shard_bytes = REDUCE_SCATTER_PATTERN, kept
     attributes = instruction.attributes
     groups = attributes.get("replica_groups", attributes.get("source_target_pairs", ""))
+    if "device_ids" in attributes:  # mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b'}
+        groups = f"{groups}, device_ids={attributes['device_ids']}"
     shapes = {other.name: other.shape for other in computation.instructions}
     operands = sum(_shape_bytes(shapes.get(name, "")) for name in instruction.operands)
-    return Collective(kind, instruction.name, tuple(_array_shapes(shape)), total, groups, shard_bytes,
-                      operand_bytes=operands)
+    arrays = _array_shapes(shape)
+    total = _shape_bytes(shape)
+    if kind != "all-reduce":
+        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total, operand_bytes=operands)]
+    kept = _sliced_bytes(computations, computation, value)
+    if kept is not None:
+        return [Collective(REDUCE_SCATTER_PATTERN, instruction.name, tuple(arrays), total, groups, kept,
+                           operand_bytes=operands)]
+    by_element = _sliced_elements(computations, computation, value, arrays) if len(arrays) > 1 else [None]
+    sliced = [i for i, element in enumerate(by_element) if element is not None]
+    if not sliced:
+        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total, operand_bytes=operands)]
+    whole = [i for i in range(len(arrays)) if i not in sliced]
+    scattered_bytes = sum(_array_bytes(arrays[i]) for i in sliced)
+    whole_bytes = total - scattered_bytes
+    return [
+        Collective(REDUCE_SCATTER_PATTERN, instruction.name, tuple(arrays[i] for i in sliced), scattered_bytes,
+                   groups, sum(by_element[i] for i in sliced), operand_bytes=scattered_bytes),
+        Collective(kind, instruction.name, tuple(arrays[i] for i in whole), whole_bytes, groups, whole_bytes,
+                   operand_bytes=whole_bytes),
+    ]
 
 
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
@@ -373,8 +403,7 @@ def find_collectives(hlo_text: str) -> list[Collective]:
         if computation.name in fused:
             continue
         for instruction in computation.instructions:
-            collective = _collective_from(computations, computation, instruction)
-            if collective is not None:
+            for collective in _collectives_from(computations, computation, instruction):
                 found.append(dataclasses.replace(collective, executions=runs[computation.name]))
     return found
 

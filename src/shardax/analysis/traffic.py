@@ -12,7 +12,8 @@ import re
 from shardax.analysis.collectives import REDUCE_SCATTER_PATTERN, Collective
 
 
-_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\]\s*(\{(?P<used>[^}]*)\})?")
+# mesh['a'=2,'b'=4] {'b'}, possibly with ", device_ids=([2,4]T(1,0))" before the used axes
+_MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\S+)?\s*(\{(?P<used>[^}]*)\})?")
 _IOTA_GROUPS = re.compile(r"^\[(?P<groups>\d+),(?P<size>\d+)\]")
 
 
@@ -20,7 +21,8 @@ def group_size(replica_groups: str, num_devices: int) -> int:
     """How many devices take part in each group of a collective, from its groups attribute.
 
     Reads the explicit form ``{{0,1,2,3},{4,5,6,7}}``, the iota form ``[2,4]<=[8]`` and the
-    mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``; anything else means every device.
+    mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (with or without ``device_ids=...``
+    before the braces); anything else means every device.
     """
     text = replica_groups.strip()
     if text.startswith("{{"):

@@ -52,24 +52,29 @@ def compute_layout(mesh: Mesh, strategy: Any) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding) -> jax.Array:
-    """``value`` constrained to ``compute``; its cotangent constrained to ``gradient``.
+def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding,
+                       dtype: Any = None) -> jax.Array:
+    """``value`` constrained to ``compute`` (and cast to ``dtype``); its cotangent constrained
+    to ``gradient`` (in ``value``'s dtype).
 
     A plain sharding constraint would transpose to the same constraint on the cotangent, which
     for a gathered (replicated) weight means an all-reduce of the full gradient; here the
     backward pass goes straight to the gradient layout, which the compiler turns into a
-    reduce-scatter when that layout is sharded.
+    reduce-scatter when that layout is sharded. The cast happens inside, so that remat
+    policies drop the cast copy along with the gathered weight.
     """
+    source_dtype = value.dtype
+    target_dtype = source_dtype if dtype is None else dtype
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, compute)
+        return jax.lax.with_sharding_constraint(x, compute).astype(target_dtype)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return gather(x), None
 
     def backward(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
-        return (jax.lax.with_sharding_constraint(cotangent, gradient),)
+        return (jax.lax.with_sharding_constraint(cotangent.astype(source_dtype), gradient),)
 
     gather.defvjp(forward, backward)
     return checkpoint_name(gather(value), GATHERED)
@@ -83,17 +88,17 @@ def layer_specs(strategy: Any, logical: tuple[str | None, ...] | None, shape: tu
     return spec, strategy.compute_spec(spec), gradient
 
 
-def for_compute(param: nnx.Variable) -> jax.Array:
-    """The value of ``param`` laid out for compute under the active strategy (see module doc)."""
+def for_compute(param: nnx.Variable, dtype: Any = None) -> jax.Array:
+    """The value of ``param`` laid out for compute under the active strategy (see module doc),
+    cast to ``dtype`` when given."""
     value = param[...]
     active = _ACTIVE.get()
     logical = logical_axes_of(param)
-    if active is None or logical is None or len(logical) != value.ndim:
-        return value
-    mesh, strategy = active
-    storage, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
-    if compute == storage and gradient == storage:
+    if active is not None and logical is not None and len(logical) == value.ndim:
+        mesh, strategy = active
+        storage, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
+        if compute != storage or gradient != storage:
+            return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient), dtype)
         # Nothing to gather or scatter (dp, zero1, tp): the weight is used where it is stored and
         # its gradient stays in that layout, so no constraint (and no custom gradient) is needed.
-        return value
-    return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
+    return value if dtype is None else value.astype(dtype)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
-    """``{"params.blocks.query": leaf, ...}``: a flat dict orbax stores as one array each."""
+    """``{"params.blocks.qkv": leaf, ...}``: a flat dict orbax stores as one array each."""
     return {path_to_str(keypath).replace("/", "."): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
