@@ -136,7 +136,8 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
         dtype = self.config.dtype
         y = self.attn_norm(x).astype(dtype)
-        q, k, v = jnp.unstack(jnp.einsum("btd,dcnh->cbtnh", y, for_compute(self.qkv, dtype)))
+        qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.config.positions == "rotary":
             positions = jnp.arange(x.shape[1])
             q, k = rotary(q, positions), rotary(k, positions)
