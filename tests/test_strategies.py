@@ -116,14 +116,16 @@ def test_initial_values_do_not_depend_on_the_strategy():
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.init(3).params), jax.device_get(sharded.init(3).params))
 
 
-def test_gradient_accumulation_equals_the_full_batch():
-    mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
+@pytest.mark.parametrize("strategy, mesh_shape", [("fsdp_tp", "data=4,model=2"), ("dp", "data=8")])
+def test_gradient_accumulation_equals_the_full_batch(strategy, mesh_shape):
+    """fsdp_tp accumulates in the sharded program; dp per device, inside shard_map."""
+    mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
     factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
     results = {}
     for accum in (1, 4):
         # SGD keeps parameters linear in the gradients, so this compares the gradients tightly
         # (Adam would amplify rounding on near-zero gradients, see above).
-        parallel = parallelize(factory, optax.sgd(0.5, momentum=0.9), mesh, "fsdp_tp")
+        parallel = parallelize(factory, optax.sgd(0.5, momentum=0.9), mesh, strategy)
         state, step = parallel.init(), parallel.train_step(next_token_loss, grad_accum=accum)
         losses = []
         for batch in token_batches(5, batch_size=32):

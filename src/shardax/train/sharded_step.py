@@ -91,10 +91,11 @@ def build_train_step(
             (loss, rest), grads = grad_fn(params, rest, micro)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), rest), None
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss, grads, rest), _ = jax.lax.scan(
-            accumulate, (jnp.zeros((), jnp.float32), zeros, rest), _microbatches(batch, grad_accum)
-        )
+        zeros = jax.tree.map(jnp.zeros_like, params)  # varying when the parameters are
+        loss_sum = jnp.zeros((), jnp.float32)
+        if local:  # per device (inside shard_map) each device's running loss is its own
+            loss_sum = lax.pcast(loss_sum, replicas[1], to="varying")
+        (loss, grads, rest), _ = jax.lax.scan(accumulate, (loss_sum, zeros, rest), _microbatches(batch, grad_accum))
         return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads), rest
 
     def gradients_per_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
