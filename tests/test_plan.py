@@ -1,7 +1,11 @@
 """`shardax plan`: compiled memory and communication beside predictions; the lint on bad layouts."""
 
+import contextlib
 import dataclasses
+import io
 import json
+import math
+import re
 
 import jax
 import optax
@@ -121,10 +125,59 @@ def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
     assert not any("unexpected" in f for f in fsdp.lint)
 
 
-def test_plan_for_every_preset_compiles(tmp_path):
-    for name in ("tiny", "notebook", "small"):
-        plan = plan_strategy(get_preset(name).config(), "fsdp", "data=8", batch_size=8)
+STRATEGY_MESHES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
+                   ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("strategy, mesh", STRATEGY_MESHES)
+def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
+    """Parameters, gradients, optimizer state, batch, residuals and one layer's working set,
+    from shapes and specs, against the peak of XLA's compiled step (tiny preset, its batch)."""
+    preset = get_preset("tiny")
+    plan = plan_strategy(preset.config(remat=remat), strategy, mesh, batch_size=preset.batch_size)
+    assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=0.05), (plan.predicted, plan.compiled)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_plan_for_every_preset_predicts_the_compiled_peak(remat):
+    for name in ("notebook", "small"):
+        preset = get_preset(name)
+        plan = plan_strategy(preset.config(remat=remat), "fsdp", "data=8", batch_size=preset.batch_size)
         assert plan.predicted["state"] == pytest.approx(plan.compiled["arguments"], rel=0.05)
+        assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=0.05), (name, plan.predicted,
+                                                                                           plan.compiled)
+
+
+def test_residuals_are_what_autodiff_keeps():
+    """The stand-in trace maps back to exactly the residuals ``jax.vjp`` keeps for the real
+    shapes (one device: nothing split), and tensor parallelism halves the split ones."""
+    from flax import nnx
+
+    from shardax.analysis.theory import residual_bytes
+    from shardax.models.transformer import next_token_loss
+
+    config = tiny_transformer_config(remat="none", positions="rotary")
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((4, config.seq_len + 1), jax.numpy.int32)
+    loss = lambda p, t: next_token_loss(nnx.merge(graphdef, p, rest), {"tokens": t})  # noqa: E731
+    printed = io.StringIO()  # JAX's own listing: "float32[2,4,16,32] output of ..." per residual
+    with contextlib.redirect_stdout(printed):
+        jax.ad_checkpoint.print_saved_residuals(loss, params, tokens)
+    direct = 0
+    for line in printed.getvalue().splitlines():
+        match = re.match(r"([a-z]+)(\d*)\[([\d,]*)\]", line)  # f32[2,4,16,32], bool[1,4,16,16]
+        if match and "from the argument" not in line:
+            dims = [int(d) for d in match.group(3).split(",") if d]
+            direct += math.prod(dims) * (int(match.group(2)) // 8 if match.group(2) else 1)
+    layout = lambda mesh, strategy: parallelize(  # noqa: E731
+        lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3),
+        DeviceMeshManager().create_device_mesh(mesh), strategy).layout
+    alone, layer = residual_bytes(layout("data=8", "dp"), config, rows=4)
+    assert alone == direct and 0 < layer * config.n_layers < alone
+    split, _ = residual_bytes(layout("data=4,model=2", "tp"), config, rows=4)
+    assert alone / 2 < split < alone
 
 
 @pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4), ("[4,2]<=[2,4]T(1,0)", 2),

@@ -13,6 +13,7 @@ all-reduces of the activations per layer in each direction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -65,21 +66,105 @@ def batch_rows_per_device(layout: Layout, batch_size: int) -> int:
     return max(batch_size // split, 1)
 
 
+# Stand-in sizes for tracing: distinct numbers, so each dimension of a saved residual can be
+# told apart (rows, sequence, heads, head size, half a head for rotary, MLP width, vocabulary,
+# layers) and mapped back to its size on one device. Model width is heads x head size.
+_STAND_IN = dict(rows=23, seq=19, heads=5, head=14, mlp=13, vocab=17, layers=29)
+
+
+@functools.lru_cache(maxsize=64)
+def _residual_shapes(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """What autodiff keeps for the backward pass of ``TransformerLM`` (shapes in stand-in sizes,
+    item sizes in bytes): the residuals of ``jax.vjp``, less the parameters it holds on to."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardax.models.transformer import TransformerLM, next_token_loss
+
+    size = _STAND_IN
+    stand_in = dataclasses.replace(model, vocab_size=size["vocab"], seq_len=size["seq"],
+                                   d_model=size["heads"] * size["head"], n_heads=size["heads"],
+                                   n_layers=size["layers"], d_ff=size["mlp"])
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+
+    def loss(params: Any, tokens: Any) -> Any:
+        return next_token_loss(nnx.merge(graphdef, params, rest), {"tokens": tokens})
+
+    tokens = jax.ShapeDtypeStruct((size["rows"], size["seq"] + 1), jnp.int32)
+    kept = jax.tree.leaves(jax.eval_shape(lambda p, t: jax.vjp(loss, p, t)[1], params, tokens))
+    arguments = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves((params, tokens))]
+    shapes = []
+    for leaf in kept:
+        if (tuple(leaf.shape), leaf.dtype) in arguments:  # a parameter, not an activation
+            arguments.remove((tuple(leaf.shape), leaf.dtype))
+            continue
+        shapes.append((tuple(leaf.shape), np.dtype(leaf.dtype).itemsize))
+    return tuple(shapes)
+
+
+def _model_split_dims(layout: Layout) -> dict[str, int]:
+    """How many ways the parameters split heads, MLP width and vocabulary over axes other than
+    the batch axes (tensor parallelism); 1 where any parameter keeps that dimension whole."""
+    shape = dict(layout.mesh.shape)
+    batch_axes = set(layout.strategy.batch_axes)
+    split = {"heads": 0, "mlp": 0, "vocab": 0}
+    for leaf in getattr(layout, "leaves", {}).values():
+        for name, entry in zip(leaf.logical or (), leaf.spec):
+            if name in split:
+                ways = _axes_size(shape, [axis for axis in spec_axes(entry) if axis not in batch_axes])
+                split[name] = ways if split[name] == 0 else min(split[name], ways)
+    return {name: ways or 1 for name, ways in split.items()}
+
+
+def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
+    """(all residuals, one layer's residuals without remat) per device, for ``rows`` rows."""
+    split = _model_split_dims(layout)
+    size = _STAND_IN
+    actual = {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
+              size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
+              size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
+              size["vocab"]: max(model.vocab_size // split["vocab"], 1), size["layers"]: model.n_layers}
+
+    def total(shapes: Any) -> tuple[int, int]:
+        every = per_layer = 0
+        for dims, itemsize in shapes:
+            nbytes = math.prod(actual.get(dim, dim) for dim in dims) * itemsize
+            every += nbytes
+            if dims and dims[0] == size["layers"]:
+                per_layer += nbytes // model.n_layers
+        return every, per_layer
+
+    every, _ = total(_residual_shapes(model))
+    _, layer = total(_residual_shapes(dataclasses.replace(model, remat="none")))
+    return every, layer
+
+
+# The backward pass of one scanned layer needs more than what was saved for it: cotangents,
+# values recomputed under remat, the layer's full weight gradient and, under FSDP, its
+# gathered weights. The three factors multiply one layer's residuals without remat, one
+# layer's weights, and one layer's weights again when the strategy gathers them: a
+# least-squares fit of XLA:CPU's temporaries over four model shapes and five strategies
+# (benchmarks/suite.py plan_accuracy checks it).
+_WORKING_SET = {"none": (0.7, 1.1, 0.2), "full": (1.2, 0.95, 0.0), "dots": (1.0, 0.95, 0.15)}
+
+
 def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
-    """Rough activation memory of ``TransformerLM`` per device (remat policy included)."""
+    """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
+    model's remat policy, plus the working set of one layer's backward pass."""
     if model is None:
         return 0
-    shape = dict(layout.mesh.shape)
-    model_split = shape.get("model", 1) if "model" in str(layout.strategy.param_rules) else 1
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
-    t, d, c = model.seq_len, model.d_model, (2 if model.compute_dtype == "bfloat16" else 4)
-    heads, hidden = max(model.n_heads // model_split, 1), max(model.d_ff // model_split, 1)
-    per_layer = rows * t * (4 * d * 4 + 4 * heads * model.head_dim * c + 2 * hidden * c) + 2 * rows * heads * t * t * 4
-    carry = rows * t * d * 4
-    kept = {"none": model.n_layers * per_layer, "full": model.n_layers * carry + per_layer}.get(
-        model.remat, model.n_layers * (carry + per_layer // 2) + per_layer)
-    logits = 3 * rows * t * max(model.vocab_size // model_split, 1) * 4
-    return kept + logits
+    kept, layer = residual_bytes(layout, model, rows)
+    split = _model_split_dims(layout)
+    d, f = model.d_model, model.d_ff
+    weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
+    per_layer, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
+    gathers = bool(layout.strategy.gather_axes)
+    # accumulating sharded gradients keeps one layer's full gradient besides the running sum
+    accumulates = grad_accum > 1 and (layout.strategy.shard_gradients or gathers)
+    return int(kept + per_layer * layer + (per_weight + per_gathered * gathers + accumulates) * weights)
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:
@@ -99,7 +184,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients else "spec"
     return MemoryPrediction(
         params=_sharded_bytes(abstract.params, shardings.params),
-        gradients=_per_device(layout, gradient_spec),
+        # with accumulation, the running sum and one microbatch's gradients
+        gradients=_per_device(layout, gradient_spec) * (2 if grad_accum > 1 else 1),
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step), (shardings.opt_state, shardings.step)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
         activations=activation_bytes(layout, model, batch_size, grad_accum),
