@@ -50,7 +50,8 @@ def _row(plan: Any) -> list[str]:
     return [plan.strategy, plan.mesh, format_bytes(plan.predicted["params"]), format_bytes(plan.predicted["optimizer"]),
             format_bytes(plan.predicted["gradients"]), format_bytes(plan.predicted["activations"]),
             f"{format_bytes(plan.predicted['state'])} / {format_bytes(plan.compiled['arguments'])}",
-            format_bytes(plan.compiled["temporaries"]), format_bytes(plan.compiled["peak"]),
+            format_bytes(plan.compiled["temporaries"]),
+            f"{format_bytes(plan.predicted['total'])} / {format_bytes(plan.compiled['peak'])}",
             f"{format_bytes(plan.collective_bytes)} ({ratio:.2f}x)", fits]
 
 
@@ -62,15 +63,17 @@ def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model
     if not console.is_terminal or console.width < 160:
         console = Console(highlight=False, soft_wrap=True, width=170)
     table = Table(title=f"shardax plan: {model_description}")
-    for header in ("strategy", "mesh", "params", "optimizer", "grads", "activations (est.)",
-                   "state pred. / XLA", "XLA temp", "XLA peak", "sent per step (vs theory)", "fits"):
+    for header in ("strategy", "mesh", "params", "optimizer", "grads", "activations",
+                   "state pred. / XLA", "XLA temp", "peak pred. / XLA", "sent per step (vs theory)", "fits"):
         table.add_column(header)
     for plan in plans:
         table.add_row(*_row(plan))
     console.print(table)
     console.print("Bytes are per device. 'state' = parameters + optimizer state + this device's batch rows, "
-                  "predicted from shapes and specs vs XLA's compiled arguments; 'sent' counts ring-algorithm "
-                  "bytes of the compiled collectives against the strategy's theoretical minimum.")
+                  "predicted from shapes and specs vs XLA's compiled arguments; 'peak' adds gradients and "
+                  "activations (what autodiff keeps, plus one layer's backward working set) vs XLA's peak; "
+                  "'sent' counts ring-algorithm bytes of the compiled collectives against the strategy's "
+                  "theoretical minimum.")
     for plan in plans:
         for finding in plan.lint:
             console.print(f"lint [{plan.strategy}]: {finding}")
