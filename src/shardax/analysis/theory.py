@@ -110,7 +110,7 @@ def _model_split_dims(layout: Layout) -> dict[str, int]:
     shape = dict(layout.mesh.shape)
     batch_axes = set(layout.strategy.batch_axes)
     split = {"heads": 0, "mlp": 0, "vocab": 0}
-    for leaf in getattr(layout, "leaves", {}).values():
+    for leaf in layout.leaves.values():
         for name, entry in zip(leaf.logical or (), leaf.spec):
             if name in split:
                 ways = _axes_size(shape, [axis for axis in spec_axes(entry) if axis not in batch_axes])
@@ -120,7 +120,10 @@ def _model_split_dims(layout: Layout) -> dict[str, int]:
 
 def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
     """(all residuals, one layer's residuals without remat) per device, for ``rows`` rows."""
-    split = _model_split_dims(layout)
+    return _residual_bytes(model, rows, _model_split_dims(layout))
+
+
+def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, int]:
     size = _STAND_IN
     actual = {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
               size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
@@ -157,8 +160,8 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
     if model is None:
         return 0
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
-    kept, layer = residual_bytes(layout, model, rows)
     split = _model_split_dims(layout)
+    kept, layer = _residual_bytes(model, rows, split)
     d, f = model.d_model, model.d_ff
     weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
     per_layer, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])

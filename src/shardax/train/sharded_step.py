@@ -70,6 +70,8 @@ def build_train_step(
     over ``axes``, so gradients may be computed per device and averaged once (module doc).
     """
 
+    replica_count = 1 if replicas is None else int(np.prod([replicas[0].shape[axis] for axis in replicas[1]]))
+
     def loss_and_rest(params: Any, rest: Any, batch: Any, *, local: bool) -> tuple[jax.Array, Any]:
         if not local:
             params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
@@ -100,14 +102,13 @@ def build_train_step(
 
     def gradients_per_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
         mesh, axes = replicas
-        devices = int(np.prod([mesh.shape[axis] for axis in axes]))
 
         def mean_shard(grad: jax.Array) -> jax.Array:
             """This device's slice of the mean gradient, flattened and padded to split evenly."""
             flat = grad.reshape(-1)
-            if flat.size % devices:
-                flat = jnp.pad(flat, (0, devices - flat.size % devices))
-            return lax.psum_scatter(flat, axes, tiled=True) / devices
+            if flat.size % replica_count:
+                flat = jnp.pad(flat, (0, replica_count - flat.size % replica_count))
+            return lax.psum_scatter(flat, axes, tiled=True) / replica_count
 
         def on_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
             # Varying parameters keep one gradient per device (shard_map would otherwise sum
@@ -126,12 +127,10 @@ def build_train_step(
 
     def per_device_fits(state: TrainState, batch: Any) -> bool:
         """Per-device gradients need several devices, no non-parameter state and rows that split evenly."""
-        if replicas is None or jax.tree.leaves(state.rest):
+        if replica_count <= 1 or jax.tree.leaves(state.rest):
             return False
-        mesh, axes = replicas
-        devices = int(np.prod([mesh.shape[axis] for axis in axes]))
-        return devices > 1 and all(np.ndim(leaf) >= 1 and np.shape(leaf)[0] % (devices * grad_accum) == 0
-                                   for leaf in jax.tree.leaves(batch))
+        return all(np.ndim(leaf) >= 1 and np.shape(leaf)[0] % (replica_count * grad_accum) == 0
+                   for leaf in jax.tree.leaves(batch))
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
         if per_device_fits(state, batch):
