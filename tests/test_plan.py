@@ -78,7 +78,7 @@ def test_cli_json_for_a_billion_parameter_preset():
 
 
 def test_cli_table_and_bad_memory():
-    result = shardax("plan", "--preset", "tiny", "--strategy", "dp", "--strategy", "fsdp", "--device-memory", "45MB")
+    result = shardax("plan", "--preset", "tiny", "--strategy", "dp", "--strategy", "fsdp", "--device-memory", "40MB")
     assert "shardax plan: tiny" in result.stdout and "Recommended: fsdp" in result.stdout
     bad = shardax("plan", "--preset", "tiny", "--device-memory", "lots", check=False)
     assert bad.returncode == 2 and "not a size" in bad.stderr and "Traceback" not in bad.stderr

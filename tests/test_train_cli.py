@@ -24,6 +24,16 @@ def test_every_strategy_trains_through_the_cli(strategy, mesh, small_corpus, tmp
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
+def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys):
+    run = ["train", *QUICK, "--eval-every", "0", "--data", str(small_corpus), "--checkpoint-dir", str(tmp_path)]
+    assert main([*run, "--steps", "2", "--no-scan-layers"]) == 0
+    assert "summary" in capsys.readouterr().out
+    # its checkpoint holds one set of weights per block, which a scanned model cannot resume
+    resumed = shardax(*run, "--steps", "3", "--resume", check=False)
+    assert resumed.returncode == 2 and "'scan_layers': False" in resumed.stderr, resumed.stderr
+    assert main([*run, "--steps", "3", "--resume", "--no-scan-layers"]) == 0
+
+
 def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert main(["train", *QUICK, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--data", str(small_corpus),

@@ -53,6 +53,28 @@ def test_layers_are_stacked_for_scan_and_annotated():
             assert variable.get_metadata().get("out_sharding"), "every parameter carries logical axes"
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_loop_of_blocks_computes_what_the_scan_does(remat):
+    scanned = TransformerLM(tiny_transformer_config(remat=remat), rngs=nnx.Rngs(0))
+    looped = TransformerLM(tiny_transformer_config(remat=remat, scan_layers=False), rngs=nnx.Rngs(1))
+    assert len(looped.blocks) == 2 and looped.blocks[0].qkv.shape == scanned.blocks.qkv.shape[1:]
+    assert looped.blocks[1].qkv.get_metadata()["out_sharding"] == ("embed", None, "heads", "kv")  # no "layers"
+    stacked = {path: variable for path, variable in nnx.iter_graph(scanned) if isinstance(variable, nnx.Param)}
+    for path, variable in nnx.iter_graph(looped):  # the scan's weights, layer by layer
+        if isinstance(variable, nnx.Param):
+            if path[0] == "blocks":
+                variable[...] = stacked[("blocks", *path[2:])][...][path[1]]
+            else:
+                variable[...] = stacked[path][...]
+    (loss, grads), (loop_loss, loop_grads) = (nnx.value_and_grad(next_token_loss)(m, {"tokens": TOKENS})
+                                              for m in (scanned, looped))
+    np.testing.assert_allclose(float(loop_loss), float(loss), rtol=1e-6)
+    for i in range(2):
+        pairs = zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(loop_grads["blocks"][i]), strict=True)
+        for stacked_grad, layer_grad in pairs:
+            np.testing.assert_allclose(np.asarray(stacked_grad)[i], np.asarray(layer_grad), rtol=1e-4, atol=1e-6)
+
+
 def test_tied_and_untied_heads():
     tied = TransformerLM(tiny_transformer_config(), rngs=nnx.Rngs(0))
     untied = TransformerLM(tiny_transformer_config(tie_embeddings=False), rngs=nnx.Rngs(0))
@@ -75,6 +97,27 @@ def test_bad_model_settings():
         tiny_transformer_config(d_model=30)
     with pytest.raises(ValueError, match="remat='some'; use one of none, full"):
         tiny_transformer_config(remat="some")
+
+
+def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
+    from shardax.models.transformer import layer_norm
+
+    def reference(x, scale, bias):
+        mean = x.mean(-1, keepdims=True)
+        variance = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / jnp.sqrt(variance + 1e-5) * scale + bias
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5
+    scale, bias = 1 + jax.random.normal(keys[1], (48,)), jax.random.normal(keys[2], (48,))
+    cotangent = jax.random.normal(keys[3], x.shape)
+    ours, vjp = jax.vjp(layer_norm, x, scale, bias)
+    expected, reference_vjp = jax.vjp(reference, x, scale, bias)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(vjp(cotangent), reference_vjp(cotangent)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    residuals = jax.tree.leaves(jax.linearize(layer_norm, x, scale, bias)[1])  # what the backward pass keeps
+    assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size + scale.size
 
 
 def test_gelu_keeps_only_its_input_and_matches_autodiff():

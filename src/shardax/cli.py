@@ -40,6 +40,9 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")
+    add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+        help="apply the blocks with a scan (default; compile time flat in depth) or, with --no-scan-layers, "
+             "in a Python loop (faster for shallow models on CPU)")
     add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
     add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     add("--log-every", type=int, help="steps between metric records (default 10)")

@@ -98,8 +98,16 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
         theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
-        lint=lint(parallel, collectives), compile_s=compile_s,
+        lint=lint(parallel, collectives) + _looped_layers_note(model), compile_s=compile_s,
     )
+
+
+def _looped_layers_note(model: TransformerConfig) -> list[str]:
+    if model.scan_layers:
+        return []
+    return ["layers in a Python loop (scan_layers=False): the activation prediction assumes scanned layers; "
+            "without the scan XLA may gather every layer's weights up front and keep them, so remat and FSDP "
+            "save less than predicted; use scanned layers to train near the memory limit"]
 
 
 def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape: str | None, **options: Any

@@ -124,6 +124,9 @@ def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
 
 
 def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, int]:
+    # Traced with scanned layers whatever the model uses: a loop of blocks keeps the same
+    # residuals per layer, and stacking shows which of them belong to a layer.
+    model = dataclasses.replace(model, scan_layers=True)
     size = _STAND_IN
     actual = {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
               size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
@@ -146,12 +149,14 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, 
 
 # The backward pass of one scanned layer needs more than what was saved for it: cotangents,
 # values recomputed under remat, the layer's full weight gradient and, under FSDP, its
-# gathered weights. The three factors multiply one layer's residuals without remat, one
-# layer's weights, and one layer's weights again when the strategy gathers them: a
-# least-squares fit of XLA:CPU's temporaries over four model shapes and five strategies.
+# gathered weights. The factors multiply one layer's residuals without remat, what tensor
+# parallelism leaves of them unsplit (the all-reduced activations of a layer exist whole on
+# every device while it is recomputed and differentiated), one layer's weights, and one layer's
+# weights again when the strategy gathers them: a minimax fit of XLA:CPU's temporaries over
+# four model shapes and five strategies plus the tiny, notebook and small presets.
 # tests/test_plan.py holds the prediction to 5% of the compiled peak; the benchmark
 # memory_and_communication reports it.
-_WORKING_SET = {"none": (0.7, 1.1, 0.2), "full": (1.2, 0.95, 0.0), "dots": (1.0, 0.95, 0.15)}
+_WORKING_SET = {"none": (0.65, 0.3, 1.3, 0.1), "full": (1.425, 0.15, 0.775, 0.5), "dots": (1.1, 0.15, 1.15, 0.05)}
 
 
 def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
@@ -162,13 +167,15 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
     split = _model_split_dims(layout)
     kept, layer = _residual_bytes(model, rows, split)
+    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
     d, f = model.d_model, model.d_ff
     weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
-    per_layer, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
+    per_layer, per_unsplit, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
     gathers = bool(layout.strategy.gather_axes)
     # accumulating sharded gradients keeps one layer's full gradient besides the running sum
     accumulates = grad_accum > 1 and (layout.strategy.shard_gradients or gathers)
-    return int(kept + per_layer * layer + (per_weight + per_gathered * gathers + accumulates) * weights)
+    return int(kept + per_layer * layer + per_unsplit * unsplit
+               + (per_weight + per_gathered * gathers + accumulates) * weights)
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:

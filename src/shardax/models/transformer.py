@@ -1,9 +1,9 @@
 """A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
 
 Pre-norm blocks (causal self-attention, GELU MLP with biases), learned or rotary positions, a
-tied or untied output head. The blocks are created with ``nnx.vmap`` and applied with
-``nnx.scan``, so their parameters carry a leading ``layers`` axis and compile time does not
-grow with depth.
+tied or untied output head. By default the blocks are created with ``nnx.vmap`` and applied
+with ``nnx.scan``, so their parameters carry a leading ``layers`` axis and compile time does not
+grow with depth; ``scan_layers=False`` keeps one module per block, applied in a Python loop.
 Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
 precision); ``remat`` chooses what the backward pass recomputes.
 """
@@ -43,6 +43,10 @@ class TransformerConfig:
     tie_embeddings: bool = True
     remat: str = "none"  # a key of REMAT_POLICIES
     compute_dtype: str = "float32"  # "float32" or "bfloat16"
+    # False: one module per block in a Python loop, as most hand-written models do. Compile time
+    # grows with depth, and FSDP gathers every layer's weights up front instead of one layer at a
+    # time; in exchange shallow models skip the scan's stacking buffers (faster on CPU).
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -69,6 +73,42 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale:
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
 
 
+def _normalized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((x - mean) / std, 1 / std)`` over the last axis."""
+    centered = x - x.mean(-1, keepdims=True)
+    inverse_std = jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
+    return centered * inverse_std, inverse_std
+
+
+@jax.custom_vjp
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """Layer normalisation over the last axis (float32 in and out) whose backward pass keeps
+    only its input and recomputes the statistics.
+
+    Autodiff of the plain formula keeps the centred input, both statistics and several
+    intermediates per layer, and XLA:CPU re-derives the chain of them inside each consumer of
+    the input gradient; the closed-form gradient below is one short fusion.
+    """
+    return _normalized(x)[0] * scale + bias
+
+
+def _layer_norm_forward(x: jax.Array, scale: jax.Array, bias: jax.Array) -> tuple[jax.Array, Any]:
+    return layer_norm(x, scale, bias), (x, scale)
+
+
+def _layer_norm_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, scale = saved
+    normalized, inverse_std = _normalized(x)
+    scaled = cotangent * scale
+    grad_x = inverse_std * (scaled - scaled.mean(-1, keepdims=True)
+                            - normalized * (scaled * normalized).mean(-1, keepdims=True))
+    rows = tuple(range(cotangent.ndim - 1))
+    return grad_x, (cotangent * normalized).sum(rows), cotangent.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, features: int):
         key = jax.random.key(0)  # ones/zeros ignore it
@@ -76,11 +116,8 @@ class LayerNorm(nnx.Module):
         self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
-        normed = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
-        return (normed * for_compute(self.scale) + for_compute(self.bias)).astype(x.dtype)
+        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
+        return normed.astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -166,6 +203,10 @@ class TransformerLM(nnx.Module):
         if not config.tie_embeddings:
             self.head = _param(rngs, (d, config.vocab_size), ("embed", "vocab"))
 
+        if not config.scan_layers:
+            self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
+            return
+
         @nnx.split_rngs(splits=config.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block:
@@ -188,10 +229,14 @@ class TransformerLM(nnx.Module):
 
         # Always under remat: with "none" it saves everything but FSDP's gathered weights.
         apply_block = nnx.remat(apply_block, policy=without_gathered(REMAT_POLICIES[config.remat]))
-        x = nnx.scan(
-            apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-            transform_metadata={nnx.PARTITION_NAME: "layers"},
-        )(x, self.blocks)
+        if config.scan_layers:
+            x = nnx.scan(
+                apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = apply_block(x, block)
         x = self.final_norm(x).astype(config.dtype)
         head = embedding.T if config.tie_embeddings else for_compute(self.head)
         return (x @ head.astype(config.dtype)).astype(jnp.float32)

@@ -8,9 +8,10 @@ in/out shardings keep parameters and optimizer state where the layout says.
 When every parameter and gradient is replicated (``dp``, ``zero1``), the forward and backward
 passes run per device inside ``shard_map`` instead, and the gradients are averaged once after
 the backward pass. The compiler would otherwise reduce each scanned layer's gradients inside
-the layer loop: the same bytes, but one collective per layer. The average is a ring
-all-reduce written as its two halves, a reduce-scatter and an all-gather: the same bytes on
-the wire, but no second full copy of the gradients (XLA:CPU's tuple all-reduce keeps one).
+the layer loop: the same bytes, but one collective per layer. A large gradient is averaged by
+a ring all-reduce written as its two halves, a reduce-scatter and an all-gather: the same bytes
+on the wire, but no second full copy of it (XLA:CPU's all-reduce keeps one). Small gradients
+(a model of unscanned layers has dozens) are joined into buckets, one all-reduce each.
 """
 
 from __future__ import annotations
@@ -48,6 +49,31 @@ def _microbatches(batch: Any, count: int) -> Any:
         return jnp.moveaxis(leaf.reshape(rows // count, count, *leaf.shape[1:]), 1, 0)
 
     return jax.tree.map(split, batch)
+
+
+# Gradients under a quarter of this are joined into buckets of up to this size and each bucket
+# is averaged by one all-reduce: a model of many small weights then pays for a few collectives,
+# not two per weight. Larger gradients go alone (reduce-scatter, then all-gather), so the
+# buckets' copies never hold more than this many bytes of gradients.
+BUCKET_BYTES = 16 << 20
+
+
+def _buckets(sizes: list[int]) -> list[list[int]]:
+    """Indices of gradients to reduce together: each large one alone, small ones in order, joined
+    into buckets of at most ``BUCKET_BYTES``."""
+    buckets: list[list[int]] = []
+    small: list[int] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        if size >= BUCKET_BYTES // 4 or size == 0:
+            buckets.append([index])
+            continue
+        if small and filled + size > BUCKET_BYTES:
+            buckets.append(small)
+            small, filled = [], 0
+        small.append(index)
+        filled += size
+    return buckets + ([small] if small else [])
 
 
 def build_train_step(
@@ -102,28 +128,40 @@ def build_train_step(
 
     def gradients_per_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
         mesh, axes = replicas
+        leaves, tree = jax.tree.flatten(params)
+        buckets = _buckets([leaf.size * np.dtype(leaf.dtype).itemsize for leaf in leaves])
 
-        def mean_shard(grad: jax.Array) -> jax.Array:
-            """This device's slice of the mean gradient, flattened and padded to split evenly."""
-            flat = grad.reshape(-1)
+        def mean_shard(grads: list[jax.Array]) -> jax.Array:
+            """The mean of a bucket of ``grads``, flattened and joined; or this device's slice of
+            the mean of one large gradient, flattened and padded to split evenly."""
+            if len(grads) > 1:
+                return lax.psum(jnp.concatenate([grad.reshape(-1) for grad in grads]), axes) / replica_count
+            flat = grads[0].reshape(-1)
             if flat.size % replica_count:
                 flat = jnp.pad(flat, (0, replica_count - flat.size % replica_count))
             return lax.psum_scatter(flat, axes, tiled=True) / replica_count
 
         def on_device(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, Any, Any]:
             # Varying parameters keep one gradient per device (shard_map would otherwise sum
-            # the gradient of a replicated input itself); the reduce-scatter is the one reduction.
+            # the gradient of a replicated input itself); the buckets' reductions are the only ones.
             params = jax.tree.map(lambda value: lax.pcast(value, axes, to="varying"), params)
             loss, grads, rest = gradients(params, rest, batch, local=True)
-            return lax.pmean(loss, axes), jax.tree.map(mean_shard, grads), rest
+            grads = jax.tree.leaves(grads)
+            return lax.pmean(loss, axes), [mean_shard([grads[i] for i in bucket]) for bucket in buckets], rest
 
         loss, shards, rest = jax.shard_map(
             on_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axes)),
-            out_specs=(PartitionSpec(), PartitionSpec(axes), PartitionSpec()),
+            out_specs=(PartitionSpec(), [PartitionSpec(*() if len(bucket) > 1 else (axes,)) for bucket in buckets],
+                       PartitionSpec()),
         )(params, rest, batch)
+        grads: list[Any] = [None] * len(leaves)
+        for bucket, shard in zip(buckets, shards):  # a bucket is whole; a large gradient is an eighth each
+            start = 0
+            for i in bucket:
+                grads[i] = shard[start:start + leaves[i].size].reshape(leaves[i].shape)
+                start += leaves[i].size
         # the gradient layout (replicated) then makes the compiler all-gather the slices
-        grads = jax.tree.map(lambda shard, param: shard[:param.size].reshape(param.shape), shards, params)
-        return loss, grads, rest
+        return loss, jax.tree.unflatten(tree, grads), rest
 
     def per_device_fits(state: TrainState, batch: Any) -> bool:
         """Per-device gradients need several devices, no non-parameter state and rows that split evenly."""

@@ -46,6 +46,7 @@ class TrainConfig:
     data: list[str] | None = None  # text files or folders; default: the Python standard library
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
+    scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
     eval_every: int = 100  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation
     log_every: int = 10  # steps between metric records and progress lines
@@ -77,6 +78,8 @@ def _settings(config: TrainConfig) -> tuple[TransformerConfig, int, int, float]:
         overrides["seq_len"] = config.seq_len
     if config.remat is not None:
         overrides["remat"] = config.remat
+    if config.scan_layers is not None:
+        overrides["scan_layers"] = config.scan_layers
     model = preset.config(**overrides)
     steps = config.steps if config.steps is not None else preset.steps
     batch = config.batch_size if config.batch_size is not None else preset.batch_size
