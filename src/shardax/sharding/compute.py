@@ -52,6 +52,12 @@ def compute_layout(mesh: Mesh, strategy: Any) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def gathers_weights() -> bool:
+    """Whether the step being traced gathers weights for compute (an FSDP-like strategy)."""
+    active = _ACTIVE.get()
+    return active is not None and bool(active[1].gather_axes)
+
+
 def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding,
                        dtype: Any = None) -> jax.Array:
     """``value`` constrained to ``compute`` (and cast to ``dtype``); its cotangent constrained
