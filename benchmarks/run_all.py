@@ -53,7 +53,7 @@ def table() -> str:
                      f"({seconds['32']:.1f} s vs {seconds['4']:.1f} s) | <= 1.5 |")
     notebook = load("notebook_step_time")
     if notebook:
-        lines.append(f"| 5. tokens/s, `notebook` preset vs the seed notebook's own code | "
+        lines.append(f"| 5. tokens/s, `notebook` preset, blocks in a loop like the notebook's, vs the notebook's own code | "
                      f"{notebook['tokens_per_s_ratio']:.2f}x ({notebook['shardax_tokens_per_s']:,.0f} vs "
                      f"{notebook['notebook_tokens_per_s']:,.0f} tok/s) | >= 1.0 |")
     largest = load("largest_model")
@@ -64,6 +64,10 @@ def table() -> str:
             text = "none" if not best else (f"{best['parameters'] / 1e6:.0f}M parameters (d_model {best['d_model']}, "
                                              f"{best['n_layers']} layers), peak {best['peak_bytes'] / 1e9:.2f} GB")
             lines.append(f"| 6. largest model under {budget:.0f} GB/device, {row['strategy']} on {row['mesh']} | {text} | - |")
+    accuracy = load("plan_accuracy")
+    if accuracy:
+        for case, (low, high) in accuracy["predicted_over_compiled_peak"].items():
+            lines.append(f"| 2. plan's peak, predicted/compiled: {case} | {low:.3f} to {high:.3f} | 1 +- 0.05 |")
     lines.append("| 7. MFU on one H100/H200 | not measured: no GPU was lent to this task | >= 55% |")
     machine = (overhead or comm or {}).get("machine", "unknown machine")
     return (f"Measured on: {machine}.\nReproduce with `python benchmarks/run_all.py`.\n\n" + "\n".join(lines) + "\n")
@@ -71,9 +75,10 @@ def table() -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search (minutes)")
+    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search and the plan-accuracy cases (minutes)")
     options = parser.parse_args()
-    names = ["overhead", "memory_and_communication", "compile_time"] + ([] if options.skip_slow else ["largest_model"])
+    names = ["overhead", "memory_and_communication", "compile_time"] + (
+        [] if options.skip_slow else ["largest_model", "plan_accuracy"])
     for name in names:
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])

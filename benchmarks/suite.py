@@ -1,4 +1,5 @@
-"""shardax's benchmark suite: overhead, memory, communication, compile time, largest model.
+"""shardax's benchmark suite: overhead, memory, communication, compile time, largest model,
+and how close ``shardax plan``'s predicted peak comes beyond the tiny preset.
 
     python benchmarks/run_all.py            # everything, then the markdown table
     python benchmarks/suite.py overhead     # one benchmark
@@ -147,8 +148,46 @@ def largest_model(budget_bytes: int = 2 * 10**9) -> dict:
                                   "remat": "full", "strategies": rows})
 
 
+def plan_accuracy() -> dict:
+    """Predicted / compiled peak beyond the tiny preset: each case is (name, preset, strategy and
+    mesh pairs, overrides of the model, batch size, microbatches)."""
+    every = STRATEGY_MESHES
+    cases = [
+        ("small, every strategy", "small", every, {}, 64, 1),
+        ("medium, remat full, every strategy", "medium", every, {"remat": "full"}, 16, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "small", [("fsdp_tp", "data=2,model=4")], {}, 32, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "small", [("fsdp_tp", "data=2,model=4")],
+         {"remat": "full"}, 32, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "medium", [("fsdp_tp", "data=2,model=4")], {}, 32, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "medium", [("fsdp_tp", "data=2,model=4")],
+         {"remat": "full"}, 32, 1),
+        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), ("fsdp", "data=8"), ("dp", "data=8")],
+         {}, 64, 4),
+        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), ("fsdp", "data=8"), ("dp", "data=8")],
+         {"remat": "full"}, 64, 4),
+        ("bfloat16, remat none and full", "small", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")],
+         {"compute_dtype": "bfloat16"}, 64, 1),
+        ("bfloat16, remat none and full", "small", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")],
+         {"compute_dtype": "bfloat16", "remat": "full"}, 64, 1),
+    ]
+    rows = []
+    for name, preset, pairs, overrides, batch, microbatches in cases:
+        for strategy, mesh in pairs:
+            plan = plan_strategy(get_preset(preset).config(**overrides), strategy, mesh, batch_size=batch,
+                                 grad_accum=microbatches)
+            rows.append({"case": name, "preset": preset, "strategy": strategy, "mesh": mesh, **overrides,
+                         "batch_size": batch, "grad_accum": microbatches,
+                         "peak_ratio": plan.predicted["total"] / plan.compiled["peak"]})
+    summary = {}
+    for row in rows:
+        ratio = row["peak_ratio"]
+        low, high = summary.get(row["case"], (ratio, ratio))
+        summary[row["case"]] = (min(low, ratio), max(high, ratio))
+    return save("plan_accuracy", {"cases": rows, "predicted_over_compiled_peak": summary})
+
+
 BENCHMARKS = {"overhead": overhead, "memory_and_communication": memory_and_communication,
-              "compile_time": compile_time, "largest_model": largest_model}
+              "compile_time": compile_time, "largest_model": largest_model, "plan_accuracy": plan_accuracy}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(BENCHMARKS):
