@@ -150,29 +150,22 @@ def largest_model(budget_bytes: int = 2 * 10**9) -> dict:
 
 def plan_accuracy() -> dict:
     """Predicted / compiled peak beyond the tiny preset: each case is (name, preset, strategy and
-    mesh pairs, overrides of the model, batch size, microbatches)."""
-    every = STRATEGY_MESHES
+    mesh pairs, the model overrides to try, batch size, microbatches)."""
+    remat_none_and_full = [{}, {"remat": "full"}]
+    fsdp_tp_4 = [("fsdp_tp", "data=2,model=4")]
+    some = [("dp", "data=8"), ("fsdp", "data=8")]
     cases = [
-        ("small, every strategy", "small", every, {}, 64, 1),
-        ("medium, remat full, every strategy", "medium", every, {"remat": "full"}, 16, 1),
-        ("fsdp_tp on data=2,model=4, remat none and full", "small", [("fsdp_tp", "data=2,model=4")], {}, 32, 1),
-        ("fsdp_tp on data=2,model=4, remat none and full", "small", [("fsdp_tp", "data=2,model=4")],
-         {"remat": "full"}, 32, 1),
-        ("fsdp_tp on data=2,model=4, remat none and full", "medium", [("fsdp_tp", "data=2,model=4")], {}, 32, 1),
-        ("fsdp_tp on data=2,model=4, remat none and full", "medium", [("fsdp_tp", "data=2,model=4")],
-         {"remat": "full"}, 32, 1),
-        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), ("fsdp", "data=8"), ("dp", "data=8")],
-         {}, 64, 4),
-        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), ("fsdp", "data=8"), ("dp", "data=8")],
-         {"remat": "full"}, 64, 4),
-        ("bfloat16, remat none and full", "small", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")],
-         {"compute_dtype": "bfloat16"}, 64, 1),
-        ("bfloat16, remat none and full", "small", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")],
-         {"compute_dtype": "bfloat16", "remat": "full"}, 64, 1),
+        ("small, every strategy", "small", STRATEGY_MESHES, [{}], 64, 1),
+        ("medium, remat full, every strategy", "medium", STRATEGY_MESHES, [{"remat": "full"}], 16, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "small", fsdp_tp_4, remat_none_and_full, 32, 1),
+        ("fsdp_tp on data=2,model=4, remat none and full", "medium", fsdp_tp_4, remat_none_and_full, 32, 1),
+        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), *some], remat_none_and_full, 64, 4),
+        ("bfloat16, remat none and full", "small", [*some, ("tp", "data=4,model=2")],
+         [{"compute_dtype": "bfloat16", **remat} for remat in remat_none_and_full], 64, 1),
     ]
     rows = []
-    for name, preset, pairs, overrides, batch, microbatches in cases:
-        for strategy, mesh in pairs:
+    for name, preset, pairs, variants, batch, microbatches in cases:
+        for overrides, (strategy, mesh) in ((o, p) for o in variants for p in pairs):
             plan = plan_strategy(get_preset(preset).config(**overrides), strategy, mesh, batch_size=batch,
                                  grad_accum=microbatches)
             rows.append({"case": name, "preset": preset, "strategy": strategy, "mesh": mesh, **overrides,

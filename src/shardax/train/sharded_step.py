@@ -151,11 +151,11 @@ def build_train_step(
 
         loss, shards, rest = jax.shard_map(
             on_device, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(axes)),
-            out_specs=(PartitionSpec(), [PartitionSpec(*() if len(bucket) > 1 else (axes,)) for bucket in buckets],
+            out_specs=(PartitionSpec(), [PartitionSpec() if len(bucket) > 1 else PartitionSpec(axes) for bucket in buckets],
                        PartitionSpec()),
         )(params, rest, batch)
         grads: list[Any] = [None] * len(leaves)
-        for bucket, shard in zip(buckets, shards):  # a bucket is whole; a large gradient is an eighth each
+        for bucket, shard in zip(buckets, shards):  # a bucket is whole; a large gradient split over the replicas
             start = 0
             for i in bucket:
                 grads[i] = shard[start:start + leaves[i].size].reshape(leaves[i].shape)
