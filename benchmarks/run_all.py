@@ -2,7 +2,8 @@
 
     python benchmarks/run_all.py [--skip-slow]
 
-Each benchmark runs in its own process (8 simulated CPU devices) and writes its JSON result;
+Each benchmark runs in its own process (8 simulated CPU devices; MFU on the GPU when one is
+there) and writes its JSON result;
 the table is then built from the JSON files only, so every figure in it comes from a run.
 """
 
@@ -19,6 +20,12 @@ RESULTS = HERE / "results"
 def run(args):
     print("+", " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], check=True, cwd=HERE.parent)
+
+
+def has_gpu() -> bool:
+    probe = "import jax; print(jax.devices()[0].platform)"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return found.stdout.strip() == "gpu"
 
 
 def load(name):
@@ -68,7 +75,14 @@ def table() -> str:
     if accuracy:
         for case, (low, high) in accuracy["predicted_over_compiled_peak"].items():
             lines.append(f"| 2. plan's peak, predicted/compiled: {case} | {low:.3f} to {high:.3f} | 1 +- 0.05 |")
-    lines.append("| 7. MFU on one H100/H200 | not measured: no GPU was lent to this task | >= 55% |")
+    mfu = load("mfu")
+    if mfu:
+        lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']} "
+                     f"({mfu['formula']}) | {100 * mfu['mfu']:.1f}% ({mfu['tokens_per_s']:,.0f} tok/s, peak "
+                     f"{mfu['peak_bytes_in_use'] / 1e9:.1f} GB) | >= 55% |")
+    else:
+        lines.append("| 7. MFU on one H100/H200 (`benchmarks/mfu.py`) | not measured: no GPU was lent to this task "
+                     "| >= 55% |")
     machine = (overhead or comm or {}).get("machine", "unknown machine")
     return (f"Measured on: {machine}.\nReproduce with `python benchmarks/run_all.py`.\n\n" + "\n".join(lines) + "\n")
 
@@ -82,6 +96,8 @@ if __name__ == "__main__":
     for name in names:
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])
+    if has_gpu():
+        run(["benchmarks/mfu.py"])
     text = table()
     (RESULTS / "README.md").write_text(text)
     print(text)

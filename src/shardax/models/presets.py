@@ -59,3 +59,16 @@ def parameter_count(config: TransformerConfig) -> int:
     tables = v * d * (1 if config.tie_embeddings else 2)
     positions = config.seq_len * d if config.positions == "learned" else 0
     return config.n_layers * per_layer + tables + positions + 2 * d
+
+
+def flops_per_token(config: TransformerConfig) -> int:
+    """Model FLOPs of one training token (forward and backward), the numerator of MFU.
+
+    6 N + 12 L d T: every parameter takes part in one multiply-add per token forward and two
+    backward (6 N with N = ``parameter_count``), and attention's two matmuls (Q K^T and the
+    weighted sum of V) cost 4 d T per token and layer forward, 12 d T with the backward pass,
+    counted over the whole T x T square as PaLM's appendix B does (causal masking halves the
+    useful work but not what dense kernels compute). Recomputation under remat is not counted:
+    MFU measures useful work.
+    """
+    return 6 * parameter_count(config) + 12 * config.n_layers * config.d_model * config.seq_len
