@@ -13,7 +13,8 @@ from shardax.model_parallel import parallelize
 from shardax.sharding.report import report
 from shardax.sharding.rules import resolve_spec
 from shardax.sharding.strategies import STRATEGIES, Strategy, get_strategy
-from small_models import AnnotatedMLP, assert_trees_close, mse_loss, regression_batches
+from shardax.models.transformer import TransformerLM
+from small_models import AnnotatedMLP, assert_trees_close, mse_loss, regression_batches, tiny_transformer_config
 
 MESH_2x4 = DeviceMeshManager().create_device_mesh("data=2,model=4")
 RULES = (("embed", "data"), ("mlp", "model"), ("heads", "model"), ("heads", "data"), ("vocab", None))
@@ -93,7 +94,8 @@ def test_indivisible_leaves_are_replicated_and_reported():
                            "fsdp")
     assert parallel.layout.leaves["odd"].spec == P(None, None)
     assert parallel.layout.notes() == [
-        "odd: embed=12 does not divide data=8; no dimension of (6, 12) divides data=8"]
+        "odd: embed=12 does not divide data=8; replicated over data=8, no dimension of (6, 12) can take it: "
+        "heads=6 is not a multiple of 8, embed=12 is not a multiple of 8"]
     text = report(parallel).table()
     first_rows = text.splitlines()[1:3]
     assert "params/odd" in first_rows[0] and first_rows[0].rstrip().endswith("yes")  # largest replicated first
@@ -161,3 +163,11 @@ def test_sharded_embed_splits_the_vocabulary_under_tp():
     batch = {"ids": np.arange(32, dtype=np.int32).reshape(4, 8)}
     state, metrics = parallel.train_step(loss_fn)(state, parallel.place_batch(batch))
     assert np.isfinite(float(metrics["loss"])) and state.params["embed"]["embedding"][...].sharding.spec == P("model", None)
+
+
+def test_a_stacked_bias_already_split_over_model_says_why_data_cannot_split_it():
+    parallel = parallelize(lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), optax.sgd(0.1),
+                           DeviceMeshManager().create_device_mesh("data=4,model=2"), "fsdp_tp")
+    assert list(parallel.layout.leaves["blocks/mlp_in_bias"].notes) == [
+        "replicated over data=4, no dimension of (2, 64) can take it: layers=2 is the stacked layers, never split, "
+        "mlp=64 is split over model already"]

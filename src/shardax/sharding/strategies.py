@@ -75,7 +75,7 @@ class Strategy:
             if with_fsdp is not None:
                 spec = with_fsdp
             elif shape:  # scalars are replicated without comment
-                notes.append(f"no dimension of {tuple(shape)} divides {self.fsdp_axis}={mesh.shape[self.fsdp_axis]}")
+                notes.append(_no_room(spec, shape, logical, self.fsdp_axis, mesh.shape[self.fsdp_axis]))
         return spec, notes
 
     def compute_spec(self, param_spec: PartitionSpec) -> PartitionSpec:
@@ -100,6 +100,23 @@ class Strategy:
         """Split the leading (batch) dimension over every batch axis the mesh has."""
         axes = tuple(a for a in self.batch_axes if a in mesh.shape)
         return PartitionSpec(axes if len(axes) > 1 else (axes[0] if axes else None))
+
+
+def _no_room(spec: PartitionSpec, shape: tuple[int, ...], logical: tuple[str | None, ...] | None,
+             axis: str, size: int) -> str:
+    """Why no dimension of a parameter of ``shape`` could take ``axis``, dimension by dimension."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    names = logical if logical is not None and len(logical) == len(shape) else (None,) * len(shape)
+    reasons = []
+    for length, name, entry in zip(shape, names, entries):
+        label = f"{name}={length}" if name else f"{length}"
+        if name == "layers":
+            reasons.append(f"{label} is the stacked layers, never split")
+        elif entry is not None:
+            reasons.append(f"{label} is split over {entry} already")
+        else:
+            reasons.append(f"{label} is not a multiple of {size}")
+    return f"replicated over {axis}={size}, no dimension of {tuple(shape)} can take it: " + ", ".join(reasons)
 
 
 STRATEGIES: dict[str, Strategy] = {
