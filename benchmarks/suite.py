@@ -149,14 +149,18 @@ def largest_model(budget_bytes: int = 2 * 10**9) -> dict:
 
 
 def plan_accuracy() -> dict:
-    """Predicted / compiled peak beyond the tiny preset: each case is (name, preset, strategy and
-    mesh pairs, the model overrides to try, batch size, microbatches)."""
+    """Predicted / compiled peak beyond the tiny preset: every other preset as it comes, then
+    options. Each case is (name, preset, strategy and mesh pairs, the model overrides to try,
+    batch size, microbatches)."""
     remat_none_and_full = [{}, {"remat": "full"}]
     fsdp_tp_4 = [("fsdp_tp", "data=2,model=4")]
     some = [("dp", "data=8"), ("fsdp", "data=8")]
+    defaults = [(f"{name}, every strategy", name, STRATEGY_MESHES, [{}], get_preset(name).batch_size, 1)
+                for name in ("notebook", "small", "medium", "large", "1b")]
     cases = [
-        ("small, every strategy", "small", STRATEGY_MESHES, [{}], 64, 1),
+        *defaults,
         ("medium, remat full, every strategy", "medium", STRATEGY_MESHES, [{"remat": "full"}], 16, 1),
+        ("large, remat full, every strategy", "large", STRATEGY_MESHES, [{"remat": "full"}], 64, 1),
         ("fsdp_tp on data=2,model=4, remat none and full", "small", fsdp_tp_4, remat_none_and_full, 32, 1),
         ("fsdp_tp on data=2,model=4, remat none and full", "medium", fsdp_tp_4, remat_none_and_full, 32, 1),
         ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), *some], remat_none_and_full, 64, 4),

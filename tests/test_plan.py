@@ -149,6 +149,20 @@ def test_plan_for_every_preset_predicts_the_compiled_peak(remat):
                                                                                            plan.compiled)
 
 
+@pytest.mark.parametrize("case, strategy, mesh, overrides", [
+    # gradients dominate: HSDP keeps its reduce-scattered piece beside the FSDP shards
+    ("wide and shallow", "hsdp", "replica=2,data=4", dict(seq_len=16, d_model=512, n_layers=2)),
+    # the attention scores dominate, and their softmax gradient needs more than the rest
+    ("long sequences", "fsdp", "data=8", dict(seq_len=512, d_model=128, n_heads=4, n_layers=2,
+                                                remat="dots_saveable")),
+])
+def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
+    config = tiny_transformer_config(vocab_size=256, d_ff=4 * overrides.get("d_model", 32), **overrides)
+    plan = plan_strategy(config, strategy, mesh, batch_size=16)
+    assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=0.05), (case, plan.predicted,
+                                                                                       plan.compiled)
+
+
 def test_residuals_are_what_autodiff_keeps():
     """The stand-in trace maps back to exactly the residuals ``jax.vjp`` keeps for the real
     shapes (one device: nothing split), and tensor parallelism halves the split ones."""
