@@ -163,6 +163,19 @@ def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
                                                                                        plan.compiled)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_plan_for_blocks_in_a_loop(remat):
+    """Blocks in a Python loop: every layer's activations stay live, with remat or without."""
+    preset = get_preset("notebook")
+    plan = plan_strategy(preset.config(scan_layers=False, remat=remat), "dp", "data=8", batch_size=preset.batch_size)
+    assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=0.05), (plan.predicted, plan.compiled)
+    assert [note for note in plan.lint if "Python loop" in note] == [
+        "layers in a Python loop (scan_layers=False): XLA keeps every layer's activations live whatever the remat "
+        "policy, so remat only costs time; use scanned layers to save memory"]
+    fsdp = plan_strategy(preset.config(scan_layers=False), "fsdp", "data=8", batch_size=preset.batch_size)
+    assert "the peak predicted for fsdp with looped layers is rough" in fsdp.lint[-1]
+
+
 def test_residuals_are_what_autodiff_keeps():
     """The stand-in trace maps back to exactly the residuals ``jax.vjp`` keeps for the real
     shapes (one device: nothing split), and tensor parallelism halves the split ones."""

@@ -73,9 +73,10 @@ _STAND_IN = dict(rows=23, seq=19, heads=5, head=14, mlp=13, vocab=17, layers=29)
 
 
 @functools.lru_cache(maxsize=64)
-def _residual_shapes(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """What autodiff keeps for the backward pass of ``TransformerLM`` (shapes in stand-in sizes,
-    item sizes in bytes): the residuals of ``jax.vjp``, less the parameters it holds on to."""
+def _residual_shapes(model: Any, layers: int = _STAND_IN["layers"]) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """What autodiff keeps for the backward pass of ``TransformerLM`` with ``layers`` layers
+    (shapes in stand-in sizes, item sizes in bytes): the residuals of ``jax.vjp``, less the
+    parameters it holds on to."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -85,7 +86,7 @@ def _residual_shapes(model: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
     size = _STAND_IN
     stand_in = dataclasses.replace(model, vocab_size=size["vocab"], seq_len=size["seq"],
                                    d_model=size["heads"] * size["head"], n_heads=size["heads"],
-                                   n_layers=size["layers"], d_ff=size["mlp"])
+                                   n_layers=layers, d_ff=size["mlp"])
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
 
@@ -118,6 +119,26 @@ def _model_split_dims(layout: Layout) -> dict[str, int]:
     return {name: ways or 1 for name, ways in split.items()}
 
 
+def _actual_sizes(model: Any, rows: int, split: dict[str, int]) -> dict[int, int]:
+    """Each stand-in size -> its size on one device."""
+    size = _STAND_IN
+    return {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
+            size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
+            size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
+            size["vocab"]: max(model.vocab_size // split["vocab"], 1), size["layers"]: model.n_layers}
+
+
+def _looped_residual_bytes(model: Any, rows: int, split: dict[str, int]) -> int:
+    """What autodiff keeps for blocks in a Python loop without remat, per device: traced with one
+    and with two blocks, each further block keeping what the second added."""
+    model = dataclasses.replace(model, scan_layers=False, remat="none")
+    actual = _actual_sizes(model, rows, split)
+    one, two = (sum(math.prod(actual.get(dim, dim) for dim in dims) * itemsize
+                    for dims, itemsize in _residual_shapes(model, layers))
+                for layers in (1, 2))
+    return one + (model.n_layers - 1) * (two - one)
+
+
 def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
     """(all residuals, one layer's residuals without remat) per device, for ``rows`` rows."""
     return _residual_bytes(model, rows, _model_split_dims(layout))[:2]
@@ -130,10 +151,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, 
     # residuals per layer, and stacking shows which of them belong to a layer.
     model = dataclasses.replace(model, scan_layers=True)
     size = _STAND_IN
-    actual = {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
-              size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
-              size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
-              size["vocab"]: max(model.vocab_size // split["vocab"], 1), size["layers"]: model.n_layers}
+    actual = _actual_sizes(model, rows, split)
 
     def total(shapes: Any) -> tuple[int, int, int]:
         every = per_layer = scores = 0
@@ -174,12 +192,18 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
         return 0
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
     split = _model_split_dims(layout)
-    kept, layer, scores = _residual_bytes(model, rows, split)
-    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
     d, f = model.d_model, model.d_ff
     weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
-    per_layer, per_score, per_unsplit, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
     gathers = bool(layout.strategy.gather_axes)
+    if not model.scan_layers:
+        # Measured on XLA:CPU: with blocks in a loop every layer's activations stay live whatever
+        # the remat policy (the recomputation is scheduled early), and under remat a gathering
+        # strategy keeps every layer's gathered weights too.
+        gathered = model.n_layers * weights if gathers and model.remat != "none" else 0
+        return _looped_residual_bytes(model, rows, split) + gathered
+    kept, layer, scores = _residual_bytes(model, rows, split)
+    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
+    per_layer, per_score, per_unsplit, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
     return int(kept + per_layer * (layer - scores) + per_score * scores + per_unsplit * unsplit
                + (per_weight + per_gathered * gathers) * weights)
 
@@ -198,7 +222,9 @@ def _sharded_bytes(abstract: Any, shardings: Any) -> int:
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1) -> MemoryPrediction:
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
-    gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients else "spec"
+    # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
+    looped = model is not None and not model.scan_layers
+    gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
     gradients, replicas = _per_device(layout, gradient_spec), _replicas(layout)
     # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
     # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
