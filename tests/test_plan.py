@@ -176,6 +176,12 @@ def test_plan_for_blocks_in_a_loop(remat):
     assert "the peak predicted for fsdp with looped layers is rough" in fsdp.lint[-1]
 
 
+def test_plan_in_bfloat16_says_the_cpu_compile_overstates_it():
+    plan = plan_strategy(dataclasses.replace(MODEL, compute_dtype="bfloat16"), "dp", "data=8", batch_size=16)
+    assert len(plan.lint) == 1 and plan.lint[0].startswith("bfloat16 compute on fake CPU devices: XLA:CPU computes")
+    assert plan_strategy(MODEL, "dp", "data=8", batch_size=16).lint == []
+
+
 def test_residuals_are_what_autodiff_keeps():
     """The stand-in trace maps back to exactly the residuals ``jax.vjp`` keeps for the real
     shapes (one device: nothing split), and tensor parallelism halves the split ones."""
