@@ -148,3 +148,18 @@ def test_flops_per_token_is_what_xla_counts_in_the_step():
     counted = (cost[0] if isinstance(cost, list) else cost)["flops"]
     # the formula counts matmuls only; layer norms, GELU, softmax and the loss add a little
     assert 1.0 < counted / (flops_per_token(config) * 8 * config.seq_len) < 1.05
+
+
+def test_bfloat16_weight_copies_are_cast_again_in_the_backward_pass_not_kept():
+    """Mixed precision casts each layer's weights to bfloat16; autodiff keeps activations in
+    bfloat16 but no bfloat16 copy of a weight (it would cost half the parameters' bytes)."""
+    model = TransformerLM(tiny_transformer_config(compute_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        return next_token_loss(nnx.merge(graphdef, params, rest), {"tokens": TOKENS})
+
+    kept = jax.tree.leaves(jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params))
+    weight_shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)}
+    bfloat16 = [tuple(leaf.shape) for leaf in kept if leaf.dtype == jnp.bfloat16]
+    assert bfloat16 and not weight_shapes & set(bfloat16)

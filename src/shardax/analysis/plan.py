@@ -107,7 +107,7 @@ def _bfloat16_note(model: TransformerConfig) -> list[str]:
     if model.compute_dtype != "bfloat16":
         return []
     return ["bfloat16 compute on fake CPU devices: XLA:CPU computes bfloat16 in float32 and keeps both widths, "
-            "so its compiled peak overstates an accelerator's (the small preset under dp needs 767 MB in bfloat16 "
+            "so its compiled peak overstates an accelerator's (the small preset under dp needs 725 MB in bfloat16 "
             "and 424 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
 
 

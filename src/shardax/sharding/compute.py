@@ -107,4 +107,24 @@ def for_compute(param: nnx.Variable, dtype: Any = None) -> jax.Array:
             return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient), dtype)
         # Nothing to gather or scatter (dp, zero1, tp): the weight is used where it is stored and
         # its gradient stays in that layout, so no constraint (and no custom gradient) is needed.
-    return value if dtype is None else value.astype(dtype)
+    return value if dtype is None or value.dtype == dtype else cast_for_compute(value, dtype)
+
+
+def cast_for_compute(value: jax.Array, dtype: Any) -> jax.Array:
+    """``value`` cast to ``dtype``, its cotangent cast back. Being a custom gradient, remat
+    policies built by ``without_gathered`` recompute the cast in the backward pass instead of
+    keeping every layer's copy (under mixed precision, half the parameters' bytes)."""
+    source_dtype = value.dtype
+
+    @jax.custom_vjp
+    def cast(x: jax.Array) -> jax.Array:
+        return x.astype(dtype)
+
+    def forward(x: jax.Array) -> tuple[jax.Array, None]:
+        return cast(x), None
+
+    def backward(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
+        return (cotangent.astype(source_dtype),)
+
+    cast.defvjp(forward, backward)
+    return cast(value)
