@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from cli_helpers import shardax
 from shardax import DeviceMeshManager, Strategy, parallelize
 from shardax.analysis.lint import lint, optimizer_mismatches
-from shardax.analysis.plan import parse_bytes, plan_strategy, recommend
+from shardax.analysis.plan import _looped_layers_note, parse_bytes, plan_strategy, recommend
 from shardax.layers import annotated_param
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerLM
@@ -172,8 +172,10 @@ def test_plan_for_blocks_in_a_loop(remat):
     assert [note for note in plan.lint if "Python loop" in note] == [
         "layers in a Python loop (scan_layers=False): XLA keeps every layer's activations live whatever the remat "
         "policy, so remat only costs time; use scanned layers to save memory"]
-    fsdp = plan_strategy(preset.config(scan_layers=False), "fsdp", "data=8", batch_size=preset.batch_size)
-    assert "the peak predicted for fsdp with looped layers is rough" in fsdp.lint[-1]
+    looped = preset.config(scan_layers=False)
+    fsdp = parallelize(lambda rngs: TransformerLM(looped, rngs=rngs), optax.adamw(1e-3),
+                       DeviceMeshManager().create_device_mesh("data=8"), "fsdp")
+    assert "the peak predicted for fsdp with looped layers is rough" in _looped_layers_note(looped, fsdp)[0]
 
 
 def test_plan_in_bfloat16_says_the_cpu_compile_overstates_it():

@@ -42,7 +42,8 @@ def _train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="what the backward pass recomputes instead of storing")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
         help="apply the blocks with a scan (default; compile time flat in depth) or, with --no-scan-layers, "
-             "in a Python loop (faster for shallow models on CPU)")
+             "in a Python loop (faster for shallow models on CPU, but every layer's activations stay live: "
+             "--remat then saves no memory)")
     add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
     add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     add("--log-every", type=int, help="steps between metric records (default 10)")
