@@ -28,7 +28,8 @@ import optax
 
 from shardax import DeviceMeshManager, parallelize
 from shardax.models.presets import PRESETS, flops_per_token, get_preset, parameter_count
-from shardax.models.transformer import TransformerLM, next_token_loss
+from shardax.analysis.plan import compile_step, compiled_memory
+from shardax.models.transformer import TransformerLM
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -52,13 +53,8 @@ def build(preset: str, batch_size: int, remat: str | None):
     config = get_preset(preset).config(**overrides)
     mesh = DeviceMeshManager().create_device_mesh("data=1")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh, "dp")
-    step = parallel.train_step(next_token_loss)
-    tokens = jax.ShapeDtypeStruct((batch_size, config.seq_len + 1), np.int32, sharding=parallel.layout.batch())
-    compiled = step.lower(parallel.abstract_state, {"tokens": tokens}).compile()
-    memory = compiled.memory_analysis()
-    peak = (memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes)
-    return config, parallel, compiled, peak
+    compiled = compile_step(parallel, batch_size, config.seq_len)
+    return config, parallel, compiled, compiled_memory(compiled)["peak"]
 
 
 def choose(device: jax.Device, presets: list[str], remat: str | None, allow_cpu: bool):

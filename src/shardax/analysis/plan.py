@@ -65,11 +65,22 @@ class StrategyPlan:
         return record
 
 
-def _compile(parallel, batch_size: int, seq_len: int, grad_accum: int):
+def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1):
+    """The next-token train step of ``parallel`` compiled ahead of time for one batch shape."""
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
     step = parallel.train_step(next_token_loss, grad_accum=grad_accum)
     return step.lower(parallel.abstract_state, batch).compile()
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """XLA's ``memory_analysis()`` of a compiled step per device, with its peak: arguments,
+    temporaries and outputs, less the outputs that reuse (alias) donated arguments."""
+    memory = compiled.memory_analysis()
+    measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+                "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
+    measured["peak"] = measured["arguments"] + measured["temporaries"] + measured["outputs"] - measured["aliased"]
+    return measured
 
 
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
@@ -80,12 +91,9 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape or default_mesh(resolved.name))
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, resolved)
     started = time.perf_counter()
-    compiled = _compile(parallel, batch_size, model.seq_len, grad_accum)
+    compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum)
     compile_s = time.perf_counter() - started
-    memory = compiled.memory_analysis()
-    measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
-                "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
-    measured["peak"] = measured["arguments"] + measured["temporaries"] + measured["outputs"] - measured["aliased"]
+    measured = compiled_memory(compiled)
     prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
