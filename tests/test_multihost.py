@@ -164,3 +164,29 @@ def test_kubernetes_without_a_process_count_says_what_to_set():
 def test_launcher_needs_a_command():
     result = shardax("launch", "-n", 2, check=False)
     assert result.returncode == 2 and "nothing to launch" in result.stderr
+
+
+# Process 1 takes a lock and kills itself; process 0 waits on that lock and aborts 20 ms after the kill,
+# as a JAX process does when the coordination service loses a peer. Both are dead when the launcher
+# looks, and only the order of their exits says which one failed first.
+_DIES_FIRST = """
+import fcntl, os, signal, sys, time
+index = int(os.environ["SHARDAX_PROCESS_ID"])
+lock = open(sys.argv[1], "a")
+if index == 1:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    open(sys.argv[1] + ".held", "w").close()
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+while not os.path.exists(sys.argv[1] + ".held"):
+    time.sleep(0.01)
+fcntl.flock(lock, fcntl.LOCK_EX)
+time.sleep(0.02)
+os.abort()
+"""
+
+
+def test_the_launcher_names_the_process_that_died_first_not_the_lowest_index(tmp_path):
+    result = shardax("launch", "-n", 2, "--", sys.executable, "-c", _DIES_FIRST, tmp_path / "lock", check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "shardax launch: error: process 1 of 2 was killed by SIGKILL"

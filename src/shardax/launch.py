@@ -9,6 +9,7 @@ and the launcher exits non-zero naming it: a cluster with a dead member never ha
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -47,16 +48,23 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:  # exited between the check and the signal
+        pass
+
+
 def _stop(processes: list[subprocess.Popen]) -> None:
     for process in processes:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+            _signal_group(process, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for process in processes:
         try:
             process.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            _signal_group(process, signal.SIGKILL)
             process.wait()
 
 
@@ -68,6 +76,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int)
         raise ValueError("nothing to launch; give the command after --, e.g. shardax launch -n 2 -- shardax train")
     address = f"127.0.0.1:{free_port()}"
     lock = threading.Lock()
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
     processes, relays = [], []
     for index in range(num_processes):
         env = dict(os.environ, SHARDAX_COORDINATOR_ADDRESS=address, SHARDAX_NUM_PROCESSES=str(num_processes),
@@ -80,19 +89,31 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int)
         relay = threading.Thread(target=_relay, args=(index, process.stdout, lock), daemon=True)
         relay.start()
         relays.append(relay)
+        threading.Thread(target=_report_exit, args=(index, process, exits), daemon=True).start()
     try:
-        return _supervise(processes, relays)
+        return _supervise(processes, relays, exits)
     except KeyboardInterrupt:
         _stop(processes)
         return 130
 
 
-def _supervise(processes: list[subprocess.Popen], relays: list[threading.Thread]) -> int:
-    while True:
-        codes = [process.poll() for process in processes]
-        failed = [(index, code) for index, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            index, code = failed[0]
+def _report_exit(index: int, process: subprocess.Popen, exits: queue.Queue) -> None:
+    exits.put((index, process.wait()))
+
+
+def _supervise(processes: list[subprocess.Popen], relays: list[threading.Thread], exits: queue.Queue) -> int:
+    """Wait for the processes; the first to fail is named, in the order they exited.
+
+    When one member dies the others soon abort on their own (JAX's coordination service sees the
+    lost peer), so naming the lowest failed index would often blame a bystander.
+    """
+    finished = 0
+    while finished < len(processes):
+        try:
+            index, code = exits.get(timeout=0.5)  # a timeout keeps Ctrl-C responsive
+        except queue.Empty:
+            continue
+        if code != 0:
             print(f"[launch] process {index} {_describe_exit(code)}; stopping the other processes", flush=True)
             _stop(processes)
             for relay in relays:
@@ -100,8 +121,7 @@ def _supervise(processes: list[subprocess.Popen], relays: list[threading.Thread]
             print(f"shardax launch: error: process {index} of {len(processes)} {_describe_exit(code)}",
                   file=sys.stderr, flush=True)
             return 1
-        if all(code == 0 for code in codes):
-            for relay in relays:
-                relay.join(timeout=5)
-            return 0
-        time.sleep(0.1)
+        finished += 1
+    for relay in relays:
+        relay.join(timeout=5)
+    return 0
