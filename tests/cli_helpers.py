@@ -41,6 +41,16 @@ def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def last_logged_step(path) -> int:
+    """The highest step in a metrics file that a running process may be appending to (0 if none yet)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return 0
+    complete = text[: text.rfind("\n") + 1]  # a line still being written is not read
+    return max((json.loads(line).get("step", 0) for line in complete.splitlines() if line.strip()), default=0)
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
     """The `json` package's source: ~40 KB of real text, quick to read."""

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from cli_helpers import QUICK, read_metrics, shardax, subprocess_env
+from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
 from shardax.train.checkpoint import Checkpointer
 
 STEPS = 8
@@ -32,7 +32,7 @@ def run_until_killed(args, metrics, checkpoints, kill_after_step, committed_step
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None:
-        logged = metrics.exists() and any(r["step"] >= kill_after_step for r in read_metrics(metrics))
+        logged = last_logged_step(metrics) >= kill_after_step
         if logged and (checkpoints / str(committed_step)).is_dir():  # orbax renames the folder on commit
             process.send_signal(signal.SIGKILL)
             break
