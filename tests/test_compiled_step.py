@@ -99,38 +99,17 @@ def non_scalar(collectives, kind):
     return [c for c in collectives if c.kind == kind and any(not s.endswith("[]") for s in c.shapes)]
 
 
-def test_dp_averages_small_gradients_in_one_bucket_after_the_layer_loop():
-    """Every gradient of this model is small: all are joined into one bucket and averaged by a
-    single all-reduce, once per step (never per layer inside the loop); nothing else moves."""
+def test_dp_all_reduces_every_gradient_once():
+    """One SPMD program: each scanned layer's gradients are all-reduced inside the backward loop
+    (once per layer, where XLA can overlap them with the next layer's backward pass), the rest
+    once after it; every gradient byte is reduced exactly once and nothing else moves."""
     collectives = find_collectives(compile_step("dp", "data=8")[1].as_text())
-    reduced = non_scalar(collectives, "all-reduce")
-    assert len(reduced) == 1 and reduced[0].executions == 1, collectives
-    assert f"f32[{gradient_bytes() // 4}]" in reduced[0].shapes  # (XLA may add the scalar loss to it)
     assert {c.kind for c in collectives} == {"all-reduce"}, collectives
-
-
-def test_dp_reduces_large_gradients_without_a_second_copy():
-    """Large gradients go alone, each reduce-scattered and all-gathered once, and with gradients
-    far larger than activations dp on 8 devices needs no more temporaries than one device that
-    reduces nothing (an all-reduce on XLA:CPU would keep a second copy of each: about 1.3x)."""
-    from shardax.train.sharded_step import BUCKET_BYTES
-
-    wide = tiny_transformer_config(seq_len=4, d_model=512, d_ff=2048, n_heads=4, n_layers=4)
-
-    def compiled_step(mesh_shape, rows):
-        mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
-        parallel = parallelize(lambda rngs: TransformerLM(wide, rngs=rngs), optax.adamw(1e-3), mesh, "dp")
-        batch = jax.ShapeDtypeStruct((rows, 5), jax.numpy.int32, sharding=parallel.layout.batch())
-        return parallel, parallel.train_step(next_token_loss).lower(parallel.abstract_state, {"tokens": batch}).compile()
-
-    parallel, together = compiled_step("data=8", 8)
-    large = [leaf for leaf in jax.tree.leaves(parallel.abstract_state.params) if 4 * leaf.size >= BUCKET_BYTES // 4]
-    collectives = find_collectives(together.as_text())
-    scattered = [c for c in collectives if c.kind == "reduce-scatter"]
-    assert sorted(c.operand_bytes for c in scattered) == sorted(4 * leaf.size for leaf in large)
-    assert {c.executions for c in scattered} == {1}
-    alone = compiled_step("data=1", 1)[1].memory_analysis().temp_size_in_bytes
-    assert together.memory_analysis().temp_size_in_bytes <= 1.02 * alone
+    reduced = non_scalar(collectives, "all-reduce")
+    in_loop = [c for c in reduced if c.executions == CONFIG.n_layers]
+    assert in_loop, "the layers' gradients were not reduced inside the layer loop"
+    scalars = sum(4 * c.executions for c in reduced for shape in c.shapes if shape.endswith("[]"))
+    assert sum(c.operand_bytes * c.executions for c in reduced) - scalars == gradient_bytes()
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])

@@ -13,7 +13,7 @@ import pytest
 
 from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
-from shardax.train.checkpoint import Checkpointer
+from shardax.trainer.checkpoint import Checkpointer
 
 # One pytest-xdist worker runs this file: the 1x8 / 2x4 runs are trained once and shared by the tests below.
 pytestmark = pytest.mark.xdist_group("test_multihost")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
-from shardax.train.checkpoint import Checkpointer
+from shardax.trainer.checkpoint import Checkpointer
 
 STEPS = 8
 COMMON = (*QUICK, "--steps", STEPS, "--log-every", 1, "--eval-every", 0, "--checkpoint-every", 3)

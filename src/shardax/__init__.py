@@ -32,6 +32,8 @@ from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES
 from shardax.sharding.strategies import STRATEGIES as STRATEGIES
 from shardax.sharding.strategies import Strategy as Strategy
 from shardax.sharding.strategies import get_strategy as get_strategy
-from shardax.train.state import TrainState as TrainState
+from shardax.step.state import TrainState as TrainState
+from shardax.trainer.run import FitResult as FitResult
+from shardax.trainer.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"

@@ -17,8 +17,8 @@ from shardax.mesh import describe_mesh
 from shardax.sharding import modes
 from shardax.sharding.place import place_batch, place_tree
 from shardax.sharding.rules import data_parallel_rules
-from shardax.train.gradients import reduce_gradient_tree, reduce_gradients_across_devices
-from shardax.train.step import data_parallel_train_step, spmd_train_step
+from shardax.step.gradients import reduce_gradient_tree, reduce_gradients_across_devices
+from shardax.step.data_parallel import data_parallel_train_step, spmd_train_step
 
 __all__ = [
     "DataParallel",

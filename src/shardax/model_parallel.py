@@ -23,10 +23,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.sharding.compute import compute_layout
 from shardax.sharding.layout import Layout
-from shardax.sharding.place import place_batch, spec_axes
+from shardax.sharding.place import place_batch
 from shardax.sharding.strategies import Strategy, get_strategy
-from shardax.train.sharded_step import build_train_step
-from shardax.train.state import TrainState
+from shardax.step.train import build_eval_step, build_train_step
+from shardax.step.loss import LossFn
+from shardax.step.state import TrainState
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
@@ -74,24 +75,25 @@ class ParallelModel:
         """Split a batch (or this process's slice of it) over the strategy's batch axes."""
         return place_batch(batch, self.layout.batch())
 
-    def train_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1,
+    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1,
                    donate: bool = True) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
-        """A compiled ``(state, batch) -> (state, {"loss", "grad_norm"})`` for this layout.
+        """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
 
-        ``loss_fn(model, batch)`` returns the mean loss of the batch; with ``grad_accum=k`` the
-        batch is split into k microbatches whose gradients are averaged (same result, less
-        activation memory).
+        ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name":
+        scalar, ...})``; the model runs in training mode (``model.train()``) and whatever it
+        updates in ``__call__`` (batch statistics, RNG counters) is carried in ``state.rest``.
+        ``metrics`` holds ``loss``, ``grad_norm`` and the named values, each averaged over the
+        global batch. With ``grad_accum=k`` the batch is split into k microbatches whose
+        gradients and metrics are averaged (same result, less activation memory).
         """
         params = self.abstract_state.params
-        compute, gradients = self.layout.compute(params), self.layout.gradients(params)
         step = build_train_step(
             self.graphdef, self.tx, loss_fn,
-            compute_shardings=compute,
-            gradient_shardings=gradients,
+            compute_shardings=self.layout.compute(params),
+            gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
-            layer_layout=functools.partial(compute_layout, self.mesh, self.strategy),
-            replicas=self._replicas(compute, gradients),
+            layer_layout=self._layer_layout,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
@@ -101,25 +103,16 @@ class ParallelModel:
             donate_argnums=(0,) if donate else (),
         )
 
-    def _replicas(self, compute: Any, gradients: Any) -> tuple[Mesh, tuple[str, ...]] | None:
-        """``(mesh, batch axes)`` when every parameter and gradient is replicated (dp, zero1)."""
-        shardings = jax.tree.leaves((compute, gradients), is_leaf=lambda x: isinstance(x, NamedSharding))
-        if not all(isinstance(s, NamedSharding) and not any(s.spec) for s in shardings):
-            return None
-        spec = self.layout.batch().spec
-        axes = tuple(axis for entry in spec for axis in spec_axes(entry))
-        return (self.mesh, axes) if axes else None
-
-    def eval_step(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> Callable[[TrainState, Any], jax.Array]:
-        """A compiled ``(state, batch) -> loss`` with the same layouts as the train step."""
-
-        def evaluate(state: TrainState, batch: Any) -> jax.Array:
-            model = nnx.merge(self.graphdef, state.params, state.rest)
-            with compute_layout(self.mesh, self.strategy):
-                return loss_fn(model, batch)
-
+    def eval_step(self, loss_fn: LossFn) -> Callable[[TrainState, Any], dict]:
+        """A compiled ``(state, batch) -> metrics`` in eval mode (``model.eval()``: running
+        averages, no dropout), with the train step's layouts; the state is left as it was."""
+        evaluate = build_eval_step(self.graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
+                                   layer_layout=self._layer_layout)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
+
+    def _layer_layout(self) -> Any:
+        return compute_layout(self.mesh, self.strategy)
 
     def merge(self, state: TrainState) -> nnx.Module:
         """An ``nnx.Module`` holding ``state``'s parameters (sharded as they are)."""

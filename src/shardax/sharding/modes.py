@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.mesh import describe_mesh
 from shardax.sharding.paths import leaves_with_paths, map_with_path, path_matches, path_to_str
 from shardax.sharding.place import check_spec
+from shardax.sharding.strategies import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +35,11 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
 
 
-def largest_divisible_spec(shape: tuple[int, ...], axis: str, axis_size: int) -> PartitionSpec | None:
-    """Shard the largest dimension that divides by ``axis_size`` (first one on ties), or ``None``."""
-    candidates = [(size, -dim) for dim, size in enumerate(shape) if size % axis_size == 0 and size >= axis_size]
-    if not candidates:
-        return None
-    _, negative_dim = max(candidates)
-    entries: list[str | None] = [None] * len(shape)
-    entries[-negative_dim] = axis
-    return PartitionSpec(*entries)
+def shard_strategy(axis: str) -> Strategy:
+    """``"shard"`` mode as a ``Strategy``: FSDP over ``axis`` with no rules, so each leaf goes on its
+    largest dimension that divides (the same placement engine as ``parallelize``'s strategies)."""
+    return Strategy(f"shard over {axis}", param_rules=(), fsdp_axis=axis, gather_axes=(axis,), required_axes=(axis,),
+                    description=f"every leaf split over {axis} on its largest dimension that divides")
 
 
 def sharded_largest_dim(tree: Any, mesh: Mesh, axis: str | None = None) -> tuple[Any, list[str]]:
@@ -56,13 +53,14 @@ def sharded_largest_dim(tree: Any, mesh: Mesh, axis: str | None = None) -> tuple
             f"shard axis {axis!r} is not in the mesh {describe_mesh(mesh)}; "
             f"use one of {tuple(mesh.axis_names)}"
         )
+    strategy = shard_strategy(axis)
     replicated_paths: list[str] = []
 
     def plan(path: str, leaf: Any) -> NamedSharding:
-        spec = largest_divisible_spec(np.shape(leaf), axis, mesh.shape[axis])
-        if spec is None:
+        shape = tuple(np.shape(leaf))
+        spec, _ = strategy.param_spec(None, shape, mesh, f"leaf {path!r}")
+        if mesh.shape[axis] > 1 and not any(spec):
             replicated_paths.append(path)
-            spec = PartitionSpec()
         return NamedSharding(mesh, spec)
 
     shardings = map_with_path(plan, tree)

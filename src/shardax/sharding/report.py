@@ -7,7 +7,6 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from shardax.sharding.paths import path_to_str
@@ -40,7 +39,7 @@ def _leaf_report(path: str, node: Any) -> LeafReport | None:
     if sharding is None or not hasattr(value, "shape"):
         return None
     shape = tuple(value.shape)
-    itemsize = np.dtype(value.dtype).itemsize
+    itemsize = value.dtype.itemsize  # (an RNG key dtype is no numpy dtype, but has a size)
     full = math.prod(shape) * itemsize
     per_device = math.prod(sharding.shard_shape(shape)) * itemsize
     devices = len(sharding.device_set)

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from shardax.cli.common import configure_jax
 from shardax.sharding.report import format_bytes
 
 
@@ -103,3 +104,14 @@ def run_plan(args: argparse.Namespace) -> int:
     description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {args.batch_size or preset.batch_size}"
     print_plans(plans, skipped, recommend(plans, memory, model), description)
     return 0
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")  # fake CPU devices stand in for the target
+    except RuntimeError:
+        pass
+    configure_jax(mesh_devices(args.mesh, args.devices))
+    return run_plan(args)

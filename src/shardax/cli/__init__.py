@@ -1,0 +1,36 @@
+"""The ``shardax`` command: ``train`` (the LM job), ``plan`` (what fits, what it costs), ``launch``.
+
+Each subcommand lives in its own module; this one parses and reports errors: bad input is one
+line on stderr and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardax.cli.common import EXIT_BAD_INPUT, STRATEGY_NAMES, UsageError
+from shardax.cli.launch import add_launch_parser, launch_command
+from shardax.cli.plan import add_plan_parser, plan_command
+from shardax.cli.train import add_train_parser, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(subparsers)
+    add_plan_parser(subparsers, STRATEGY_NAMES)
+    add_launch_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return {"train": train, "plan": plan_command, "launch": launch_command}[args.command](args)
+    except (UsageError, ValueError, FileNotFoundError) as error:
+        print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"shardax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""What every ``shardax`` command shares: how bad input is reported, and JAX's set-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user gave; printed as one line, no traceback."""
+
+
+def configure_jax(devices: int) -> None:
+    """Before JAX starts: simulated CPU devices, quiet logs."""
+    import jax
+
+    if devices < 1:
+        raise UsageError(f"--devices {devices} must be at least 1")
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:  # JAX already started in this process (shardax used as a library)
+        if jax.devices()[0].platform == "cpu" and jax.device_count() != devices:
+            raise UsageError(f"--devices {devices}: JAX already started here with {jax.device_count()} devices") from None
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+

@@ -1,0 +1,119 @@
+"""The train and eval steps of every strategy and every model: one SPMD function each.
+
+The strategy never appears as a branch here. Parameters are constrained to their compute
+layout before the forward pass (for FSDP that is the all-gather), gradients to the strategy's
+gradient layout (the compiler then all-reduces or reduce-scatters them), and jit's
+in/out shardings keep parameters and optimizer state where the layout says.
+
+The model is rebuilt from its state inside the step, so anything a module changes in
+``__call__`` (BatchNorm statistics, the counters of ``nnx.Rngs`` streams behind Dropout, a
+user's own ``nnx.Variable``) comes out of the step as the new ``TrainState.rest``. Because the
+step is one program over the global batch, batch statistics are those of the whole batch and
+random draws are the bits one device would draw (JAX's partitionable threefry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from shardax.sharding.compute import gather_for_compute
+from shardax.step.loss import LossFn, split_loss
+from shardax.step.microbatches import split_microbatches
+from shardax.step.state import TrainState
+
+Metrics = dict[str, jax.Array]
+
+
+def _model(graphdef: nnx.GraphDef, params: Any, rest: Any, *, training: bool) -> nnx.Module:
+    """A fresh module of this trace (``copy``: its Variables may be updated here), in train or eval mode."""
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    if isinstance(model, nnx.Module):
+        model.train() if training else model.eval()
+    return model
+
+
+def build_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    loss_fn: LossFn,
+    *,
+    compute_shardings: Any,
+    gradient_shardings: Any,
+    batch_sharding: Any,
+    grad_accum: int = 1,
+    layer_layout: Callable[[], Any] = contextlib.nullcontext,
+) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
+    """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
+
+    ``layer_layout()`` is entered while the loss is traced, so layers that read their weights
+    through ``for_compute`` gather (and reduce-scatter) them one layer at a time. The metrics
+    are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
+    mean over the global batch (and over microbatches).
+    """
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum={grad_accum} must be at least 1 (the number of microbatches per step)")
+
+    def forward(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, tuple[Metrics, Any]]:
+        params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
+        model = _model(graphdef, params, rest, training=True)
+        with layer_layout():
+            loss, metrics = split_loss(loss_fn(model, batch))
+        return loss, (metrics, nnx.split(model, nnx.Param, ...)[2])
+
+    grad_fn = jax.value_and_grad(forward, has_aux=True)
+
+    def gradients(params: Any, rest: Any, batch: Any) -> tuple[Metrics, Any, Any]:
+        if grad_accum == 1:
+            (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
+            return {"loss": loss, **metrics}, grads, rest
+
+        def accumulate(carry: tuple[Metrics, Any, Any], micro: Any) -> tuple[tuple[Metrics, Any, Any], None]:
+            sums, grad_sum, rest = carry
+            micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
+            (loss, (metrics, rest)), grads = grad_fn(params, rest, micro)
+            sums = jax.tree.map(jnp.add, sums, {"loss": loss, **metrics})
+            return (sums, jax.tree.map(jnp.add, grad_sum, grads), rest), None
+
+        micro = split_microbatches(batch, grad_accum)
+        first = jax.tree.map(lambda leaf: leaf[0], micro)
+        shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0])
+        sums = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), {"loss": shapes[0], **shapes[1][0]})
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (sums, grads, rest), _ = jax.lax.scan(accumulate, (sums, zeros, rest), micro)
+        mean = functools.partial(jax.tree.map, lambda total: total / grad_accum)
+        return mean(sums), mean(grads), rest
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
+        metrics, grads, rest = gradients(state.params, state.rest, batch)
+        grads = jax.lax.with_sharding_constraint(grads, gradient_shardings)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
+        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+
+    return step
+
+
+def build_eval_step(
+    graphdef: nnx.GraphDef, loss_fn: LossFn, *, compute_shardings: Any,
+    layer_layout: Callable[[], Any] = contextlib.nullcontext,
+) -> Callable[[TrainState, Any], Metrics]:
+    """The un-jitted ``(state, batch) -> metrics``: the model in eval mode (running averages, no
+    dropout); whatever it changes while evaluating is dropped, so the training state never moves."""
+
+    def evaluate(state: TrainState, batch: Any) -> Metrics:
+        params = jax.lax.with_sharding_constraint(state.params, compute_shardings)
+        model = _model(graphdef, params, state.rest, training=False)
+        with layer_layout():
+            loss, metrics = split_loss(loss_fn(model, batch))
+        return {"loss": loss, **metrics}
+
+    return evaluate

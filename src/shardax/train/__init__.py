@@ -1,1 +1,0 @@
-"""Training: gradient reductions and train steps."""

@@ -1,0 +1,1 @@
+"""The training loop for any model: data sources, evaluation, metrics, progress, checkpoints."""

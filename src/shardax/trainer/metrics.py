@@ -1,0 +1,90 @@
+"""Metrics on disk: one JSON object per logged step, a PNG of the curves, optional TensorBoard events."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# Keys of a record that are bookkeeping, not curves.
+NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm"}
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in record.items()}
+
+
+class MetricsLog:
+    """Appends records to a JSON-lines file; on resume, drops records past the resumed step."""
+
+    def __init__(self, path: str | Path | None, *, resume_from: int | None = None) -> None:
+        self.path = Path(path) if path else None
+        self.records: list[dict[str, Any]] = []
+        if self.path is None:
+            return
+        if self.path.is_dir():
+            raise ValueError(f"metrics file {self.path} is a directory; "
+                             f"give a file name such as {self.path / 'metrics.jsonl'}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from is not None and self.path.exists():
+            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [record for record in kept if record["step"] <= resume_from]
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = _clean(record)
+        self.records.append(clean)
+        if self.path is not None:
+            with self.path.open("a") as file:
+                file.write(json.dumps(clean) + "\n")
+
+    def plot(self, loss_label: str = "loss") -> Path | None:
+        """``<metrics>.png``: each metric (training and validation) against step, loss first."""
+        if self.path is None or not self.records:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = ["loss"] + sorted({key.removeprefix("val_") for record in self.records for key in record
+                                   if key.removeprefix("val_") not in NOT_PLOTTED | {"loss"}})
+        names = names[:4]
+        figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+        for axis, name in zip(axes[0], names):
+            for key, style, label in ((name, "-", "training"), (f"val_{name}", "o-", "validation")):
+                points = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
+                if points:
+                    axis.plot(*zip(*points), style, label=f"{label} {name}")
+            axis.set_xlabel("step")
+            axis.set_ylabel(loss_label if name == "loss" else name)
+            axis.grid(alpha=0.3)
+            axis.legend()
+        figure.tight_layout()
+        image = self.path.with_suffix(".png")
+        figure.savefig(image, dpi=100)
+        plt.close(figure)
+        return image
+
+
+class TensorBoardLog:
+    """Scalars of every record as TensorBoard event files (through ``tensorboardX``)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError(f"tensorboard={str(directory)!r} needs the tensorboardX package; "
+                             "pip install 'shardax[tensorboard]' (or tensorboardX)") from None
+        self.writer = SummaryWriter(str(directory))
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in _clean(record).items():
+            if key != "step" and isinstance(value, (int, float)):
+                tag = f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
+                self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

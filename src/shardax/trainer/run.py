@@ -1,0 +1,270 @@
+"""One ``Trainer.fit`` call: where it starts (fresh or from a checkpoint), its loop, what it writes.
+
+The loop takes a step, then, as the settings say, logs a record, evaluates and starts an
+asynchronous checkpoint. The last step always gets all three, including when the data runs
+out before ``steps``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from shardax.sharding.report import format_bytes, report
+from shardax.trainer.checkpoint import Checkpointer
+from shardax.trainer.display import RunDisplay
+from shardax.trainer.metrics import MetricsLog, TensorBoardLog
+from shardax.step.state import TrainState
+from shardax.trainer.sources import BatchSource
+
+if TYPE_CHECKING:
+    from shardax.trainer.trainer import Trainer
+
+
+def host_float(value: jax.Array) -> float:
+    """A replicated scalar as a Python float, on every process (no cross-host fetch needed)."""
+    return float(np.asarray(value.addressable_data(0)))
+
+
+def batch_rows(batch: Any) -> int:
+    leaves = [leaf for leaf in jax.tree.leaves(batch) if np.ndim(leaf)]
+    return int(np.shape(leaves[0])[0]) if leaves else 1
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What ``Trainer.fit`` did.
+
+    Attributes:
+      state: the final ``TrainState`` (also ``trainer.state``).
+      start_step, end_step: the step the run started from (after a resume) and reached.
+      history: every logged record (the metrics file's lines of this run).
+      last_eval, best_eval_loss: the last evaluation's metrics and the lowest validation loss.
+      wall_s: seconds from the first step to the last checkpoint written.
+      examples_per_sec: throughput after the first (compiling) step.
+    """
+
+    state: TrainState
+    start_step: int
+    end_step: int
+    history: list[dict[str, Any]]
+    last_eval: dict[str, float] | None
+    best_eval_loss: float | None
+    wall_s: float
+    examples_per_sec: float
+
+
+@dataclasses.dataclass
+class Run:
+    trainer: Trainer
+    source: BatchSource
+    start_step: int
+    display: RunDisplay
+    metrics: MetricsLog
+    tensorboard: TensorBoardLog | None
+    checkpointer: Checkpointer | None
+    record: dict[str, Any]
+    notes: list[str]
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    last_eval: dict[str, float] | None = None
+    best_eval_loss: float | None = None
+
+    @classmethod
+    def start(cls, trainer: Trainer, source: BatchSource, *, checkpoint_dir: str | None, resume: bool,
+              max_to_keep: int, metrics: str | None, tensorboard: str | None, steps: int | None,
+              record: dict[str, Any] | None) -> Run:
+        """Check every setting, then restore or initialise the state; nothing is written before."""
+        checkpointer = Checkpointer(checkpoint_dir, max_to_keep=max_to_keep) if checkpoint_dir else None
+        notes = []
+        if resume:
+            if checkpointer is None:
+                raise ValueError("resume=True needs checkpoint_dir (where the run's checkpoints are)")
+            notes.append(_restore(trainer, checkpointer, source))
+        elif checkpointer is not None and checkpointer.latest_step() is not None:
+            raise ValueError(f"checkpoint directory {checkpointer.directory} already holds checkpoints (latest step "
+                             f"{checkpointer.latest_step()}); resume it, or choose another directory")
+        elif trainer.state is None:
+            trainer.init()
+        start = int(jax.device_get(trainer.state.step))
+        if steps is not None and start >= steps:
+            raise ValueError(f"the state is at step {start} and steps is {steps}; raise steps to train further")
+        first = jax.process_index() == 0
+        return cls(
+            trainer=trainer, source=source, start_step=start,
+            display=RunDisplay(steps, start, title=trainer.name),
+            metrics=MetricsLog(metrics if first else None, resume_from=start if resume else None),
+            tensorboard=TensorBoardLog(tensorboard) if tensorboard and first else None,
+            checkpointer=checkpointer, record=dict(record or {}), notes=notes,
+        )
+
+    def loop(self, source: BatchSource, *, steps: int | None, evaluations: Callable | None, eval_every: int,
+             log_every: int, checkpoint_every: int, on_log: Callable | None,
+             tokens_per_example: int | None) -> FitResult:
+        trainer, step_fn = self.trainer, self.trainer.train_step()
+        state, step, done = trainer.state, self.start_step, set()
+        clock = _Clock(step, tokens_per_example)
+        while steps is None or step < steps:
+            batch = source.next()
+            if batch is None:
+                break
+            placed = trainer.place(batch)
+            state, step_metrics = step_fn(state, placed)
+            step += 1
+            trainer.state = state
+            clock.count(batch_rows(placed))
+            last = step == steps
+            due = {"log": step % log_every == 0 or step == self.start_step + 1 or last,
+                   "eval": evaluations is not None and ((eval_every and step % eval_every == 0) or last),
+                   "save": self.checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0)
+                                                              or last)}
+            self._after_step(step, step_metrics, clock, due, evaluations, on_log)
+            done = {name for name, wanted in due.items() if wanted}
+        if step == self.start_step:
+            raise ValueError("the data gave no batches; give at least one batch to train on")
+        if steps is not None and step < steps:
+            self.display.print(f"the data ran out after step {step} (of {steps})")
+        final = {"log": True, "eval": evaluations is not None, "save": self.checkpointer is not None}
+        missing = {name: wanted and name not in done for name, wanted in final.items()}
+        if any(missing.values()):  # the data ran out: the last step gets what a last step gets
+            self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
+        wall = clock.finish(self.checkpointer)
+        self.display.summary(self._summary(step, clock, wall))
+        image = self.metrics.plot()
+        if image is not None:
+            self.display.print(f"metrics: {self.metrics.path}, curves: {image}")
+        return FitResult(state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
+                         clock.examples_per_sec(step))
+
+    def _after_step(self, step: int, step_metrics: dict, clock: _Clock, due: dict[str, bool],
+                    evaluations: Callable | None, on_log: Callable | None) -> None:
+        record = None
+        if due["log"]:
+            values = {name: host_float(value) for name, value in step_metrics.items()}
+            record = {"step": step, "loss": values.pop("loss"), **values, **clock.tick(step)}
+            if self.trainer.learning_rate is not None:
+                rate = self.trainer.learning_rate
+                record["lr"] = float(rate(step - 1) if callable(rate) else rate)
+            self.display.step(step, record)
+        else:
+            self.display.advance(step)
+        if due["eval"]:
+            began = time.perf_counter()
+            self.last_eval = self.trainer.evaluate(evaluations)
+            clock.pause(time.perf_counter() - began)
+            loss = self.last_eval["loss"]
+            self.best_eval_loss = loss if self.best_eval_loss is None else min(self.best_eval_loss, loss)
+            evaluated = {f"val_{name}": value for name, value in self.last_eval.items()}
+            record = (record or {"step": step}) | evaluated
+            self.display.evaluation(step, evaluated)
+        if record is not None:
+            self.history.append(record)
+            self.metrics.write(record)
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
+            if on_log is not None:
+                on_log(record)
+        if due["save"]:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        record = {"step": step, "data": self.source.record(), "seed": self.trainer.seed,
+                  "processes": jax.process_count(), **self.record}
+        self.checkpointer.save(step, self.trainer.state, record, data=self.source.save_args())
+
+    def _summary(self, step: int, clock: _Clock, wall: float) -> dict[str, str]:
+        layout = report(self.trainer.parallel)
+        rows = {"steps": f"{step - self.start_step} (to step {step})", "examples": f"{clock.examples:,}"}
+        if clock.tokens_per_example:
+            rows["tokens"] = f"{clock.examples * clock.tokens_per_example:,}"
+        rows["wall time"] = f"{wall:.1f} s"
+        rows["throughput"] = clock.throughput(step)
+        if self.best_eval_loss is not None:
+            rows["best validation loss"] = f"{self.best_eval_loss:.4f}"
+        rows["state per device"] = (f"{format_bytes(layout.bytes_per_device)} "
+                                    f"(replicated: {format_bytes(layout.replicated_bytes)})")
+        if self.checkpointer is not None:
+            rows["checkpoints"] = f"{self.checkpointer.directory} (latest step {step})"
+        return rows
+
+    def close(self) -> None:
+        self.display.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+
+def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> str:
+    """Restore the latest checkpoint into the trainer's layout and the data source's position."""
+    step = checkpointer.latest_step()
+    if step is None:
+        raise ValueError(f"resume: no checkpoint in {checkpointer.directory}; start without resume to create one")
+    saved = checkpointer.record(step).get("data", {})
+    if saved.get("kind", source.kind) != source.kind:
+        raise ValueError(f"the checkpoint in {checkpointer.directory} was saved reading a {saved['kind']} data source, "
+                         f"this run reads a {source.kind} source; resume with the same kind of data")
+    parallel = trainer.parallel
+    try:
+        state, record = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings,
+                                             data=source.restore_args())
+    except FileNotFoundError as error:
+        raise ValueError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position this "
+                         f"run needs ({error}); resume with the processes and data it was saved with") from None
+    trainer.state = state
+    source.resume(record.get("data", {}), step)
+    return f"resumed from step {step} of {checkpointer.directory}"
+
+
+class _Clock:
+    """Step times and throughput: the first record includes compilation; the summary leaves it out."""
+
+    def __init__(self, step: int, tokens_per_example: int | None) -> None:
+        self.began = self.mark = time.perf_counter()
+        self.mark_step, self.start_step = step, step
+        self.compiled_at: float | None = None
+        self.examples, self.after_first, self.rows, self.paused = 0, 0, 0, 0.0
+        self.tokens_per_example = tokens_per_example
+
+    def pause(self, seconds: float) -> None:
+        """Time spent on something else than training (evaluation): not counted in step times."""
+        self.mark += seconds
+        self.paused += seconds
+
+    def count(self, rows: int) -> None:
+        """A step of ``rows`` examples was dispatched."""
+        self.rows = rows
+        self.examples += rows
+        self.after_first += rows if self.mark_step > self.start_step else 0
+
+    def tick(self, step: int) -> dict[str, float]:
+        """Times since the last record (the step has finished: its metrics were fetched)."""
+        now = time.perf_counter()
+        elapsed = (now - self.mark) / (step - self.mark_step)
+        rows = self.rows
+        self.compiled_at = self.compiled_at or now
+        self.mark, self.mark_step = now, step
+        timing = {"step_time_s": elapsed, "examples_per_sec": rows / elapsed}
+        if self.tokens_per_example:
+            timing["tokens_per_sec"] = rows * self.tokens_per_example / elapsed
+        return timing
+
+    def finish(self, checkpointer: Checkpointer | None) -> float:
+        if checkpointer is not None:
+            checkpointer.wait()
+        self.ended = time.perf_counter()
+        return self.ended - self.began
+
+    def examples_per_sec(self, step: int) -> float:
+        trained = self.ended - (self.compiled_at or self.began) - self.paused
+        return self.after_first / trained if trained > 0 and self.after_first else 0.0
+
+    def throughput(self, step: int) -> str:
+        rate = self.examples_per_sec(step)
+        if self.tokens_per_example:
+            return f"{rate * self.tokens_per_example:,.0f} tokens/s"
+        return f"{rate:,.1f} examples/s"

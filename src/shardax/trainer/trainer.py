@@ -1,0 +1,175 @@
+"""``Trainer``: train any Flax NNX model with any optax optimizer, strategy and mesh.
+
+    trainer = Trainer(lambda rngs: MyModel(rngs=rngs), optax.adamw(1e-3), loss_fn, strategy="fsdp")
+    result = trainer.fit(train_batches, steps=1000, eval_data=held_out, eval_every=100,
+                         checkpoint_dir="runs/a/ckpt", checkpoint_every=200, metrics="runs/a/metrics.jsonl")
+
+``loss_fn(model, batch)`` returns the mean loss, or ``(loss, {"accuracy": ..., ...})``. The
+Trainer owns the rest of a run: batches placed on the mesh, the compiled step, progress,
+metrics (JSON lines, a PNG, optionally TensorBoard), evaluation in eval mode, asynchronous
+checkpoints that resume exactly (parameters, optimizer, model state, RNG streams, data
+position) and a summary. ``shardax train`` is one client of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardax.mesh import DeviceMeshManager, describe_mesh
+from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
+from shardax.sharding.place import place_batch
+from shardax.sharding.report import report
+from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
+from shardax.step.loss import LossFn
+from shardax.step.state import TrainState
+from shardax.trainer.run import FitResult, Run, batch_rows, host_float
+from shardax.trainer.sources import batch_source, evaluation_batches
+
+
+class Trainer:
+    """Train ``model`` (a factory ``rngs -> nnx.Module``) with ``optimizer`` on ``mesh`` by ``strategy``.
+
+    Args:
+      model: ``lambda rngs: MyModel(..., rngs=rngs)``; called abstractly to lay the model out, then
+        once more to initialise it straight into its shards.
+      optimizer: any ``optax.GradientTransformation``.
+      loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, {"name": scalar})``, means over the batch.
+        The model is in training mode (``model.train()``); what it updates in ``__call__``
+        (BatchNorm statistics, Dropout's RNG counters, your own Variables) is kept.
+      mesh: a ``jax.sharding.Mesh``, a shape such as ``"data=4,model=2"``, or ``None`` (every
+        device on ``data``, plus what the strategy needs).
+      strategy: ``dp``, ``zero1``, ``zero2``, ``fsdp``, ``tp``, ``fsdp_tp``, ``hsdp`` or a ``Strategy``.
+      grad_accum: microbatches per step (the same update with less activation memory).
+      seed: the model's initialisation (its ``nnx.Rngs``).
+      eval_loss_fn: what evaluation computes, in eval mode; defaults to ``loss_fn``.
+      learning_rate: the optimizer's schedule (or constant), only to log ``lr``.
+      name: the title of what is printed (``shardax train`` for the LM).
+    """
+
+    def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+                 mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
+                 seed: int = 0, eval_loss_fn: LossFn | None = None,
+                 learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax") -> None:
+        strategy = get_strategy(strategy)
+        if not isinstance(mesh, Mesh):
+            mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
+        self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy)
+        self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
+        self.grad_accum, self.seed, self.name = grad_accum, seed, name
+        self.learning_rate = learning_rate
+        self.state: TrainState | None = None
+        self._steps: dict[str, Callable] = {}
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.parallel.mesh
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.parallel.strategy
+
+    def init(self) -> TrainState:
+        """A fresh state from ``seed``, initialised straight into shards (also ``self.state``)."""
+        self.state = self.parallel.init(seed=self.seed)
+        return self.state
+
+    def train_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+        """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
+        if "train" not in self._steps:
+            self._steps["train"] = self.parallel.train_step(self.loss_fn, grad_accum=self.grad_accum)
+        return self._steps["train"]
+
+    def eval_step(self) -> Callable[[TrainState, Any], dict]:
+        if "eval" not in self._steps:
+            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn)
+        return self._steps["eval"]
+
+    def place(self, batch: Any) -> Any:
+        """A batch (this process's rows, or global arrays) as global arrays split over the batch axes."""
+        return place_batch(batch, self.parallel.layout.batch())
+
+    def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]:
+        """Metrics of ``data`` (an iterable of batches) in eval mode, averaged over its rows.
+
+        Nothing changes: not the state, not the RNG streams, not the batch statistics.
+        """
+        state = state if state is not None else self.state if self.state is not None else self.init()
+        totals: dict[str, float] = {}
+        rows = 0
+        for batch in evaluation_batches(data)():
+            placed = self.place(batch)
+            count = batch_rows(placed)
+            for name, value in self.eval_step()(state, placed).items():
+                totals[name] = totals.get(name, 0.0) + host_float(value) * count
+            rows += count
+        if not rows:
+            raise ValueError("eval_data gave no batches; give at least one batch to evaluate on")
+        return {name: total / rows for name, total in totals.items()}
+
+    def model(self, state: TrainState | None = None) -> nnx.Module:
+        """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded)."""
+        model = self.parallel.merge(state if state is not None else self.state)
+        model.eval()
+        return model
+
+    def describe(self) -> list[str]:
+        """The lines printed at the start of ``fit``: model size, strategy, mesh, state per device."""
+        parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
+        lines = [
+            f"[bold]{self.name}[/bold]: {parameters / 1e6:.2f}M parameters, strategy [bold]{self.strategy.name}[/bold] "
+            f"({self.strategy.description}) on mesh {describe_mesh(self.mesh)} "
+            f"({self.mesh.devices.size} {jax.devices()[0].platform} devices)",
+            f"state: {report(self.parallel).summary()}",
+        ]
+        return lines + [f"  replicated or moved: {note}" for note in self.parallel.layout.notes()[:5]]
+
+    def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
+            log_every: int = 10, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+            resume: bool = False, max_to_keep: int = 3, metrics: str | None = None, tensorboard: str | None = None,
+            on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
+            record: dict[str, Any] | None = None, header: Sequence[str] = ()) -> FitResult:
+        """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
+
+        Args:
+          data: batches as an iterable (list, generator, loader), a Grain dataset/DataLoader (its
+            iterator state is checkpointed), or a function ``step -> batch``. With several
+            processes each gives its own rows of every batch. See ``shardax.trainer.sources``.
+          steps: the step to train to (counted from the very start, resumes included).
+          eval_data: held-out batches (a list, a Grain dataset, or a function returning an
+            iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
+          log_every: steps between records (metrics file, progress, ``on_log``).
+          checkpoint_dir, checkpoint_every: asynchronous orbax checkpoints every so many steps
+            (0: only at the end) and at the end; ``max_to_keep`` most recent kept.
+          resume: continue from the latest checkpoint in ``checkpoint_dir`` (parameters,
+            optimizer, model state, RNG streams and data position, bit for bit). Without it, a
+            directory that already holds checkpoints is refused, never overwritten.
+          metrics: a JSON-lines file of records; a PNG of the curves is written beside it.
+          tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``).
+          on_log: called with each record (every process, the same record).
+          tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
+          record: extra JSON saved in each checkpoint (a run's settings).
+          header: extra lines printed after the set-up lines.
+        """
+        for label, value, least in (("log_every", log_every, 1), ("eval_every", eval_every, 0),
+                                    ("checkpoint_every", checkpoint_every, 0), ("steps", steps or 1, 1)):
+            if value < least:
+                raise ValueError(f"{label}={value} must be at least {least}")
+        source = batch_source(data)
+        evaluations = evaluation_batches(eval_data) if eval_data is not None else None
+        run = Run.start(self, source, checkpoint_dir=checkpoint_dir, resume=resume, max_to_keep=max_to_keep,
+                        metrics=metrics, tensorboard=tensorboard, steps=steps, record=record)
+        try:
+            run.display.print(*self.describe(), *header, *run.notes)
+            return run.loop(source, steps=steps, evaluations=evaluations, eval_every=eval_every, log_every=log_every,
+                            checkpoint_every=checkpoint_every, on_log=on_log, tokens_per_example=tokens_per_example)
+        finally:
+            run.close()

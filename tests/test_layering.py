@@ -1,0 +1,64 @@
+"""The package reads bottom-up: nothing imports a layer above its own.
+
+    mesh, distributed, launch     devices and processes
+    sharding                      rules, strategies, layouts, placement, report
+    layers, models, data          what users and we train, and the LM's data
+    step                          the compiled train/eval step of any model under any layout
+    model_parallel, data_parallel parallelize(), reshard(); the seed contract
+    trainer                       the loop for any model: data sources, eval, metrics, checkpoints
+    lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
+    cli                           the command lines
+"""
+
+import ast
+from pathlib import Path
+
+import shardax
+
+LAYERS = [
+    {"mesh", "distributed", "launch"},
+    {"sharding"},
+    {"layers", "models", "data"},
+    {"step"},
+    {"model_parallel", "data_parallel"},
+    {"trainer"},
+    {"lm", "analysis"},
+    {"cli"},
+]
+PACKAGE = Path(shardax.__file__).parent
+
+
+def layer_of(top: str) -> int:
+    for index, names in enumerate(LAYERS):
+        if top in names:
+            return index
+    raise AssertionError(f"shardax.{top} is in no layer; add it to LAYERS (and to the docstring)")
+
+
+def shardax_imports(path: Path) -> set[str]:
+    """The first component under ``shardax`` of every module ``path`` imports, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardax."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("shardax.")}
+    return found
+
+
+def test_every_module_imports_only_its_own_layer_or_below():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue  # the public API gathers from every layer
+        own = layer_of(parts[0])
+        for imported in shardax_imports(path):
+            if layer_of(imported) > own:
+                upward.append(f"{'/'.join(parts)} ({parts[0]}) imports shardax.{imported}")
+    assert not upward, upward
+
+
+def test_the_layer_list_covers_the_package():
+    tops = {path.relative_to(PACKAGE).with_suffix("").parts[0] for path in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert tops == set().union(*LAYERS)

@@ -1,0 +1,107 @@
+"""Models as users write them train under every strategy exactly like plain Flax NNX on one device.
+
+BatchNorm statistics come from the global batch, Dropout draws the bits one device would draw
+(a new draw each step and each microbatch), a user's own Variable is carried from step to step,
+metrics returned beside the loss are averaged like it, and evaluation runs in eval mode
+without touching the training state.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from shardax import DeviceMeshManager, parallelize
+from user_models import USER_MODELS, SeenExamples, classification_loss, plain_nnx_run
+
+pytestmark = pytest.mark.xdist_group("test_user_models")
+
+STEPS = 5
+STRATEGIES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
+              ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]
+
+_REFERENCE = {}
+
+
+def reference(model_name, grad_accum):
+    key = (model_name, grad_accum)
+    if key not in _REFERENCE:
+        factory, batches = USER_MODELS[model_name]
+        _REFERENCE[key] = plain_nnx_run(factory, optax.adamw(1e-2), classification_loss, batches(STEPS),
+                                        grad_accum=grad_accum)
+    return _REFERENCE[key]
+
+
+def variables(model, kind):
+    return {path: np.asarray(value) for path, value in jax.tree_util.tree_leaves_with_path(
+        jax.device_get(nnx.state(model, kind)))}
+
+
+def on_host(tree):
+    """Every leaf as numpy; RNG keys as their raw bits."""
+    def fetch(leaf):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(jax.device_get(leaf))
+
+    return jax.tree.map(fetch, tree)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("model_name", list(USER_MODELS))
+@pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, model_name, grad_accum):
+    factory, batches = USER_MODELS[model_name]
+    expected, ref_model = reference(model_name, grad_accum)
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    state, step = parallel.init(seed=0), parallel.train_step(classification_loss, grad_accum=grad_accum)
+    history = []
+    for batch in batches(STEPS):
+        state, metrics = step(state, parallel.place_batch(batch))
+        history.append(jax.device_get(metrics))
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose([h[name] for h in history], [e[name] for e in expected], rtol=1e-5, atol=1e-7)
+    assert history[-1]["loss"] != history[-2]["loss"]
+    # batch statistics, RNG counters and the user's own counter: as one device has them
+    model = parallel.merge(state)
+    for kind in (nnx.BatchStat, nnx.RngCount, SeenExamples):
+        ours, theirs = variables(model, kind), variables(ref_model, kind)
+        assert ours.keys() == theirs.keys()
+        for path in ours:
+            scale = max(1.0, float(np.abs(theirs[path]).max()))
+            np.testing.assert_allclose(ours[path], theirs[path], rtol=0, atol=1e-5 * scale, err_msg=str(path))
+    params, ref_params = variables(model, nnx.Param), variables(ref_model, nnx.Param)
+    for path in params:
+        np.testing.assert_allclose(params[path], ref_params[path], rtol=1e-4, atol=1e-5, err_msg=str(path))
+    # the state stayed where the layout put it
+    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+@pytest.mark.parametrize("model_name", list(USER_MODELS))
+@pytest.mark.parametrize("strategy, mesh_shape", [("dp", "data=8"), ("fsdp", "data=8"), ("fsdp_tp", "data=4,model=2")])
+def test_evaluation_runs_in_eval_mode_and_leaves_the_state_alone(strategy, mesh_shape, model_name):
+    factory, batches = USER_MODELS[model_name]
+    _, ref_model = reference(model_name, 1)
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    state, step = parallel.init(seed=0), parallel.train_step(classification_loss, donate=False)
+    for batch in batches(STEPS):
+        state, _ = step(state, parallel.place_batch(batch))
+    held_out = next(batches(1, seed=7))
+    before = on_host(state)
+    evaluate = parallel.eval_step(classification_loss)
+    first = jax.device_get(evaluate(state, parallel.place_batch(held_out)))
+    again = jax.device_get(evaluate(state, parallel.place_batch(held_out)))
+    assert first == again  # no dropout draw, no statistics moved
+    jax.tree.map(np.testing.assert_array_equal, on_host(state), before)
+    ref_model.eval()  # running averages, no dropout
+    expected_loss, expected = classification_loss(ref_model, held_out)
+    np.testing.assert_allclose(first["loss"], expected_loss, rtol=1e-5)
+    np.testing.assert_allclose(first["accuracy"], expected["accuracy"], rtol=1e-6)
+    # training resumes from the same state as if nothing had been evaluated
+    trained, _ = step(state, parallel.place_batch(held_out))
+    fresh = parallel.init(seed=0)
+    for batch in batches(STEPS):
+        fresh, _ = step(fresh, parallel.place_batch(batch))
+    untouched, _ = step(fresh, parallel.place_batch(held_out))
+    jax.tree.map(np.testing.assert_array_equal, on_host(trained), on_host(untouched))
