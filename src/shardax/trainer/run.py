@@ -206,8 +206,8 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) 
         raise ValueError(f"resume: no checkpoint in {checkpointer.directory}; start without resume to create one")
     saved = checkpointer.record(step).get("data", {})
     if saved.get("kind", source.kind) != source.kind:
-        raise ValueError(f"the checkpoint in {checkpointer.directory} was saved reading a {saved['kind']} data source, "
-                         f"this run reads a {source.kind} source; resume with the same kind of data")
+        raise ValueError(f"the checkpoint in {checkpointer.directory} was saved reading data of kind {saved['kind']!r}, "
+                         f"this run reads {source.kind!r}; resume with the same kind of data source")
     parallel = trainer.parallel
     try:
         state, record = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings,

@@ -1,0 +1,219 @@
+"""``shardax.Trainer``: any NNX model, any data source; metrics, evaluation, checkpoints, exact resume."""
+
+import struct
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from shardax import Trainer
+from shardax.trainer.checkpoint import Checkpointer
+from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, vector_batches
+
+pytestmark = pytest.mark.xdist_group("test_trainer")
+
+
+def trainer(strategy="fsdp", model=DropoutMLP, **options):
+    return Trainer(model, optax.adamw(1e-2), classification_loss, strategy=strategy, **options)
+
+
+def on_host(tree):
+    def fetch(leaf):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(jax.device_get(leaf))
+
+    return jax.tree.map(fetch, tree)
+
+
+def tensorboard_scalars(directory):
+    """``{(tag, step): value}`` from the event files in ``directory`` (TFRecord framing, Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars = {}
+    for path in directory.glob("events.out.tfevents.*"):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars[(value.tag, event.step)] = value.simple_value
+    return scalars
+
+
+def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsys):
+    batches, held_out = list(vector_batches(6)), list(vector_batches(2, seed=9))
+    logged = []
+    run = trainer().fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
+                        metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb", on_log=logged.append)
+    from cli_helpers import read_metrics
+
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 6] and records == logged == run.history
+    for record in records:
+        if "loss" in record:
+            assert {"loss", "accuracy", "grad_norm", "step_time_s", "examples_per_sec"} <= set(record)
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert run.last_eval == {"loss": records[-1]["val_loss"], "accuracy": records[-1]["val_accuracy"]}
+    assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
+    events = tensorboard_scalars(tmp_path / "tb")
+    assert events[("train/loss", 6)] == pytest.approx(records[-1]["loss"], rel=1e-6)
+    assert events[("eval/accuracy", 3)] == pytest.approx(records[2]["val_accuracy"], rel=1e-6)
+    out = capsys.readouterr().out
+    assert "strategy fsdp" in out and "eval step 3: validation loss" in out and "summary" in out
+    assert (run.start_step, run.end_step) == (0, 6) and run.examples_per_sec > 0
+
+
+def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
+    """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step."""
+    batches = list(image_batches(4))
+    by_trainer = trainer("zero2", ConvNet)
+    run = by_trainer.fit(batches, steps=4, log_every=1)
+    by_hand = trainer("zero2", ConvNet)
+    state, step = by_hand.init(), by_hand.parallel.train_step(classification_loss)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, by_hand.parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    assert [r["loss"] for r in run.history] == losses
+    jax.tree.map(np.testing.assert_array_equal, on_host(run.state), on_host(state))
+
+
+class Digits:
+    """A Grain random-access source (with a stable repr, which Grain records in its state)."""
+
+    def __init__(self, count=96):
+        batch = next(vector_batches(1, batch_size=count, seed=3))
+        self.inputs, self.labels = batch["inputs"], batch["labels"]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return {"inputs": self.inputs[index], "labels": self.labels[index]}
+
+    def __repr__(self):
+        return f"Digits({len(self)})"
+
+
+def grain_dataset():
+    import grain
+
+    return grain.MapDataset.source(Digits()).shuffle(seed=4).repeat().batch(16)
+
+
+def grain_loader():
+    import grain
+
+    sampler = grain.samplers.IndexSampler(len(Digits()), shuffle=True, seed=4, num_epochs=None,
+                                          shard_options=grain.sharding.ShardByJaxProcess(drop_remainder=True))
+    return grain.DataLoader(data_source=Digits(), sampler=sampler,
+                            operations=[grain.transforms.Batch(16, drop_remainder=True)], worker_count=0)
+
+
+BATCHES = list(vector_batches(12, seed=5))
+SOURCES = {
+    "list": lambda: BATCHES,
+    "step function": lambda: (lambda step: BATCHES[step]),
+    "grain dataset": grain_dataset,
+    "grain loader": grain_loader,
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_stop_and_resume_is_bit_identical_to_one_run(source, tmp_path):
+    """Parameters, optimizer, Dropout's RNG counters, the user's counter and the data position."""
+    straight = trainer().fit(SOURCES[source](), steps=6, log_every=1)
+    trainer().fit(SOURCES[source](), steps=3, log_every=1, checkpoint_dir=tmp_path)
+    resumed = trainer().fit(SOURCES[source](), steps=6, log_every=1, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.start_step == 3
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history[3:]]
+    jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(straight.state))
+    assert Checkpointer(tmp_path).all_steps() == [3, 6]
+
+
+def test_a_checkpoint_resumes_into_another_strategy(tmp_path):
+    straight = trainer("dp").fit(BATCHES, steps=6, log_every=1)
+    trainer("dp").fit(BATCHES, steps=3, checkpoint_dir=tmp_path)
+    moved = trainer("fsdp_tp").fit(BATCHES, steps=6, log_every=1, checkpoint_dir=tmp_path, resume=True)
+    np.testing.assert_allclose([r["loss"] for r in moved.history], [r["loss"] for r in straight.history[3:]],
+                               rtol=1e-5)
+
+
+def test_data_that_runs_out_ends_the_run_at_its_last_step(tmp_path, capsys):
+    run = trainer().fit(BATCHES[:5], steps=10, eval_data=BATCHES[5:7], eval_every=4, log_every=4,
+                        checkpoint_dir=tmp_path / "ckpt", checkpoint_every=4)
+    assert run.end_step == 5 and "the data ran out after step 5 (of 10)" in capsys.readouterr().out
+    assert [r["step"] for r in run.history] == [1, 4, 5] and "val_loss" in run.history[-1]
+    assert Checkpointer(tmp_path / "ckpt").all_steps() == [4, 5]
+    until_the_end = trainer().fit(BATCHES[:5], log_every=10)  # steps=None: one pass over the data
+    assert until_the_end.end_step == 5
+
+
+def test_evaluation_and_the_model_are_in_eval_mode():
+    fitted = trainer("fsdp", ConvNet)
+    fitted.fit(list(image_batches(3)), steps=3)
+    held_out = list(image_batches(2, seed=8))
+    before = on_host(fitted.state)
+    first, second = fitted.evaluate(held_out), fitted.evaluate(held_out)
+    assert first == second
+    jax.tree.map(np.testing.assert_array_equal, on_host(fitted.state), before)
+    model = fitted.model()
+    assert model.norm1.use_running_average  # the returned module is in eval mode
+    loss, metrics = classification_loss(model, {k: np.concatenate([b[k] for b in held_out]) for k in held_out[0]})
+    np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
+    np.testing.assert_allclose(first["accuracy"], float(metrics["accuracy"]), rtol=1e-6)
+
+
+def one_pass():
+    yield from BATCHES
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t, d: t.fit(BATCHES, steps=2, log_every=0), "log_every=0 must be at least 1"),
+    (lambda t, d: t.fit(BATCHES, steps=2, eval_data=one_pass()), "eval_data is a one-pass generator"),
+    (lambda t, d: t.fit(BATCHES, steps=2, resume=True), "resume=True needs checkpoint_dir"),
+    (lambda t, d: t.fit(BATCHES, steps=2, resume=True, checkpoint_dir=d), "resume: no checkpoint in"),
+    (lambda t, d: t.fit(42, steps=2), "data is a int; give an iterable of batches"),
+    (lambda t, d: t.fit([], steps=2), "the data gave no batches"),
+    (lambda t, d: t.fit([{"inputs": np.ones((12, 12), np.float32), "labels": np.zeros(12, np.int32)}], steps=1),
+     "batch leaf 'inputs': dimension 0 has size 12, which does not divide over mesh axis 'data' of size 8"),
+])
+def test_bad_arguments_are_one_line_errors(call, message, tmp_path):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        call(trainer(), tmp_path / "ckpt")
+    assert "\n" not in str(error.value)
+
+
+def test_a_loss_fn_returning_something_else_is_a_clear_error():
+    def per_example(model, batch):
+        return classification_loss(model, batch)[0] * np.ones(16)
+
+    with pytest.raises(ValueError, match=r"loss_fn returned a loss of shape \(16,\); return its mean"):
+        Trainer(DropoutMLP, optax.adamw(1e-2), per_example).fit(BATCHES, steps=1)
+
+
+def test_checkpoints_are_never_overwritten_and_resume_checks_what_it_reads(tmp_path):
+    trainer().fit(BATCHES, steps=2, checkpoint_dir=tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="already holds checkpoints \\(latest step 2\\); resume it"):
+        trainer().fit(BATCHES, steps=4, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"holds a different model: params.hidden.bias has shape \(40,\) there but \(48,\)"):
+        Trainer(_Wider, optax.adamw(1e-2), classification_loss).fit(BATCHES, steps=4, checkpoint_dir=tmp_path,
+                                                                    resume=True)
+    with pytest.raises(ValueError, match="saved reading data of kind 'iterable', this run reads 'by_step'"):
+        trainer().fit(lambda step: BATCHES[step], steps=4, checkpoint_dir=tmp_path, resume=True)
+    with pytest.raises(ValueError, match="needs data that can be read again from its start"):
+        trainer().fit(one_pass(), steps=4, checkpoint_dir=tmp_path, resume=True)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+class _Wider(DropoutMLP):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        from flax import nnx
+
+        self.hidden = nnx.Linear(12, 48, rngs=rngs)
+        self.out = nnx.Linear(48, 5, rngs=rngs)
