@@ -75,6 +75,13 @@ def table() -> str:
     if accuracy:
         for case, (low, high) in accuracy["predicted_over_compiled_peak"].items():
             lines.append(f"| 2. plan's peak, predicted/compiled: {case} | {low:.3f} to {high:.3f} | 1 +- 0.05 |")
+    trainer = load("trainer_overhead")
+    if trainer:
+        for case in trainer["cases"]:
+            low, high = case["ratio_quartiles"]
+            lines.append(f"| 8. `Trainer` step time / a hand-written loop calling the same jitted step, {case['case']} | "
+                         f"{case['ratio']:.3f} (quartiles {low:.3f} to {high:.3f}; {1000 * case['trainer_step_s']:.1f} vs "
+                         f"{1000 * case['hand_written_step_s']:.1f} ms) | <= 1.02 |")
     mfu = load("mfu")
     if mfu:
         lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']} "
@@ -96,6 +103,7 @@ if __name__ == "__main__":
     for name in names:
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])
+    run(["benchmarks/trainer_overhead.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
     text = table()

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from shardax import DeviceMeshManager
-from shardax.analysis.collectives import REDUCE_SCATTER_PATTERN, find_collectives, summarize
+from shardax.analysis.collectives import REDUCE_SCATTER_PATTERN, find_collectives
 from shardax.model_parallel import parallelize
 from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.sharding.report import report

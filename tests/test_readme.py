@@ -1,4 +1,4 @@
-"""The README's Python quick start runs as written, in a fresh interpreter."""
+"""The README's Python snippets run as written, in a fresh interpreter."""
 
 import re
 import subprocess
@@ -8,12 +8,29 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def snippet(section):
+    text = README.read_text().split(f"## {section}", 1)[1]
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+
+def run(code, cwd=None):
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
 def test_quick_start_runs():
-    text = README.read_text()
-    quick_start = text.split("## Quick start", 1)[1]
-    code = re.search(r"```python\n(.*?)```", quick_start, re.S).group(1)
+    code = snippet("Quick start")
     assert len(code.strip().splitlines()) <= 25
     code += "\nassert float(loss) > 0 and loss.sharding.is_fully_replicated\nprint('ok', float(loss))\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.startswith("ok ")
+    assert run(code).splitlines()[-1].startswith("ok ")
+
+
+def test_your_own_model_runs_and_learns(tmp_path):
+    code = snippet("Your own model")
+    code += ("\nassert result.last_eval['accuracy'] > 0.8, result.last_eval"
+             "\nassert model.dropout.deterministic and model.norm.use_running_average"
+             "\nprint('ok', result.last_eval['accuracy'])\n")
+    out = run(code, cwd=tmp_path)
+    assert out.splitlines()[-1].startswith("ok ")
+    assert (tmp_path / "runs/classifier/metrics.png").exists() and (tmp_path / "runs/classifier/ckpt/200").is_dir()

@@ -69,10 +69,10 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
 def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
     """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step."""
     batches = list(image_batches(4))
-    by_trainer = trainer("zero2", ConvNet)
+    by_trainer = trainer("zero2", ConvNet, grad_accum=2)
     run = by_trainer.fit(batches, steps=4, log_every=1)
     by_hand = trainer("zero2", ConvNet)
-    state, step = by_hand.init(), by_hand.parallel.train_step(classification_loss)
+    state, step = by_hand.init(), by_hand.parallel.train_step(classification_loss, grad_accum=2)
     losses = []
     for batch in batches:
         state, metrics = step(state, by_hand.parallel.place_batch(batch))

@@ -89,6 +89,7 @@ class ParallelModel:
         params = self.abstract_state.params
         step = build_train_step(
             self.graphdef, self.tx, loss_fn,
+            param_shardings=self.state_shardings.params,
             compute_shardings=self.layout.compute(params),
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardax.cli.common import EXIT_BAD_INPUT, STRATEGY_NAMES, UsageError
+from shardax.cli.errors import EXIT_BAD_INPUT, UsageError
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
-from shardax.cli.train import add_train_parser, train
+from shardax.cli.train import STRATEGY_NAMES, add_train_parser, train
 
 
 def main(argv: list[str] | None = None) -> int:

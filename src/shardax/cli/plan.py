@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from shardax.cli.common import configure_jax
+from shardax.cli.devices import configure_jax
 from shardax.sharding.report import format_bytes
 
 

@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardax.cli.common import STRATEGY_NAMES, UsageError, configure_jax
+from shardax.cli.devices import configure_jax
+from shardax.cli.errors import UsageError
+
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:

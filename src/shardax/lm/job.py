@@ -118,6 +118,13 @@ def _check_checkpoints(config: TrainConfig, model: TransformerConfig, steps: int
             raise ValueError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
         return
     checkpointer = Checkpointer(config.checkpoint_dir)
+    try:
+        _check_saved_run(config, model, steps, checkpointer)
+    finally:
+        checkpointer.close()
+
+
+def _check_saved_run(config: TrainConfig, model: TransformerConfig, steps: int, checkpointer: Checkpointer) -> None:
     step = checkpointer.latest_step()
     if not config.resume:
         if step is not None:

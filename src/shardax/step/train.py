@@ -45,6 +45,7 @@ def build_train_step(
     tx: optax.GradientTransformation,
     loss_fn: LossFn,
     *,
+    param_shardings: Any,
     compute_shardings: Any,
     gradient_shardings: Any,
     batch_sharding: Any,
@@ -53,7 +54,9 @@ def build_train_step(
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
 
-    ``layer_layout()`` is entered while the loss is traced, so layers that read their weights
+    Parameters stored by ``param_shardings`` are constrained to ``compute_shardings`` for the
+    forward pass, their gradients to ``gradient_shardings``. ``layer_layout()`` is entered while
+    the loss is traced, so layers that read their weights
     through ``for_compute`` gather (and reduce-scatter) them one layer at a time. The metrics
     are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
     mean over the global batch (and over microbatches).
@@ -61,8 +64,13 @@ def build_train_step(
     if grad_accum < 1:
         raise ValueError(f"grad_accum={grad_accum} must be at least 1 (the number of microbatches per step)")
 
+    def for_compute(value: jax.Array, compute: Any, gradient: Any, storage: Any) -> jax.Array:
+        if compute == gradient == storage:  # used where it is stored, its gradient kept there (dp, tp)
+            return value
+        return gather_for_compute(value, compute, gradient)
+
     def forward(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, tuple[Metrics, Any]]:
-        params = jax.tree.map(gather_for_compute, params, compute_shardings, gradient_shardings)
+        params = jax.tree.map(for_compute, params, compute_shardings, gradient_shardings, param_shardings)
         model = _model(graphdef, params, rest, training=True)
         with layer_layout():
             loss, metrics = split_loss(loss_fn(model, batch))

@@ -1,16 +1,11 @@
-"""What every ``shardax`` command shares: how bad input is reported, and JAX's set-up."""
+"""JAX's set-up before it starts: simulated CPU devices and quiet logs."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
-EXIT_BAD_INPUT = 2
-
-
-class UsageError(Exception):
-    """A problem with what the user gave; printed as one line, no traceback."""
+from shardax.cli.errors import UsageError
 
 
 def configure_jax(devices: int) -> None:
