@@ -9,22 +9,13 @@ import pytest
 
 from shardax import Trainer
 from shardax.trainer.checkpoint import Checkpointer
-from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, vector_batches
+from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
 
 pytestmark = pytest.mark.xdist_group("test_trainer")
 
 
 def trainer(strategy="fsdp", model=DropoutMLP, **options):
     return Trainer(model, optax.adamw(1e-2), classification_loss, strategy=strategy, **options)
-
-
-def on_host(tree):
-    def fetch(leaf):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(jax.device_get(leaf))
-
-    return jax.tree.map(fetch, tree)
 
 
 def tensorboard_scalars(directory):

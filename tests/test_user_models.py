@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from shardax import DeviceMeshManager, parallelize
-from user_models import USER_MODELS, SeenExamples, classification_loss, plain_nnx_run
+from user_models import USER_MODELS, SeenExamples, classification_loss, on_host, plain_nnx_run
 
 pytestmark = pytest.mark.xdist_group("test_user_models")
 
@@ -37,15 +37,6 @@ def variables(model, kind):
     return {path: np.asarray(value) for path, value in jax.tree_util.tree_leaves_with_path(
         jax.device_get(nnx.state(model, kind)))}
 
-
-def on_host(tree):
-    """Every leaf as numpy; RNG keys as their raw bits."""
-    def fetch(leaf):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(jax.device_get(leaf))
-
-    return jax.tree.map(fetch, tree)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])

@@ -95,3 +95,13 @@ def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1):
 
     history = [jax.device_get(step(model, optimizer, batch)) for batch in batches]
     return history, model
+
+
+def on_host(tree):
+    """Every leaf as numpy; RNG keys as their raw bits."""
+    def fetch(leaf):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(jax.device_get(leaf))
+
+    return jax.tree.map(fetch, tree)

@@ -80,6 +80,18 @@ class Run:
               record: dict[str, Any] | None) -> Run:
         """Check every setting, then restore or initialise the state; nothing is written before."""
         checkpointer = Checkpointer(checkpoint_dir, max_to_keep=max_to_keep) if checkpoint_dir else None
+        try:
+            return cls._start(trainer, source, checkpointer, resume=resume, metrics=metrics,
+                              tensorboard=tensorboard, steps=steps, record=record)
+        except BaseException:
+            if checkpointer is not None:
+                checkpointer.close()
+            raise
+
+    @classmethod
+    def _start(cls, trainer: Trainer, source: BatchSource, checkpointer: Checkpointer | None, *, resume: bool,
+               metrics: str | None, tensorboard: str | None, steps: int | None,
+               record: dict[str, Any] | None) -> Run:
         notes = []
         if resume:
             if checkpointer is None:
