@@ -63,3 +63,16 @@ def small_corpus(tmp_path_factory):
 
 # Small, quick runs: the tiny model on short sequences.
 QUICK = ("--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--sample-bytes", "8")
+
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def stalled(step, seconds, *command):
+    """``command`` (``shardax ...`` or a script and its arguments) with the Trainer pausing after ``step``."""
+    return [sys.executable, str(WORKERS / "stall.py"), str(step), str(seconds), *map(str, command)]
+
+
+def sealed(checkpoints, step) -> bool:
+    """Whether checkpoint ``step`` is committed and sealed (its manifest written)."""
+    return (Path(checkpoints) / str(step) / "shardax_manifest.json").is_file()

@@ -1,6 +1,7 @@
 """The package reads bottom-up: nothing imports a layer above its own.
 
-    mesh, distributed, launch     devices and processes
+    errors, mesh, distributed,    the usage error; devices and processes
+    launch
     sharding                      rules, strategies, layouts, placement, report
     layers, models, data          what users and we train, and the LM's data
     step                          the compiled train/eval step of any model under any layout
@@ -16,7 +17,7 @@ from pathlib import Path
 import shardax
 
 LAYERS = [
-    {"mesh", "distributed", "launch"},
+    {"errors", "mesh", "distributed", "launch"},
     {"sharding"},
     {"layers", "models", "data"},
     {"step"},

@@ -13,7 +13,7 @@ import pytest
 
 from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
-from shardax.trainer.checkpoint import Checkpointer
+from shardax.trainer.checkpoint import saved_arrays, saved_steps
 
 # One pytest-xdist worker runs this file: the 1x8 / 2x4 runs are trained once and shared by the tests below.
 pytestmark = pytest.mark.xdist_group("test_multihost")
@@ -23,7 +23,7 @@ LAUNCH_2x4 = ("launch", "-n", 2, "--devices-per-process", 4, "--", "shardax")
 
 
 def final_arrays(directory, step):
-    return {k: np.asarray(v) for k, v in Checkpointer(directory).arrays(step).items()}
+    return saved_arrays(directory, step)
 
 
 _PAIRS = {}
@@ -62,7 +62,7 @@ def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path,
     for name in ("one", "two"):  # continue copies: the pair's own files stay as they were
         shutil.copytree(pair / name, tmp_path / name)
         shutil.copy(pair / f"{name}.jsonl", tmp_path / f"{name}.jsonl")
-    more = (*QUICK, "--steps", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
+    more = (*QUICK, "--extend-to", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
             "--strategy", "fsdp_tp", "--resume")
     into_two = shardax(*LAUNCH_2x4, "train", *more, "--checkpoint-dir", tmp_path / "one",
                        "--metrics", tmp_path / "one.jsonl")
@@ -105,9 +105,9 @@ def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_cor
     for pid in pids:  # nobody left hanging
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    last = Checkpointer(tmp_path / "ckpt").latest_step()
+    last = max(saved_steps(tmp_path / "ckpt"), default=None)
     assert last is not None and last >= 2
-    resumed = shardax("train", *QUICK, "--steps", last + 1, "--eval-every", 0, "--sample-bytes", 0,
+    resumed = shardax("train", *QUICK, "--extend-to", last + 1, "--eval-every", 0, "--sample-bytes", 0,
                       "--data", small_corpus, "--checkpoint-dir", tmp_path / "ckpt", "--resume")
     assert f"resumed from step {last}" in resumed.stdout
 
@@ -141,17 +141,52 @@ def test_missing_peer_is_a_clear_error_not_a_hang():
     ({"SHARDAX_NUM_PROCESSES": "4", "SHARDAX_PROCESS_ID": "2", "SHARDAX_COORDINATOR_ADDRESS": "10.1.2.3:9999"},
      ("environment", "10.1.2.3:9999", 4, 2)),
     ({"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_JOB_ID": "4242"},
-     ("slurm", "gpu07:16242", 16, 5)),
-    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node1,node2"}, ("slurm", "node1:12000", 2, 1)),
+     ("slurm", "gpu07:61586", 16, 5)),
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node1,node2"}, ("slurm", "node1:61440", 2, 1)),
     ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3", "OMPI_MCA_orte_hnp_uri": "123.0;tcp://10.0.0.5:4000"},
      ("openmpi", "10.0.0.5:8476", 8, 3)),
     ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}, ("tpu-pod", "t0:8476", 4, 2)),
     ({"JOB_COMPLETION_INDEX": "1", "KUBERNETES_SERVICE_HOST": "x", "JOB_PARALLELISM": "3",
       "SHARDAX_COORDINATOR_ADDRESS": "job-0.svc:1234"}, ("kubernetes", "job-0.svc:1234", 3, 1)),
+    # docs/many-hosts.md's recipe: SHARDAX_NUM_PROCESSES must not hide the pod's own index
+    ({"JOB_COMPLETION_INDEX": "3", "KUBERNETES_SERVICE_HOST": "x", "SHARDAX_NUM_PROCESSES": "4",
+      "SHARDAX_COORDINATOR_ADDRESS": "shardax-0.shardax:8476"}, ("kubernetes", "shardax-0.shardax:8476", 4, 3)),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n1", "SHARDAX_COORDINATOR_ADDRESS": "n1:9"},
+     ("slurm", "n1:9", 4, 2)),
 ])
 def test_cluster_detection(env, expected):
     spec = detect_cluster(env)
     assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == expected
+
+
+def test_the_kubernetes_recipe_environment_forms_a_cluster():
+    """Exactly what docs/many-hosts.md sets (plus what Kubernetes sets itself): each pod its own index."""
+    from shardax.launch import free_port
+
+    code = ("from shardax.distributed import init_distributed; import jax; spec = init_distributed(cpu_devices=2); "
+            "print(spec.source, jax.process_index(), jax.process_count(), jax.device_count())")
+    address = f"127.0.0.1:{free_port()}"
+    pods = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(subprocess_env(), JOB_COMPLETION_INDEX=str(index), KUBERNETES_SERVICE_HOST="10.0.0.1",
+                                      SHARDAX_NUM_PROCESSES="2", SHARDAX_COORDINATOR_ADDRESS=address))
+            for index in (0, 1)]
+    outputs = [pod.communicate(timeout=120) for pod in pods]
+    assert [out.split() for out, _ in outputs] == [["kubernetes", "0", "2", "4"], ["kubernetes", "1", "2", "4"]], outputs
+
+
+def test_a_slurm_allocation_forms_a_cluster_through_jaxs_own_detection():
+    """SLURM's variables alone (one node, two tasks): JAX finds the coordinator, count and index itself."""
+    code = ("from shardax.distributed import init_distributed; import jax; spec = init_distributed(cpu_devices=2); "
+            "print(spec.source, spec.coordinator_address, jax.process_index(), jax.process_count())")
+    job = str(1000 + os.getpid() % 3000)  # a port JAX derives from the job id; vary it between runs
+    tasks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(subprocess_env(), SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost",
+                                       SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(index),
+                                       SLURM_LOCALID=str(index), SLURM_STEP_NUM_NODES="1"))
+             for index in (0, 1)]
+    outputs = [task.communicate(timeout=120) for task in tasks]
+    port = str(int(job) % 4096 + 61440)
+    assert [out.split() for out, _ in outputs] == [["slurm", f"localhost:{port}", str(i), "2"] for i in (0, 1)], outputs
 
 
 def test_kubernetes_without_a_process_count_says_what_to_set():

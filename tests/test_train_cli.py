@@ -29,9 +29,9 @@ def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys)
     assert main([*run, "--steps", "2", "--no-scan-layers"]) == 0
     assert "summary" in capsys.readouterr().out
     # its checkpoint holds one set of weights per block, which a scanned model cannot resume
-    assert main([*run, "--steps", "3", "--resume"]) == 2
-    assert "'scan_layers': False" in capsys.readouterr().err
-    assert main([*run, "--steps", "3", "--resume", "--no-scan-layers"]) == 0
+    assert main([*run, "--extend-to", "3", "--resume", "--scan-layers"]) == 2
+    assert "--scan-layers True contradicts the checkpoint's --scan-layers False" in capsys.readouterr().err
+    assert main([*run, "--extend-to", "3", "--resume"]) == 0  # the saved run's blocks, in a loop
 
 
 def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
@@ -100,10 +100,13 @@ def test_binary_files_are_skipped_and_counted(small_corpus, tmp_path, capsys):
 
 def test_yaml_config_with_flags_winning(small_corpus, tmp_path, capsys):
     config = tmp_path / "run.yaml"
-    config.write_text(f"steps: 5\nlog-every: 1\nstrategy: fsdp\ndata: {small_corpus}\nmetrics: {tmp_path / 'm.jsonl'}\n")
+    config.write_text(f"steps: 5\nlog-every: 1\nstrategy: fsdp\nlr: 1e-3\ndata: {small_corpus}\n"
+                      f"metrics: {tmp_path / 'm.jsonl'}\n")  # PyYAML reads 1e-3 as a string: the setting's type decides
     assert main(["train", *QUICK, "--config", str(config), "--steps", "3"]) == 0
     assert "strategy fsdp" in capsys.readouterr().out
-    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3]
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert max(r["lr"] for r in records) == pytest.approx(1e-3, rel=1e-6)  # the YAML's peak
     config.write_text("stepz: 5\n")
     result = shardax("train", "--config", config, check=False)
     assert result.returncode == 2 and "unknown setting 'stepz'" in result.stderr

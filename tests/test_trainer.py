@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from shardax import Trainer
-from shardax.trainer.checkpoint import Checkpointer
+from shardax.trainer.checkpoint import saved_steps
 from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
 
 pytestmark = pytest.mark.xdist_group("test_trainer")
@@ -122,7 +122,7 @@ def test_stop_and_resume_is_bit_identical_to_one_run(source, tmp_path):
     assert resumed.start_step == 3
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history[3:]]
     jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(straight.state))
-    assert Checkpointer(tmp_path).all_steps() == [3, 6]
+    assert saved_steps(tmp_path) == [3, 6]
 
 
 def test_a_checkpoint_resumes_into_another_strategy(tmp_path):
@@ -138,7 +138,7 @@ def test_data_that_runs_out_ends_the_run_at_its_last_step(tmp_path, capsys):
                         checkpoint_dir=tmp_path / "ckpt", checkpoint_every=4)
     assert run.end_step == 5 and "the data ran out after step 5 (of 10)" in capsys.readouterr().out
     assert [r["step"] for r in run.history] == [1, 4, 5] and "val_loss" in run.history[-1]
-    assert Checkpointer(tmp_path / "ckpt").all_steps() == [4, 5]
+    assert saved_steps(tmp_path / "ckpt") == [4, 5]
     until_the_end = trainer().fit(BATCHES[:5], log_every=10)  # steps=None: one pass over the data
     assert until_the_end.end_step == 5
 

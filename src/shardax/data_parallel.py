@@ -13,12 +13,13 @@ from typing import Any, Literal
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding import modes
 from shardax.sharding.place import place_batch, place_tree
 from shardax.sharding.rules import data_parallel_rules
-from shardax.step.gradients import reduce_gradient_tree, reduce_gradients_across_devices
 from shardax.step.data_parallel import data_parallel_train_step, spmd_train_step
+from shardax.step.gradients import reduce_gradient_tree, reduce_gradients_across_devices
 
 __all__ = [
     "DataParallel",
@@ -38,7 +39,7 @@ __all__ = [
 def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
     """A sharding that splits the leading (batch) dimension over ``data_axis``."""
     if data_axis not in mesh.shape:
-        raise ValueError(
+        raise UsageError(
             f"data_axis={data_axis!r} is not an axis of the mesh {describe_mesh(mesh)}; "
             f"use one of {tuple(mesh.axis_names)}"
         )
@@ -67,7 +68,7 @@ def model_state_shardings(
         if all(isinstance(key, str) for key in keys):
             return modes.by_path_patterns(state, mesh, param_sharding)
         return modes.by_nnx_filters(state, mesh, param_sharding)
-    raise ValueError(
+    raise UsageError(
         f"param_sharding={param_sharding!r} is not a placement mode; use one of "
         f"{', '.join(repr(m) for m in modes.MODES)}, or a dict {{path pattern: PartitionSpec}}"
     )

@@ -19,8 +19,12 @@ from collections.abc import Mapping
 
 import jax
 
+from shardax.errors import UsageError
+
 EXIT_CLUSTER_FAILURE = 3
 DEFAULT_PORT = 8476
+JAX_DETECTS = ("slurm", "openmpi")  # clusters jax.distributed.initialize() finds from their variables alone
+OVERRIDES = ("SHARDAX_COORDINATOR_ADDRESS", "SHARDAX_NUM_PROCESSES", "SHARDAX_PROCESS_ID")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,7 @@ def _first_slurm_host(nodelist: str) -> str:
     """``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
     head = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
     if head is None:
-        raise ValueError(f"cannot read a host from SLURM nodelist {nodelist!r}")
+        raise UsageError(f"cannot read a host from SLURM nodelist {nodelist!r}")
     prefix, ranges = head.group(1), head.group(3)
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
@@ -46,19 +50,16 @@ def _port(env: Mapping[str, str], fallback: int = DEFAULT_PORT) -> int:
     return int(env.get("SHARDAX_COORDINATOR_PORT", fallback))
 
 
-def detect_cluster(env: Mapping[str, str] = os.environ) -> ClusterSpec:
-    """The cluster this process belongs to, from its environment (see the module docstring)."""
-    if "SHARDAX_NUM_PROCESSES" in env:
-        return ClusterSpec("environment", env.get("SHARDAX_COORDINATOR_ADDRESS"),
-                           int(env["SHARDAX_NUM_PROCESSES"]), int(env.get("SHARDAX_PROCESS_ID", 0)))
+def _scheduler(env: Mapping[str, str]) -> ClusterSpec | None:
+    """What a scheduler's own variables say: SLURM, Open MPI, a Cloud TPU pod or a Kubernetes indexed Job."""
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
         host = _first_slurm_host(env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"])
-        port = _port(env, 12000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        port = _port(env, int(env.get("SLURM_JOB_ID", "0")) % 2**12 + 65535 - 2**12 + 1)  # JAX's own choice
         return ClusterSpec("slurm", f"{host}:{port}", int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]))
     if "OMPI_COMM_WORLD_SIZE" in env:
         uri = env.get("OMPI_MCA_orte_hnp_uri", "") or env.get("PMIX_SERVER_URI2", "")
         host = re.search(r"tcp4?://([^:,;/]+)", uri)
-        address = env.get("SHARDAX_COORDINATOR_ADDRESS") or (f"{host.group(1)}:{_port(env)}" if host else None)
+        address = f"{host.group(1)}:{_port(env)}" if host else None
         return ClusterSpec("openmpi", address, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]))
     if "TPU_WORKER_HOSTNAMES" in env and "TPU_WORKER_ID" in env:
         hosts = env["TPU_WORKER_HOSTNAMES"].split(",")
@@ -66,10 +67,29 @@ def detect_cluster(env: Mapping[str, str] = os.environ) -> ClusterSpec:
     if "JOB_COMPLETION_INDEX" in env and "KUBERNETES_SERVICE_HOST" in env:
         count = env.get("SHARDAX_NUM_PROCESSES") or env.get("JOB_PARALLELISM") or env.get("NUM_PROCESSES")
         if count is None:
-            raise ValueError("Kubernetes indexed Job found but the process count is unknown; "
+            raise UsageError("Kubernetes indexed Job found but the process count is unknown; "
                              "set SHARDAX_NUM_PROCESSES (and SHARDAX_COORDINATOR_ADDRESS=<pod-0 host>:<port>)")
-        return ClusterSpec("kubernetes", env.get("SHARDAX_COORDINATOR_ADDRESS"), int(count),
-                           int(env["JOB_COMPLETION_INDEX"]))
+        return ClusterSpec("kubernetes", None, int(count), int(env["JOB_COMPLETION_INDEX"]))
+    return None
+
+
+def detect_cluster(env: Mapping[str, str] = os.environ) -> ClusterSpec:
+    """The cluster this process belongs to (see the module docstring).
+
+    A scheduler's variables give the process count and this process's index; ``SHARDAX_*``
+    variables override what they set (``SHARDAX_COORDINATOR_ADDRESS``, ``SHARDAX_NUM_PROCESSES``,
+    ``SHARDAX_PROCESS_ID``). Without a scheduler, ``SHARDAX_NUM_PROCESSES`` alone defines the
+    cluster (``shardax launch``, or machines started by hand).
+    """
+    found = _scheduler(env)
+    address = env.get("SHARDAX_COORDINATOR_ADDRESS")
+    count, index = env.get("SHARDAX_NUM_PROCESSES"), env.get("SHARDAX_PROCESS_ID")
+    if found is not None:
+        return dataclasses.replace(found, coordinator_address=address or found.coordinator_address,
+                                   num_processes=int(count) if count else found.num_processes,
+                                   process_id=int(index) if index else found.process_id)
+    if count is not None:
+        return ClusterSpec("environment", address, int(count), int(index or 0))
     return ClusterSpec("single", None, 1, 0)
 
 
@@ -133,20 +153,28 @@ def init_distributed(
     if spec.num_processes <= 1:
         return spec
     if not spec.coordinator_address:
-        raise ValueError(f"{spec.source} cluster of {spec.num_processes} processes but no coordinator address; "
+        raise UsageError(f"{spec.source} cluster of {spec.num_processes} processes but no coordinator address; "
                          "set SHARDAX_COORDINATOR_ADDRESS=host:port (process 0's host)")
     if not 0 <= spec.process_id < spec.num_processes:
-        raise ValueError(f"process_id {spec.process_id} is outside 0..{spec.num_processes - 1}")
+        raise UsageError(f"process_id {spec.process_id} is outside 0..{spec.num_processes - 1}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout_s
-    if spec.process_id != 0 and not _wait_for_coordinator(spec.coordinator_address, deadline):
+    if spec.process_id != 0 and spec.source not in JAX_DETECTS and not _wait_for_coordinator(spec.coordinator_address,
+                                                                                           deadline):
         _fail(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the coordinator address "
               f"{spec.coordinator_address} within {timeout_s:.0f} s; check the address and that process 0 runs")
     timer = _watchdog(spec, max(deadline - time.monotonic(), 1.0))
+    # Where JAX finds this cluster itself (SLURM, Open MPI, a Cloud TPU pod) and nothing overrides
+    # it, JAX's own detection decides; shardax adds the watchdog and its clear message.
+    found_by_jax = spec.source in JAX_DETECTS and not any(os.environ.get(name) for name in OVERRIDES)
     try:
-        jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
-                                   process_id=spec.process_id, initialization_timeout=int(timeout_s) + 30,
-                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+        if found_by_jax:
+            jax.distributed.initialize(initialization_timeout=int(timeout_s) + 30,
+                                       heartbeat_timeout_seconds=heartbeat_timeout_s)
+        else:
+            jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
+                                       process_id=spec.process_id, initialization_timeout=int(timeout_s) + 30,
+                                       heartbeat_timeout_seconds=heartbeat_timeout_s)
     finally:
         timer.cancel()
     return spec

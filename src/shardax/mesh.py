@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from shardax.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 MeshShape = Union[str, Mapping[str, int], Sequence[tuple[str, int]]]
@@ -45,7 +47,7 @@ def parse_mesh_shape(shape: MeshShape) -> list[tuple[str, int]]:
         for part in (p.strip() for p in shape.split(",")):
             name, sep, size = part.partition("=")
             if not sep or not size.strip().lstrip("-").isdigit():
-                raise ValueError(
+                raise UsageError(
                     f"mesh shape {shape!r}: part {part!r} is not 'name=size'; "
                     "write it like 'data=4,model=2' (one axis may be -1)"
                 )
@@ -57,7 +59,7 @@ def parse_mesh_shape(shape: MeshShape) -> list[tuple[str, int]]:
     ):
         pairs = [(str(name), size) for name, size in shape]
     else:
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {shape!r} is not understood; give a dict {{'data': 4, 'model': 2}}, "
             "a list of (name, size) pairs, or a string 'data=4,model=2'"
         )
@@ -66,23 +68,23 @@ def parse_mesh_shape(shape: MeshShape) -> list[tuple[str, int]]:
 
 def _validated(pairs: list[tuple[str, Any]], given: Any) -> list[tuple[str, int]]:
     if not pairs:
-        raise ValueError(f"mesh shape {given!r} has no axes; give at least one, e.g. 'data=-1'")
+        raise UsageError(f"mesh shape {given!r} has no axes; give at least one, e.g. 'data=-1'")
     names = [name for name, _ in pairs]
     if any(not name for name in names):
-        raise ValueError(f"mesh shape {given!r} has an empty axis name; name every axis, e.g. 'data=4'")
+        raise UsageError(f"mesh shape {given!r} has an empty axis name; name every axis, e.g. 'data=4'")
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {given!r} names axis {duplicates[0]!r} twice; each axis name must be unique"
         )
     for name, size in pairs:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-            raise ValueError(
+            raise UsageError(
                 f"mesh shape {given!r}: axis {name!r} has size {size!r}; sizes are positive "
                 "integers, or -1 for 'the remaining devices'"
             )
     if sum(size == -1 for _, size in pairs) > 1:
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {given!r} has more than one -1 axis; only one axis can fill the remaining devices"
         )
     return [(name, int(size)) for name, size in pairs]
@@ -99,7 +101,7 @@ def resolve_mesh_shape(shape: MeshShape, num_devices: int) -> list[tuple[str, in
     if any(size == -1 for _, size in pairs):
         if num_devices % fixed:
             suggestion = [(n, s if s != -1 else 1) for n, s in pairs]
-            raise ValueError(
+            raise UsageError(
                 f"mesh shape {_format_shape(pairs)!r}: {num_devices} devices do not divide by "
                 f"the other axes' product {fixed}, so the -1 axis cannot be filled; "
                 f"use sizes whose product divides {num_devices}, e.g. "
@@ -107,7 +109,7 @@ def resolve_mesh_shape(shape: MeshShape, num_devices: int) -> list[tuple[str, in
             )
         pairs = [(n, s if s != -1 else num_devices // fixed) for n, s in pairs]
     elif fixed > num_devices:
-        raise ValueError(
+        raise UsageError(
             f"mesh shape {_format_shape(pairs)!r} needs {fixed} devices but only {num_devices} "
             f"are available; use a shape whose product is at most {num_devices}, e.g. "
             f"{_format_shape(_fit(pairs, num_devices))!r}"
@@ -131,7 +133,7 @@ def _axis_types(axis_types: AxisTypes, count: int) -> tuple[AxisType, ...]:
     if isinstance(axis_types, AxisType):
         return (axis_types,) * count
     if axis_types not in _AXIS_TYPES:
-        raise ValueError(
+        raise UsageError(
             f"axis_types={axis_types!r} is not one of 'auto', 'explicit' "
             "(or a jax.sharding.AxisType)"
         )
@@ -196,7 +198,7 @@ class DeviceMeshManager:
         dcn = resolve_mesh_shape(dcn, granules)
         ici = resolve_mesh_shape(ici_shape, len(devices) // max(granules, 1))
         if [n for n, _ in ici] != [n for n, _ in dcn]:
-            raise ValueError(
+            raise UsageError(
                 f"ici_shape {_format_shape(ici)!r} and dcn_shape {_format_shape(dcn)!r} must name the "
                 "same axes in the same order"
             )

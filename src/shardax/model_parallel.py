@@ -37,7 +37,8 @@ def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: 
     with nnx.use_eager_sharding(False):
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=tx.init(params), rest=rest)
+    zero = jax.numpy.zeros((), jax.numpy.int32)
+    return TrainState(step=zero, params=params, opt_state=tx.init(params), rest=rest, skipped=zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,8 @@ class ParallelModel:
         """Split a batch (or this process's slice of it) over the strategy's batch axes."""
         return place_batch(batch, self.layout.batch())
 
-    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1,
-                   donate: bool = True) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True,
+                   nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
 
         ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name":
@@ -84,7 +85,9 @@ class ParallelModel:
         updates in ``__call__`` (batch statistics, RNG counters) is carried in ``state.rest``.
         ``metrics`` holds ``loss``, ``grad_norm`` and the named values, each averaged over the
         global batch. With ``grad_accum=k`` the batch is split into k microbatches whose
-        gradients and metrics are averaged (same result, less activation memory).
+        gradients and metrics are averaged (same result, less activation memory). A step with a
+        non-finite loss or gradient norm is not applied and counted in ``state.skipped``; with
+        ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``).
         """
         params = self.abstract_state.params
         step = build_train_step(
@@ -95,6 +98,7 @@ class ParallelModel:
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
             layer_layout=self._layer_layout,
+            nonfinite=nonfinite,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
@@ -134,6 +138,7 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         params=layout.params(abstract.params),
         opt_state=layout.optimizer(abstract.opt_state),
         rest=layout.replicated(abstract.rest),
+        skipped=NamedSharding(mesh, PartitionSpec()),
     )
     return ParallelModel(factory, tx, graphdef, layout, abstract, shardings)
 

@@ -16,9 +16,10 @@ import jax
 import optax
 
 from shardax.analysis.collectives import find_collectives, summarize
-from shardax.analysis.traffic import wire_bytes
 from shardax.analysis.lint import lint
 from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
+from shardax.analysis.traffic import wire_bytes
+from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import parallelize
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
@@ -33,7 +34,7 @@ def parse_bytes(text: str) -> int:
     """``"80GB"``, ``"16GiB"``, ``"512MB"`` or a plain number of bytes."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"--device-memory {text!r} is not a size; write it like 80GB, 16GiB or 512MB")
+        raise UsageError(f"--device-memory {text!r} is not a size; write it like 80GB, 16GiB or 512MB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

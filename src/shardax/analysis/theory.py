@@ -236,7 +236,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         params=_sharded_bytes(abstract.params, shardings.params),
         # with accumulation, the running sum and one microbatch's gradients
         gradients=gradients * (2 if grad_accum > 1 else 1) + scattered,
-        optimizer=_sharded_bytes((abstract.opt_state, abstract.step), (shardings.opt_state, shardings.step)),
+        optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
+                                 (shardings.opt_state, shardings.step, shardings.skipped)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
         activations=activation_bytes(layout, model, batch_size, grad_accum),
     )

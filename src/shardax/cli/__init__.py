@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
-from shardax.cli.errors import EXIT_BAD_INPUT, UsageError
+from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted,
+                                UsageError)
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
 from shardax.cli.train import STRATEGY_NAMES, add_train_parser, train
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other bad input (usage stays in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
+    parser = _Parser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_train_parser(subparsers)
     add_plan_parser(subparsers, STRATEGY_NAMES)
@@ -24,9 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"train": train, "plan": plan_command, "launch": launch_command}[args.command](args)
-    except (UsageError, ValueError, FileNotFoundError) as error:
+    except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NonFiniteError as error:
+        print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except Preempted:  # the Trainer printed where the checkpoint is
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print(f"shardax {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -19,7 +19,7 @@ def configure_jax(devices: int) -> None:
     except RuntimeError:  # JAX already started in this process (shardax used as a library)
         if jax.devices()[0].platform == "cpu" and jax.device_count() != devices:
             raise UsageError(f"--devices {devices}: JAX already started here with {jax.device_count()} devices") from None
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)  # orbax logs what it also raises; the CLI reports it
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

@@ -21,7 +21,9 @@ def launch_command(args: argparse.Namespace) -> int:
     from shardax.launch import launch
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    devices = args.devices_per_process or max(1, 8 // max(args.num_processes, 1))
+    devices = args.devices_per_process
+    if devices is None:
+        devices = max(1, 8 // max(args.num_processes, 1))
     return launch(command, args.num_processes, devices)
 
 

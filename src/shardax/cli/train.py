@@ -27,7 +27,7 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
     add("--mesh", help="device mesh, e.g. data=4,model=2 (default: all devices on data)")
     add("--preset", help="model size: tiny, notebook, small, medium, large, 1b (default tiny)")
-    add("--steps", type=int, help="optimizer steps (default: the preset's)")
+    add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")
     add("--seq-len", type=int, help="bytes per training sequence")
@@ -46,7 +46,16 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--log-every", type=int, help="steps between metric records (default 10)")
     add("--checkpoint-dir", help="directory for checkpoints")
     add("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
-    add("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
+    add("--keep-checkpoints", type=int, help="how many of the latest checkpoints to keep (default 3)")
+    add("--resume", action="store_true", default=None,
+        help="continue the run from its latest good checkpoint: model, seed, batch size, data, schedule and data "
+             "position come from there; strategy, mesh, processes, remat, precision and logging may change")
+    add("--extend-to", type=int, metavar="N",
+        help="with --resume: train to step N instead of the saved run's end; past the schedule's end the "
+             "learning rate stays at its final value")
+    add("--on-nonfinite", choices=("stop", "skip"),
+        help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
+             "that update and count it (metric skipped_steps)")
     add("--metrics", help="JSON-lines metrics file; a PNG of the loss curves is written beside it")
     add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
     add("--sample-bytes", type=int, help="length of the greedy sample at the end (default 160; 0: none)")
@@ -64,21 +73,16 @@ def _load_yaml(path: str) -> dict[str, Any]:
         raise UsageError(f"--config {path}: not valid YAML ({str(error).splitlines()[0]})") from None
     if not isinstance(loaded, dict):
         raise UsageError(f"--config {path}: expected a mapping of settings, got {type(loaded).__name__}")
-    return {str(key).replace("-", "_"): value for key, value in loaded.items()}
+    return loaded
 
 
 def train_config(args: argparse.Namespace):
-    """Presets < YAML file < flags, as a ``TrainConfig``."""
-    from shardax.lm.job import TrainConfig
+    """Presets < YAML file < flags, as a ``TrainConfig`` (YAML values coerced to the settings' types)."""
+    from shardax.lm.config import TrainConfig, typed_settings
 
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    values = _load_yaml(args.config) if args.config else {}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise UsageError(f"--config {args.config}: unknown setting {unknown[0]!r}; known: {', '.join(sorted(fields))}")
+    values = typed_settings(_load_yaml(args.config), f"--config {args.config}") if args.config else {}
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    if isinstance(values.get("data"), str):
-        values["data"] = [values["data"]]
     return TrainConfig(**values)
 
 

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from shardax.errors import UsageError
+
 
 class WindowSampler:
     """Windows of ``seq_len + 1`` tokens from a 1-D token array, ``batch_size`` per step."""
@@ -25,7 +27,7 @@ class WindowSampler:
         self.seed = seed
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(
+            raise UsageError(
                 f"the text has {len(tokens)} bytes, shorter than one window of --seq-len {seq_len} + 1; "
                 "give more text or a shorter --seq-len"
             )

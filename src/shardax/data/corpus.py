@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".csv", ".html",
@@ -52,11 +54,11 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
     for given in paths:
         path = Path(given)
         if not path.exists():
-            raise ValueError(f"--data {str(given)!r} does not exist; give text files or folders of them")
+            raise UsageError(f"--data {str(given)!r} does not exist; give text files or folders of them")
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
             if not found:
-                raise ValueError(
+                raise UsageError(
                     f"--data folder {str(given)!r} holds no text files (looked for {', '.join(sorted(TEXT_SUFFIXES))})"
                 )
             files.extend(found)
@@ -100,16 +102,16 @@ def load_corpus(paths: Sequence[str | Path] | None = None, *, validation_fractio
             continue
         (validation if _is_validation(path, validation_fraction) else train).append(data)
     if skipped:
-        logger.warning("skipped %d of %d files: %s", len(skipped), len(files), "; ".join(skipped[:5]))
+        logger.info("skipped %d of %d files: %s", len(skipped), len(files), "; ".join(skipped[:5]))  # the header counts them
     if not train and not validation:
-        raise ValueError(f"no usable text in --data {source} ({len(skipped)} files skipped: {'; '.join(skipped[:3])})")
+        raise UsageError(f"no usable text in --data {source} ({len(skipped)} files skipped: {'; '.join(skipped[:3])})")
     if not train or not validation:  # one file, or an unlucky split: hold out the tail instead
         text = SEPARATOR.join(train + validation)
         cut = int(len(text) * (1 - max(validation_fraction, 0.1)))
         train, validation = [text[:cut]], [text[cut:]]
     train_bytes = np.frombuffer(SEPARATOR.join(train), np.uint8)
     if train_bytes.size < min_bytes:
-        raise ValueError(
+        raise UsageError(
             f"--data {source} has {train_bytes.size} bytes of training text, fewer than the {min_bytes} "
             "that one batch needs; give more text, or lower --seq-len / --batch-size"
         )

@@ -19,42 +19,16 @@ from jax.sharding import Mesh
 
 from shardax.data.batches import WindowSampler, validation_batches
 from shardax.data.corpus import Corpus, load_corpus
+from shardax.errors import UsageError
+from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.sampling import greedy_sample
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
-from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say
 from shardax.trainer.trainer import Trainer
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything ``shardax train`` takes; ``None`` means "the preset's value"."""
-
-    strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp
-    mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data (see DEFAULT_MESH)
-    preset: str = "tiny"  # model size, see shardax.models.presets
-    steps: int | None = None  # optimizer steps
-    batch_size: int | None = None  # global batch, in sequences
-    grad_accum: int = 1  # microbatches per step (same update, less activation memory)
-    seq_len: int | None = None  # bytes per training sequence
-    lr: float | None = None  # peak learning rate (warmup then cosine decay)
-    seed: int = 0  # model initialisation and data order
-    data: list[str] | None = None  # text files or folders; default: the Python standard library
-    precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
-    remat: str | None = None  # none, full, dots_saveable, ...
-    scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
-    eval_every: int = 100  # steps between validation evaluations (0: only at the end)
-    eval_batches: int = 4  # validation batches per evaluation
-    log_every: int = 10  # steps between metric records and progress lines
-    checkpoint_dir: str | None = None  # where checkpoints go (none: no checkpoints)
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
-    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
-    metrics: str | None = None  # JSON-lines metrics file; a PNG of the curves goes beside it
-    devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
-    sample_bytes: int = 160  # length of the greedy sample printed at the end (0: none)
 
 
 @dataclasses.dataclass
@@ -70,30 +44,10 @@ class TrainResult:
     parallel: ParallelModel
 
 
-def _settings(config: TrainConfig) -> tuple[TransformerConfig, int, int, float]:
-    preset = get_preset(config.preset)
-    overrides: dict[str, Any] = {"compute_dtype": config.precision}
-    if config.seq_len is not None:
-        overrides["seq_len"] = config.seq_len
-    if config.remat is not None:
-        overrides["remat"] = config.remat
-    if config.scan_layers is not None:
-        overrides["scan_layers"] = config.scan_layers
-    model = preset.config(**overrides)
-    steps = config.steps if config.steps is not None else preset.steps
-    batch = config.batch_size if config.batch_size is not None else preset.batch_size
-    lr = config.lr if config.lr is not None else preset.lr
-    for name, value in (("--steps", steps), ("--batch-size", batch), ("--grad-accum", config.grad_accum),
-                        ("--seq-len", model.seq_len)):
-        if value < 1:
-            raise ValueError(f"{name} {value} must be at least 1")
-    return model, steps, batch, lr
-
-
 def _check_batch(batch: int, grad_accum: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
     split = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) * grad_accum
     if batch % split:
-        raise ValueError(
+        raise UsageError(
             f"--batch-size {batch} does not split over the batch axes {axes} of mesh {describe_mesh(mesh)} "
             f"times --grad-accum {grad_accum} (= {split}); use a multiple of {split}, e.g. {split * max(1, batch // split)}"
         )
@@ -106,40 +60,33 @@ def optimizer(lr: float, steps: int) -> tuple[optax.GradientTransformation, opta
     return tx, schedule
 
 
-def _run_record(config: TrainConfig, model: TransformerConfig, batch: int) -> dict[str, Any]:
-    """What a checkpoint records of the run besides the Trainer's own (step, data position, seed)."""
-    return {"batch_size": batch, "strategy": config.strategy, "mesh": config.mesh, "model": dataclasses.asdict(model)}
-
-
-def _check_checkpoints(config: TrainConfig, model: TransformerConfig, steps: int) -> None:
-    """Refuse, before anything is written, a resume that cannot work or a start that would overwrite."""
+def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None]:
+    """The run record and step of the checkpoint to resume (``None`` when starting fresh), after
+    refusing, before anything is written, a resume that cannot work or a start that would overwrite."""
     if config.checkpoint_dir is None:
-        if config.resume:
-            raise ValueError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
-        return
+        return None, None
     checkpointer = Checkpointer(config.checkpoint_dir)
     try:
-        _check_saved_run(config, model, steps, checkpointer)
+        step = checkpointer.latest_step()
+        if not config.resume:
+            if step is not None:
+                raise UsageError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (latest step "
+                                 f"{step}); pass --resume to continue it, or choose another directory")
+            return None, None
+        step, _ = checkpointer.latest_good_step()  # damaged newer ones: the Trainer warns and sets them aside
+        saved = checkpointer.record(step).get("run")
     finally:
         checkpointer.close()
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not written by "
+                         "shardax train (it has no run record); resume it with shardax.Trainer, or start a new run")
+    return saved, step
 
 
-def _check_saved_run(config: TrainConfig, model: TransformerConfig, steps: int, checkpointer: Checkpointer) -> None:
-    step = checkpointer.latest_step()
-    if not config.resume:
-        if step is not None:
-            raise ValueError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (latest step "
-                             f"{step}); pass --resume to continue it, or choose another directory")
-        return
-    if step is None:
-        raise ValueError(f"--resume: no checkpoint in {checkpointer.directory}; run without --resume to start one")
-    saved = checkpointer.record(step).get("model", {})
-    wanted = {k: v for k, v in dataclasses.asdict(model).items() if k not in ("remat", "compute_dtype")}
-    if {k: saved.get(k) for k in wanted} != wanted:
-        raise ValueError(f"--resume: the checkpoint in {checkpointer.directory} holds a different model "
-                         f"({ {k: saved.get(k) for k in wanted if saved.get(k) != wanted[k]} }); use its --preset")
-    if step >= steps:
-        raise ValueError(f"the checkpoint is at step {step} and --steps is {steps}; raise --steps to train further")
+def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None:
+    if step is not None and step >= run.train_to:
+        raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it further, "
+                         f"pass --extend-to N with N > {step} (the learning rate stays at its final {run.lr / 10:g})")
 
 
 def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
@@ -162,35 +109,41 @@ def _header(corpus: Corpus, model: TransformerConfig, steps: int, batch: int) ->
     ]
 
 
-def prepare(config: TrainConfig) -> tuple[Trainer, Corpus, TransformerConfig, int, int]:
+def prepare(config: TrainConfig) -> tuple[Trainer, Corpus, Run]:
     """Check every setting and lay the model out, before any step or file write."""
-    model, steps, batch, lr = _settings(config)
+    check_values(config)
+    saved, step = _saved_run(config)
+    run = resolve(config, saved)
+    _check_not_finished(run, step, config)
     strategy = get_strategy(config.strategy)
     mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
-    _check_batch(batch, config.grad_accum, mesh, strategy.batch_axes)
-    corpus = load_corpus(config.data, min_bytes=model.seq_len + 1)
-    tx, schedule = optimizer(lr, steps)
+    _check_batch(run.batch_size, config.grad_accum, mesh, strategy.batch_axes)
+    corpus = load_corpus(run.data, min_bytes=run.model.seq_len + 1)
+    tx, schedule = optimizer(run.lr, run.steps)
+    model = run.model
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, next_token_loss, mesh=mesh, strategy=strategy,
-                      grad_accum=config.grad_accum, seed=config.seed, eval_loss_fn=loss_with_bits_per_byte,
+                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=loss_with_bits_per_byte,
                       learning_rate=schedule, name="shardax train")
-    _check_checkpoints(config, model, steps)
-    return trainer, corpus, model, steps, batch
+    return trainer, corpus, run
 
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    trainer, corpus, model, steps, batch = prepare(config)
-    sampler = WindowSampler(corpus.train, model.seq_len, batch, config.seed)
+    trainer, corpus, run = prepare(config)
+    model, batch = run.model, run.batch_size
+    sampler = WindowSampler(corpus.train, model.seq_len, batch, run.seed)
     sharding = trainer.parallel.layout.batch()
     validation = [{"tokens": global_rows(rows, sharding)}
                   for rows in validation_batches(corpus.validation, model.seq_len, batch, config.eval_batches)]
     fit = trainer.fit(
-        lambda step: sampler.global_batch(step, sharding), steps=steps, eval_data=validation,
+        lambda step: sampler.global_batch(step, sharding), steps=run.train_to, eval_data=validation,
         eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every, resume=config.resume, metrics=config.metrics,
-        tokens_per_example=model.seq_len, record=_run_record(config, model, batch),
-        header=_header(corpus, model, steps, batch),
+        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
+        metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
+        record={"run": run.record(), "strategy": config.strategy, "mesh": config.mesh,
+                "model": dataclasses.asdict(model)},
+        header=_header(corpus, model, run.train_to, batch),
     )
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = bytes(corpus.validation[: min(48, model.seq_len // 2)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardax.errors import UsageError
 from shardax.models.transformer import TransformerConfig
 
 
@@ -48,7 +49,7 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(f"unknown --preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown --preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.sharding.compute import for_compute, gathers_weights, without_gathered
 
@@ -50,13 +51,13 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
+            raise UsageError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
         if self.positions not in ("learned", "rotary"):
-            raise ValueError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
+            raise UsageError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+            raise UsageError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+            raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
 
     @property
     def head_dim(self) -> int:
@@ -218,7 +219,7 @@ class TransformerLM(nnx.Module):
         config = self.config
         length = tokens.shape[1]
         if length > config.seq_len and config.positions == "learned":
-            raise ValueError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
+            raise UsageError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
         embedding = for_compute(self.embedding)
         x = jnp.take(embedding, tokens, axis=0)  # (B, T, D) float32
         if config.positions == "learned":

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.paths import leaves_with_paths, map_with_path, path_matches, path_to_str
 from shardax.sharding.place import check_spec
@@ -49,7 +50,7 @@ def sharded_largest_dim(tree: Any, mesh: Mesh, axis: str | None = None) -> tuple
     """
     axis = axis or default_shard_axis(mesh)
     if axis not in mesh.shape:
-        raise ValueError(
+        raise UsageError(
             f"shard axis {axis!r} is not in the mesh {describe_mesh(mesh)}; "
             f"use one of {tuple(mesh.axis_names)}"
         )
@@ -79,7 +80,7 @@ def _as_spec(value: Any, where: str) -> PartitionSpec:
         return value
     if value is None:
         return PartitionSpec()
-    raise ValueError(f"{where} maps to {value!r}; give a jax.sharding.PartitionSpec or NamedSharding")
+    raise UsageError(f"{where} maps to {value!r}; give a jax.sharding.PartitionSpec or NamedSharding")
 
 
 def by_path_patterns(tree: Any, mesh: Mesh, patterns: Mapping[str, Any]) -> Any:
@@ -103,7 +104,7 @@ def by_path_patterns(tree: Any, mesh: Mesh, patterns: Mapping[str, Any]) -> Any:
     unused = [pattern for pattern, hit in used.items() if not hit]
     if unused:
         paths = [path for path, _ in leaves_with_paths(tree)]
-        raise ValueError(
+        raise UsageError(
             f"sharding pattern {unused[0]!r} matches no leaf of the state; patterns are globs on "
             f"paths such as {paths[:4]} (a bare name like 'kernel' matches any path ending in it)"
         )
@@ -141,7 +142,7 @@ def by_nnx_filters(state: Any, mesh: Mesh, filter_sharding: Any) -> Any:
                 break
     unused = [filter_ for (filter_, _), hit in zip(pairs, used) if not hit]
     if unused:
-        raise ValueError(
+        raise UsageError(
             f"NNX filter {unused[0]!r} matches no Variable of the state; check the filter against "
             f"the state's paths, e.g. {list(by_path)[:4] or [p for p, _ in leaves_with_paths(state)][:4]}"
         )

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.paths import map_with_path
 
@@ -43,18 +44,18 @@ def check_spec(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, where: s
     for entry in entries:
         for axis in spec_axes(entry):
             if axis not in mesh.shape:
-                raise ValueError(
+                raise UsageError(
                     f"{where}: PartitionSpec {spec} names mesh axis {axis!r}, but the mesh "
                     f"{describe_mesh(mesh)} has axes {tuple(mesh.axis_names)}"
                 )
             if axis in used:
-                raise ValueError(
+                raise UsageError(
                     f"{where}: PartitionSpec {spec} uses mesh axis {axis!r} twice "
                     f"(mesh {describe_mesh(mesh)}); an axis can shard one dimension only"
                 )
             used.append(axis)
     if len(entries) > len(shape):
-        raise ValueError(
+        raise UsageError(
             f"{where}: PartitionSpec {spec} has {len(entries)} entries but the array has shape "
             f"{tuple(shape)} (rank {len(shape)}); give at most one entry per dimension"
         )
@@ -62,7 +63,7 @@ def check_spec(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, where: s
         size = axes_size(mesh, entry)
         if size > 1 and shape[dim] % size:
             axes = "+".join(spec_axes(entry))
-            raise ValueError(
+            raise UsageError(
                 f"{where}: dimension {dim} has size {shape[dim]}, which does not divide over mesh "
                 f"axis {axes!r} of size {size} (mesh {describe_mesh(mesh)}); "
                 + (fix or f"shard a dimension that divides by {size}, or leave this one as None")
@@ -109,7 +110,7 @@ def place_batch(batch: Any, sharding: Sharding) -> Any:
     def place(path: str, leaf: Any) -> jax.Array:
         where = f"batch leaf {path!r}"
         if not is_array_like(leaf):
-            raise ValueError(
+            raise UsageError(
                 f"{where} is a {type(leaf).__name__}; a batch holds jax or numpy arrays and numbers"
             )
         if np.ndim(leaf) == 0:

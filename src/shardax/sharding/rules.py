@@ -14,6 +14,7 @@ from typing import Any, Union
 
 from jax.sharding import Mesh, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import spec_axes
 
@@ -52,7 +53,7 @@ def _targets(name: str, rules: Rules, mesh: Mesh, where: str) -> list[MeshAxes]:
     if name in mesh.shape:  # a mesh axis written directly (as in the seed's ShardedLinear)
         return [name]
     known = sorted({logical for logical, _ in rules})
-    raise ValueError(
+    raise UsageError(
         f"{where}: logical axis {name!r} has no rule (rules cover {known}); add "
         f"({name!r}, <mesh axis or None>) to the rules"
     )
@@ -72,7 +73,7 @@ def resolve_spec(
     would land on the same mesh axis are an error naming both.
     """
     if len(logical) != len(shape):
-        raise ValueError(
+        raise UsageError(
             f"{where}: {len(logical)} logical axes {logical} for an array of shape {tuple(shape)}; "
             "give one name (or None) per dimension"
         )
@@ -87,7 +88,7 @@ def resolve_spec(
                 break
             clash = next((a for a in axes if a in owner), None)
             if clash is not None:
-                raise ValueError(
+                raise UsageError(
                     f"{where}: logical axes {owner[clash]!r} and {name!r} both map to mesh axis "
                     f"{clash!r} (mesh {describe_mesh(mesh)}); map one of them elsewhere or to None"
                 )

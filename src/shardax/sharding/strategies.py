@@ -13,6 +13,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import spec_axes
 from shardax.sharding.rules import LOGICAL_AXES, Rules, add_axis_to_largest_dim, resolve_spec
@@ -57,7 +58,7 @@ class Strategy:
         missing = [axis for axis in self.required_axes if axis not in mesh.shape]
         if missing:
             example = ",".join(f"{axis}={'-1' if i == 0 else 2}" for i, axis in enumerate(self.required_axes))
-            raise ValueError(
+            raise UsageError(
                 f"strategy {self.name!r} needs mesh axes {self.required_axes} but the mesh is "
                 f"{describe_mesh(mesh)}; use e.g. --mesh {example}"
             )
@@ -154,5 +155,5 @@ def get_strategy(strategy: str | Strategy) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise UsageError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     return STRATEGIES[strategy]

@@ -18,6 +18,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import place_batch
 from shardax.step.gradients import check_reduce_type, reduce_gradients_across_devices
@@ -44,7 +45,7 @@ def _current_mesh(mesh: Mesh | None) -> Mesh:
         return mesh
     concrete = jax.sharding.get_mesh()
     if concrete is None or concrete.empty:
-        raise ValueError(
+        raise UsageError(
             "data_parallel_train_step needs a mesh: pass mesh=... or call it under "
             "`with jax.set_mesh(mesh):`"
         )
@@ -74,13 +75,13 @@ def _check_state(state: Any, optimizer: Any) -> optax.GradientTransformation:
         hasattr(state, "params") and hasattr(state, "opt_state") and hasattr(state, "replace")
     )
     if not has_fields:
-        raise ValueError(
+        raise UsageError(
             f"state is a {type(state).__name__}; data_parallel_train_step takes a flax TrainState "
             "(or any flax struct with params/opt_state) or a dict {'params': ..., 'opt_state': ...}"
         )
     tx = optimizer if optimizer is not None else getattr(state, "tx", None)
     if not isinstance(tx, optax.GradientTransformation):
-        raise ValueError(
+        raise UsageError(
             f"optimizer is {type(optimizer).__name__}; give an optax.GradientTransformation "
             "(e.g. optax.adamw(1e-3)), or None to use state.tx"
         )
@@ -167,7 +168,7 @@ def data_parallel_train_step(
     check_reduce_type(reduce_type)
     mesh = _current_mesh(mesh)
     if data_axis not in mesh.shape:
-        raise ValueError(
+        raise UsageError(
             f"data_axis={data_axis!r} is not an axis of the mesh {describe_mesh(mesh)}; "
             f"use one of {tuple(mesh.axis_names)}"
         )

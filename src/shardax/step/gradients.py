@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from shardax.errors import UsageError
 from shardax.sharding.paths import map_with_path
 
 REDUCE_TYPES = ("mean", "sum")
@@ -16,14 +17,14 @@ REDUCE_TYPES = ("mean", "sum")
 
 def check_reduce_type(reduce_type: str) -> None:
     if reduce_type not in REDUCE_TYPES:
-        raise ValueError(f"reduce_type={reduce_type!r} is not supported; use 'mean' or 'sum'")
+        raise UsageError(f"reduce_type={reduce_type!r} is not supported; use 'mean' or 'sum'")
 
 
 def _check_axis_bound(axis_name: Any) -> None:
     try:
         lax.axis_size(axis_name)
     except NameError:
-        raise ValueError(
+        raise UsageError(
             f"axis_name={axis_name!r} is not a bound parallel axis here; call this inside "
             f"jax.shard_map over a mesh with axis {axis_name!r}, or inside "
             f"jax.pmap(..., axis_name={axis_name!r}), or pass the axis name you used"
@@ -55,7 +56,7 @@ def reduce_gradient_tree(gradients: Any, reduce_type: str = "mean") -> Any:
 
     def reduce_leaf(path: str, gradient: Any) -> jax.Array:
         if np.ndim(gradient) == 0:
-            raise ValueError(
+            raise UsageError(
                 f"gradient leaf {path!r} is a scalar; reduce_gradient_tree reduces a leading "
                 "per-replica axis, so stack per-replica gradients as (replicas, ...) first"
             )

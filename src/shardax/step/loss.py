@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardax.errors import UsageError
+
 # loss_fn(model, batch) -> loss | (loss, {"accuracy": ..., ...})
 LossFn = Callable[[Any, Any], Any]
 RESERVED = ("loss", "grad_norm")
@@ -21,7 +23,7 @@ def split_loss(output: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """
     if isinstance(output, tuple):
         if len(output) != 2 or not isinstance(output[1], Mapping):
-            raise ValueError(
+            raise UsageError(
                 f"loss_fn returned a tuple of {len(output)} ({', '.join(type(o).__name__ for o in output)}); "
                 "return the mean loss, or (loss, {'name': scalar, ...})"
             )
@@ -29,13 +31,13 @@ def split_loss(output: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     else:
         loss, metrics = output, {}
     if jnp.ndim(loss) != 0:
-        raise ValueError(f"loss_fn returned a loss of shape {jnp.shape(loss)}; return its mean over the batch (a scalar)")
+        raise UsageError(f"loss_fn returned a loss of shape {jnp.shape(loss)}; return its mean over the batch (a scalar)")
     checked = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or name in RESERVED:
-            raise ValueError(f"loss_fn returned a metric named {name!r}; use a string other than {RESERVED}")
+            raise UsageError(f"loss_fn returned a metric named {name!r}; use a string other than {RESERVED}")
         if jnp.ndim(value) != 0:
-            raise ValueError(f"loss_fn returned metric {name!r} of shape {jnp.shape(value)}; "
+            raise UsageError(f"loss_fn returned metric {name!r} of shape {jnp.shape(value)}; "
                              "return its mean over the batch (a scalar)")
         checked[name] = jnp.asarray(value, jnp.float32)
     return jnp.asarray(loss, jnp.float32), checked

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from shardax.errors import UsageError
+
 
 def split_microbatches(batch: Any, count: int) -> Any:
     """``(B, ...) -> (count, B // count, ...)``, microbatch i taking rows i, i+count, ...
@@ -17,7 +19,7 @@ def split_microbatches(batch: Any, count: int) -> Any:
     def split(leaf: jax.Array) -> jax.Array:
         rows = leaf.shape[0] if leaf.ndim else 0
         if rows % count or not rows:
-            raise ValueError(
+            raise UsageError(
                 f"batch leaf of shape {leaf.shape} does not split into grad_accum={count} microbatches; "
                 f"use a batch size that is a multiple of {count}"
             )

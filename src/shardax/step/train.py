@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardax.errors import UsageError
 from shardax.sharding.compute import gather_for_compute
 from shardax.step.loss import LossFn, split_loss
 from shardax.step.microbatches import split_microbatches
@@ -51,6 +52,7 @@ def build_train_step(
     batch_sharding: Any,
     grad_accum: int = 1,
     layer_layout: Callable[[], Any] = contextlib.nullcontext,
+    nonfinite: str = "stop",
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
 
@@ -59,10 +61,18 @@ def build_train_step(
     the loss is traced, so layers that read their weights
     through ``for_compute`` gather (and reduce-scatter) them one layer at a time. The metrics
     are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
-    mean over the global batch (and over microbatches).
+    mean over the global batch (and over microbatches), and ``skipped_steps``.
+
+    A step whose loss or gradient norm is NaN or infinite changes nothing but ``step`` and
+    ``skipped`` (its update, optimizer state and model state are dropped in the program, so
+    no host check is needed to keep a bad state out). With ``nonfinite="stop"`` every later
+    step is dropped too: the state stays the last good one until the host notices ``skipped``
+    and stops. With ``"skip"`` training goes on with the next batch.
     """
+    if nonfinite not in ("stop", "skip"):
+        raise UsageError(f"nonfinite={nonfinite!r}; use 'stop' (the default) or 'skip'")
     if grad_accum < 1:
-        raise ValueError(f"grad_accum={grad_accum} must be at least 1 (the number of microbatches per step)")
+        raise UsageError(f"grad_accum={grad_accum} must be at least 1 (the number of microbatches per step)")
 
     def for_compute(value: jax.Array, compute: Any, gradient: Any, storage: Any) -> jax.Array:
         if compute == gradient == storage:  # used where it is stored, its gradient kept there (dp, tp)
@@ -102,10 +112,23 @@ def build_train_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         metrics, grads, rest = gradients(state.params, state.rest, batch)
         grads = jax.lax.with_sharding_constraint(grads, gradient_shardings)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rest=rest)
-        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+        grad_norm = optax.tree.norm(grads)
+        apply = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        if nonfinite == "stop":  # after the first bad step nothing moves, so the state is the last good one
+            apply &= state.skipped == 0
+
+        def update(params: Any, opt_state: Any, rest: Any) -> tuple[Any, Any, Any]:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, rest
+
+        def keep(params: Any, opt_state: Any, _: Any) -> tuple[Any, Any, Any]:
+            return params, opt_state, state.rest
+
+        # A conditional, not a select: the update is computed only when it is applied, in place.
+        params, opt_state, rest = jax.lax.cond(apply, update, keep, state.params, state.opt_state, rest)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rest=rest,
+                               skipped=state.skipped + (~apply).astype(jnp.int32))
+        return new_state, {**metrics, "grad_norm": grad_norm, "skipped_steps": new_state.skipped}
 
     return step
 

@@ -9,7 +9,13 @@ pieces where they now belong. RNG keys are stored as their raw bits and wrapped 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
+from shardax.trainer.manifest import damage, seal
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ def unflatten_state(template: Any, flat: dict[str, Any]) -> Any:
     keypaths, treedef = jax.tree_util.tree_flatten_with_path(template)
     missing = [path_to_str(k) for k, _ in keypaths if _flat_name(k) not in flat]
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} arrays the model needs, e.g. {missing[:3]}; "
+        raise UsageError(f"the checkpoint lacks {len(missing)} arrays the model needs, e.g. {missing[:3]}; "
                          "was it saved from a different model?")
 
     def restored(keypath: Any, leaf: Any) -> Any:
@@ -73,19 +81,58 @@ def _check_shapes(saved: dict[str, Any], target: dict[str, Any], directory: Path
     for name, leaf in target.items():
         old = saved.get(name)
         if old is not None and tuple(old.shape) != tuple(leaf.shape):
-            raise ValueError(f"the checkpoint in {directory} holds a different model: {name} has shape "
+            raise UsageError(f"the checkpoint in {directory} holds a different model: {name} has shape "
                              f"{tuple(old.shape)} there but {tuple(leaf.shape)} here; resume with the model it was saved from")
 
 
-class Checkpointer:
-    """Save (asynchronously) and restore by step, keeping the last few."""
+def _write_failure(error: BaseException) -> str | None:
+    """The operating system's reason when ``error`` (or what it wraps) is a failed write, else ``None``."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error.strerror or str(error)
+        code = re.search(r"os_error_code='(\d+)'", str(error))
+        if code:
+            return os.strerror(int(code.group(1)))
+        error = error.__cause__ or error.__context__
+    return None
 
-    def __init__(self, directory: str | Path, *, max_to_keep: int = 3) -> None:
+
+def _quiet_failed_writers() -> None:
+    """When a write fails, orbax's other writer threads fail again as they wind down ("Event loop
+    is closed", and errors at interpreter exit); the failure itself reaches the caller, once."""
+    if getattr(threading.excepthook, "shardax_quiet", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.exc_value, RuntimeError) and "Event loop is closed" in str(args.exc_value)):
+            previous(args)
+
+    hook.shardax_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+    previous_unraisable = sys.unraisablehook
+
+    def unraisable(info: Any) -> None:
+        if not (isinstance(info.exc_value, RuntimeError) and "Event loop is closed" in str(info.exc_value)):
+            previous_unraisable(info)
+
+    sys.unraisablehook = unraisable
+
+
+class Checkpointer:
+    """Save (asynchronously, sealed on commit) and restore by step, keeping the latest ``keep``."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3) -> None:
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
-            raise ValueError(f"checkpoint directory {self.directory} is a file; give a directory")
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=True)
+            raise UsageError(f"checkpoint directory {self.directory} is a file; give a directory")
+        if keep < 1:
+            raise UsageError(f"keep={keep}: keep at least 1 checkpoint")
+        self._saving: int | None = None
+        _quiet_failed_writers()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=False, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_committing))
         handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
         try:  # a Grain iterator's position, one file per process
             import grain
@@ -93,13 +140,58 @@ class Checkpointer:
             handlers["data"] = grain.checkpoint.CheckpointHandler()
         except ImportError:
             pass
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        except OSError as error:
+            raise UsageError(f"checkpoint directory {self.directory} cannot be created ({error.strerror}); "
+                             "give a directory you can write to") from None
+
+    def make_writable(self) -> None:
+        """Create the directory and check that files can be written there (before training starts)."""
+        probe = self.directory / f".shardax-write-test-{jax.process_index()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise UsageError(f"checkpoint directory {self.directory} is not writable ({error.strerror}); "
+                             "give a directory you can write to") from None
+
+    def _seal_committing(self) -> None:
+        """orbax's commit step (primary process, all processes' files written): seal before the rename."""
+        for directory in self.directory.glob("*.orbax-checkpoint-tmp*"):
+            if directory.is_dir():
+                seal(directory)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
+
+    def latest_good_step(self) -> tuple[int, dict[int, str]]:
+        """The newest checkpoint whose files match their seal, and what is wrong with each newer one."""
+        damaged = {}
+        for step in sorted(self.all_steps(), reverse=True):
+            problem = damage(self.directory / str(step))
+            if problem is None:
+                return step, damaged
+            damaged[step] = problem
+        if not damaged:
+            raise UsageError(f"resume: no checkpoint in {self.directory}; start without resuming to create one")
+        raise UsageError(f"no good checkpoint in {self.directory}: "
+                         + "; ".join(f"step {step} is damaged ({problem})" for step, problem in damaged.items()))
+
+    def set_aside(self, steps: list[int]) -> None:
+        """Rename damaged checkpoints to ``<step>.damaged`` (kept for inspection, no longer steps)."""
+        for step in steps:
+            source = self.directory / str(step)
+            target = self.directory / f"{step}.damaged"
+            while target.exists():
+                target = target.with_name(target.name + "~")
+            if jax.process_index() == 0:
+                source.rename(target)
+        self.manager.reload()
 
     def save(self, step: int, state: Any, record: dict[str, Any], data: Any = None) -> None:
         """Start saving ``state`` at ``step``; returns while the arrays are written in the background.
@@ -109,7 +201,28 @@ class Checkpointer:
         items = {"state": ocp.args.StandardSave(flatten_state(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._writing(step):
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._saving = step
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None) -> Iterator[None]:
+        """A failed write (disk full, permission denied) as one line; the checkpoints already there stay."""
+        try:
+            yield
+        except Exception as error:  # orbax and tensorstore wrap the OS error of their writer threads
+            reason = _write_failure(error)
+            if reason is None:
+                raise
+            sys.unraisablehook = lambda unraisable: None  # the abandoned writers, at interpreter exit
+            logging.getLogger("absl").setLevel(logging.CRITICAL)
+            with contextlib.suppress(Exception):
+                self.manager.close()  # let its writer threads finish now rather than at interpreter exit
+            step = self._saving if step is None else step
+            what = "a checkpoint" if step is None else f"the checkpoint of step {step}"
+            raise UsageError(f"could not write {what} to {self.directory} ({reason}); the checkpoints already "
+                             f"there are intact (steps {self.all_steps()}); free space or choose another "
+                             "checkpoint directory") from None
 
     def restore(self, step: int, abstract_state: Any, shardings: Any, data: Any = None) -> tuple[Any, dict[str, Any]]:
         """The state at ``step`` laid out by ``shardings`` (any strategy/mesh), and its record.
@@ -148,8 +261,30 @@ class Checkpointer:
         return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(None):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(None):
+            self.manager.wait_until_finished()
         self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """The steps of the checkpoints in ``directory`` (opened and closed again: for inspection)."""
+    with Checkpointer(directory) as checkpointer:
+        return checkpointer.all_steps()
+
+
+def saved_arrays(directory: str | Path, step: int) -> dict[str, Any]:
+    """The arrays saved at ``step``, as numpy arrays by flat name (for inspection and tests)."""
+    import numpy as np
+
+    with Checkpointer(directory) as checkpointer:
+        return {name: np.asarray(value) for name, value in checkpointer.arrays(step).items()}

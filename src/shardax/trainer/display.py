@@ -58,6 +58,8 @@ class RunDisplay:
 
     def step(self, step: int, record: dict[str, Any]) -> None:
         stats = f"{_metrics_text(record)}  {_throughput(record)}  {1000 * record['step_time_s']:.0f} ms/step"
+        if record.get("skipped_steps"):
+            stats += f"  skipped {record['skipped_steps']:.0f} (not finite)"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, stats=stats)
         else:

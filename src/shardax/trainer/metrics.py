@@ -7,11 +7,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shardax.errors import UsageError
+
+
 # Keys of a record that are bookkeeping, not curves.
-NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm"}
+NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm", "skipped_steps"}
 
 
-def _clean(record: dict[str, Any]) -> dict[str, Any]:
+def finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
     return {key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in record.items()}
 
 
@@ -24,16 +27,20 @@ class MetricsLog:
         if self.path is None:
             return
         if self.path.is_dir():
-            raise ValueError(f"metrics file {self.path} is a directory; "
+            raise UsageError(f"metrics file {self.path} is a directory; "
                              f"give a file name such as {self.path / 'metrics.jsonl'}")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from is not None and self.path.exists():
             kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [record for record in kept if record["step"] <= resume_from]
-        self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+            self.records = [record for record in kept if record.get("step", 0) <= resume_from]
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+        except OSError as error:
+            raise UsageError(f"metrics file {self.path} cannot be written ({error.strerror}); "
+                             "give a path you can write to") from None
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = _clean(record)
+        clean = finite_or_none(record)
         self.records.append(clean)
         if self.path is not None:
             with self.path.open("a") as file:
@@ -75,12 +82,17 @@ class TensorBoardLog:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise ValueError(f"tensorboard={str(directory)!r} needs the tensorboardX package; "
+            raise UsageError(f"tensorboard={str(directory)!r} needs the tensorboardX package; "
                              "pip install 'shardax[tensorboard]' (or tensorboardX)") from None
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"tensorboard directory {directory} cannot be created ({error.strerror}); "
+                             "give a directory you can write to") from None
         self.writer = SummaryWriter(str(directory))
 
     def write(self, record: dict[str, Any]) -> None:
-        for key, value in _clean(record).items():
+        for key, value in finite_or_none(record).items():
             if key != "step" and isinstance(value, (int, float)):
                 tag = f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
                 self.writer.add_scalar(tag, value, record["step"])

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from shardax.errors import NonFiniteError, Preempted, UsageError
 from shardax.sharding.report import format_bytes, report
+from shardax.step.state import TrainState
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import RunDisplay
-from shardax.trainer.metrics import MetricsLog, TensorBoardLog
-from shardax.step.state import TrainState
+from shardax.trainer.metrics import MetricsLog, TensorBoardLog, finite_or_none
+from shardax.trainer.preemption import StopSignals
 from shardax.trainer.sources import BatchSource
 
 if TYPE_CHECKING:
@@ -73,16 +75,19 @@ class Run:
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_eval: dict[str, float] | None = None
     best_eval_loss: float | None = None
+    on_nonfinite: str = "stop"
 
     @classmethod
     def start(cls, trainer: Trainer, source: BatchSource, *, checkpoint_dir: str | None, resume: bool,
-              max_to_keep: int, metrics: str | None, tensorboard: str | None, steps: int | None,
-              record: dict[str, Any] | None) -> Run:
+              keep_checkpoints: int, metrics: str | None, tensorboard: str | None, steps: int | None,
+              record: dict[str, Any] | None, on_nonfinite: str) -> Run:
         """Check every setting, then restore or initialise the state; nothing is written before."""
-        checkpointer = Checkpointer(checkpoint_dir, max_to_keep=max_to_keep) if checkpoint_dir else None
+        checkpointer = Checkpointer(checkpoint_dir, keep=keep_checkpoints) if checkpoint_dir else None
         try:
-            return cls._start(trainer, source, checkpointer, resume=resume, metrics=metrics,
-                              tensorboard=tensorboard, steps=steps, record=record)
+            run = cls._start(trainer, source, checkpointer, resume=resume, metrics=metrics,
+                             tensorboard=tensorboard, steps=steps, record=record)
+            run.on_nonfinite = on_nonfinite
+            return run
         except BaseException:
             if checkpointer is not None:
                 checkpointer.close()
@@ -95,16 +100,18 @@ class Run:
         notes = []
         if resume:
             if checkpointer is None:
-                raise ValueError("resume=True needs checkpoint_dir (where the run's checkpoints are)")
-            notes.append(_restore(trainer, checkpointer, source))
+                raise UsageError("resume=True needs checkpoint_dir (where the run's checkpoints are)")
+            notes += _restore(trainer, checkpointer, source)
         elif checkpointer is not None and checkpointer.latest_step() is not None:
-            raise ValueError(f"checkpoint directory {checkpointer.directory} already holds checkpoints (latest step "
+            raise UsageError(f"checkpoint directory {checkpointer.directory} already holds checkpoints (latest step "
                              f"{checkpointer.latest_step()}); resume it, or choose another directory")
         elif trainer.state is None:
             trainer.init()
+        if checkpointer is not None:
+            checkpointer.make_writable()
         start = int(jax.device_get(trainer.state.step))
         if steps is not None and start >= steps:
-            raise ValueError(f"the state is at step {start} and steps is {steps}; raise steps to train further")
+            raise UsageError(f"the state is at step {start} and steps is {steps}; raise steps to train further")
         first = jax.process_index() == 0
         return cls(
             trainer=trainer, source=source, start_step=start,
@@ -117,33 +124,37 @@ class Run:
     def loop(self, source: BatchSource, *, steps: int | None, evaluations: Callable | None, eval_every: int,
              log_every: int, checkpoint_every: int, on_log: Callable | None,
              tokens_per_example: int | None) -> FitResult:
-        trainer, step_fn = self.trainer, self.trainer.train_step()
+        trainer, step_fn = self.trainer, self.trainer.train_step(self.on_nonfinite)
         state, step, done = trainer.state, self.start_step, set()
         clock = _Clock(step, tokens_per_example)
-        while steps is None or step < steps:
-            batch = source.next()
-            if batch is None:
-                break
-            placed = trainer.place(batch)
-            state, step_metrics = step_fn(state, placed)
-            step += 1
-            trainer.state = state
-            clock.count(batch_rows(placed))
-            last = step == steps
-            due = {"log": step % log_every == 0 or step == self.start_step + 1 or last,
-                   "eval": evaluations is not None and ((eval_every and step % eval_every == 0) or last),
-                   "save": self.checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0)
-                                                              or last)}
-            self._after_step(step, step_metrics, clock, due, evaluations, on_log)
-            done = {name for name, wanted in due.items() if wanted}
+        with StopSignals() as stops:
+            while steps is None or step < steps:
+                batch = source.next()
+                if batch is None:
+                    break
+                placed = trainer.place(batch)
+                state, step_metrics = step_fn(state, placed)
+                step += 1
+                trainer.state = state
+                clock.count(batch_rows(placed))
+                last = step == steps
+                due = {"log": step % log_every == 0 or step == self.start_step + 1 or last,
+                       "eval": evaluations is not None and ((eval_every and step % eval_every == 0) or last),
+                       "save": self.checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0)
+                                                                  or last)}
+                self._after_step(step, step_metrics, clock, due, evaluations, on_log)
+                done = {name for name, wanted in due.items() if wanted}
+                if stops.reached(step):
+                    self._stop(step, "save" in done, stops.received)
         if step == self.start_step:
-            raise ValueError("the data gave no batches; give at least one batch to train on")
+            raise UsageError("the data gave no batches; give at least one batch to train on")
         if steps is not None and step < steps:
             self.display.print(f"the data ran out after step {step} (of {steps})")
         final = {"log": True, "eval": evaluations is not None, "save": self.checkpointer is not None}
         missing = {name: wanted and name not in done for name, wanted in final.items()}
         if any(missing.values()):  # the data ran out: the last step gets what a last step gets
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
+        self._check_finite(step)
         wall = clock.finish(self.checkpointer)
         self.display.summary(self._summary(step, clock, wall))
         image = self.metrics.plot()
@@ -152,8 +163,44 @@ class Run:
         return FitResult(state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
                          clock.examples_per_sec(step))
 
+    def _check_finite(self, step: int) -> None:
+        """Stop, naming the step, once a step's loss or gradient norm was not finite (``on_nonfinite="stop"``)."""
+        if self.on_nonfinite != "stop":
+            return
+        skipped = int(host_float(self.trainer.state.skipped))
+        if not skipped:
+            return
+        first = step - skipped + 1
+        kept = "no checkpoint_dir was given"
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            latest = self.checkpointer.latest_step()
+            kept = (f"the last good checkpoint is step {latest} in {self.checkpointer.directory}" if latest is not None
+                    else f"no checkpoint was written to {self.checkpointer.directory} before it")
+        self.display.close()
+        raise NonFiniteError(f"step {first}: the loss or gradient norm is NaN or infinite, so its update (and "
+                             f"every later one) was not applied; {kept}; lower the learning rate or check that "
+                             "step's batch, or skip such steps (on_nonfinite='skip', --on-nonfinite skip)")
+
+    def _stop(self, step: int, saved: bool, received: str | None) -> None:
+        """SIGTERM/SIGINT: after a checkpoint of this step (unless it holds a bad state), exit 75."""
+        self._check_finite(step)
+        if self.checkpointer is not None:
+            if not saved:
+                self._save(step)
+            self.checkpointer.wait()
+            where = f"checkpoint of step {step} in {self.checkpointer.directory}; resume from it to go on"
+        else:
+            where = "nothing was saved (no checkpoint directory)"
+        message = f"stopped by {received or 'a signal'} after step {step}: {where}"
+        self.display.close()
+        self.display.print(message)
+        raise Preempted(message)
+
     def _after_step(self, step: int, step_metrics: dict, clock: _Clock, due: dict[str, bool],
                     evaluations: Callable | None, on_log: Callable | None) -> None:
+        if any(due.values()):
+            self._check_finite(step)
         record = None
         if due["log"]:
             values = {name: host_float(value) for name, value in step_metrics.items()}
@@ -174,6 +221,7 @@ class Run:
             record = (record or {"step": step}) | evaluated
             self.display.evaluation(step, evaluated)
         if record is not None:
+            record = finite_or_none(record)  # JSON has no NaN: a non-finite value is written as null
             self.history.append(record)
             self.metrics.write(record)
             if self.tensorboard is not None:
@@ -211,25 +259,27 @@ class Run:
             self.checkpointer.close()
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> str:
-    """Restore the latest checkpoint into the trainer's layout and the data source's position."""
-    step = checkpointer.latest_step()
-    if step is None:
-        raise ValueError(f"resume: no checkpoint in {checkpointer.directory}; start without resume to create one")
+def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> list[str]:
+    """Restore the latest good checkpoint into the trainer's layout and the data source's position;
+    newer damaged ones are set aside (renamed ``<step>.damaged``), each with a warning."""
+    step, damaged = checkpointer.latest_good_step()
+    notes = [f"[bold]warning[/bold]: checkpoint step {bad} in {checkpointer.directory} is damaged ({problem}); "
+             f"resuming from step {step}, and keeping it as {bad}.damaged" for bad, problem in damaged.items()]
+    checkpointer.set_aside(list(damaged))
     saved = checkpointer.record(step).get("data", {})
     if saved.get("kind", source.kind) != source.kind:
-        raise ValueError(f"the checkpoint in {checkpointer.directory} was saved reading data of kind {saved['kind']!r}, "
+        raise UsageError(f"the checkpoint in {checkpointer.directory} was saved reading data of kind {saved['kind']!r}, "
                          f"this run reads {source.kind!r}; resume with the same kind of data source")
     parallel = trainer.parallel
     try:
         state, record = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings,
                                              data=source.restore_args())
     except FileNotFoundError as error:
-        raise ValueError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position this "
+        raise UsageError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position this "
                          f"run needs ({error}); resume with the processes and data it was saved with") from None
     trainer.state = state
     source.resume(record.get("data", {}), step)
-    return f"resumed from step {step} of {checkpointer.directory}"
+    return notes + [f"resumed from step {step} of {checkpointer.directory}"]
 
 
 class _Clock:

@@ -19,6 +19,8 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from shardax.errors import UsageError
+
 
 def _grain() -> Any:
     try:
@@ -82,7 +84,7 @@ class IterableSource(BatchSource):
     def resume(self, record: dict[str, Any], step: int) -> None:
         super().resume(record, step)
         if self.batches_read and iter(self.data) is self.data:
-            raise ValueError(
+            raise UsageError(
                 f"resuming after {self.batches_read} batches needs data that can be read again from its start, "
                 f"but the data is a one-pass {type(self.data).__name__}; pass a list, a Grain dataset, a function "
                 "of the step, or an object whose iter() starts over"
@@ -135,7 +137,7 @@ def batch_source(data: Any) -> BatchSource:
         return IterableSource(data)
     if callable(data):
         return StepSource(data)
-    raise ValueError(
+    raise UsageError(
         f"data is a {type(data).__name__}; give an iterable of batches (a list, a generator, a data loader), "
         "a Grain dataset or DataLoader, or a function step -> batch"
     )
@@ -146,11 +148,11 @@ def evaluation_batches(data: Any) -> Callable[[], Iterable[Any]]:
     if callable(data) and not isinstance(data, Iterable):
         return data
     if isinstance(data, Iterable) and iter(data) is data:
-        raise ValueError(
+        raise UsageError(
             f"eval_data is a one-pass {type(data).__name__}, read up at the first evaluation; pass a list, "
             "a Grain dataset, or a function returning a fresh iterable"
         )
     if not isinstance(data, Iterable):
-        raise ValueError(f"eval_data is a {type(data).__name__}; give a list of batches, a Grain dataset, "
+        raise UsageError(f"eval_data is a {type(data).__name__}; give a list of batches, a Grain dataset, "
                          "or a function returning an iterable of batches")
     return lambda: data

@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
 from shardax.sharding.place import place_batch
@@ -61,7 +62,7 @@ class Trainer:
         if not isinstance(mesh, Mesh):
             mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
         if grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
+            raise UsageError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
         self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy)
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
         self.grad_accum, self.seed, self.name = grad_accum, seed, name
@@ -82,11 +83,12 @@ class Trainer:
         self.state = self.parallel.init(seed=self.seed)
         return self.state
 
-    def train_step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
-        if "train" not in self._steps:
-            self._steps["train"] = self.parallel.train_step(self.loss_fn, grad_accum=self.grad_accum)
-        return self._steps["train"]
+        if on_nonfinite not in self._steps:
+            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.grad_accum,
+                                                                 nonfinite=on_nonfinite)
+        return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
         if "eval" not in self._steps:
@@ -112,7 +114,7 @@ class Trainer:
                 totals[name] = totals.get(name, 0.0) + host_float(value) * count
             rows += count
         if not rows:
-            raise ValueError("eval_data gave no batches; give at least one batch to evaluate on")
+            raise UsageError("eval_data gave no batches; give at least one batch to evaluate on")
         return {name: total / rows for name, total in totals.items()}
 
     def model(self, state: TrainState | None = None) -> nnx.Module:
@@ -134,7 +136,8 @@ class Trainer:
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
             log_every: int = 10, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-            resume: bool = False, max_to_keep: int = 3, metrics: str | None = None, tensorboard: str | None = None,
+            resume: bool = False, keep_checkpoints: int = 3, on_nonfinite: str = "stop",
+            metrics: str | None = None, tensorboard: str | None = None,
             on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
             record: dict[str, Any] | None = None, header: Sequence[str] = ()) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
@@ -148,25 +151,37 @@ class Trainer:
             iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
           log_every: steps between records (metrics file, progress, ``on_log``).
           checkpoint_dir, checkpoint_every: asynchronous orbax checkpoints every so many steps
-            (0: only at the end) and at the end; ``max_to_keep`` most recent kept.
-          resume: continue from the latest checkpoint in ``checkpoint_dir`` (parameters,
-            optimizer, model state, RNG streams and data position, bit for bit). Without it, a
-            directory that already holds checkpoints is refused, never overwritten.
+            (0: only at the end) and at the end, each sealed (every file's size and SHA-256) as
+            it is committed; the latest ``keep_checkpoints`` are kept.
+          resume: continue from the latest good checkpoint in ``checkpoint_dir`` (parameters,
+            optimizer, model state, RNG streams and data position, bit for bit). A newer one
+            that is damaged (a file missing, truncated or changed) is set aside with a warning.
+            Without ``resume``, a directory that already holds checkpoints is refused.
+          on_nonfinite: a step with a NaN/Inf loss or gradient norm is never applied. ``"stop"``
+            raises ``NonFiniteError`` naming it, at the next log or checkpoint step, and nothing
+            after it is applied or saved; ``"skip"`` goes on and counts it (``skipped_steps``).
           metrics: a JSON-lines file of records; a PNG of the curves is written beside it.
           tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``).
           on_log: called with each record (every process, the same record).
           tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
           record: extra JSON saved in each checkpoint (a run's settings).
           header: extra lines printed after the set-up lines.
+
+        SIGTERM or SIGINT (on any process) stops the run after the current step, with a
+        checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
         for label, value, least in (("log_every", log_every, 1), ("eval_every", eval_every, 0),
-                                    ("checkpoint_every", checkpoint_every, 0), ("steps", steps or 1, 1)):
+                                    ("checkpoint_every", checkpoint_every, 0), ("steps", steps or 1, 1),
+                                    ("keep_checkpoints", keep_checkpoints, 1)):
             if value < least:
-                raise ValueError(f"{label}={value} must be at least {least}")
+                raise UsageError(f"{label}={value} must be at least {least}")
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
-        run = Run.start(self, source, checkpoint_dir=checkpoint_dir, resume=resume, max_to_keep=max_to_keep,
-                        metrics=metrics, tensorboard=tensorboard, steps=steps, record=record)
+        if on_nonfinite not in ("stop", "skip"):
+            raise UsageError(f"on_nonfinite={on_nonfinite!r}; use 'stop' or 'skip'")
+        run = Run.start(self, source, checkpoint_dir=checkpoint_dir, resume=resume, keep_checkpoints=keep_checkpoints,
+                        metrics=metrics, tensorboard=tensorboard, steps=steps, record=record,
+                        on_nonfinite=on_nonfinite)
         try:
             run.display.print(*self.describe(), *header, *run.notes)
             return run.loop(source, steps=steps, evaluations=evaluations, eval_every=eval_every, log_every=log_every,

@@ -1,0 +1,185 @@
+"""``shardax train``'s settings: their types and ranges, and what a resumed run takes from its checkpoint.
+
+A run is defined by its model (preset, sequence length, scanned or looped blocks), its seed,
+its batch size, its data and its schedule (steps, peak learning rate). A checkpoint records
+them; ``--resume`` takes them from there, and a flag that contradicts one is refused, naming
+both values. How the run is computed and observed may change on resume: strategy, mesh,
+number of processes, remat, precision, microbatches, logging, evaluation, checkpoint interval.
+A finished run goes on only through ``--extend-to N``: the schedule keeps its length, so the
+learning rate stays at its final value (a tenth of the peak) for the added steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any
+
+from shardax.errors import UsageError
+from shardax.models.presets import get_preset
+from shardax.models.transformer import TransformerConfig
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``shardax train`` takes; ``None`` means "the preset's value" (or, on resume, the checkpoint's)."""
+
+    strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp
+    mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
+    preset: str | None = None  # model size, see shardax.models.presets (default tiny)
+    steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
+    batch_size: int | None = None  # global batch, in sequences
+    grad_accum: int = 1  # microbatches per step (same update, less activation memory)
+    seq_len: int | None = None  # bytes per training sequence
+    lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
+    seed: int | None = None  # model initialisation and data order (default 0)
+    data: list[str] | None = None  # text files or folders; default: the Python standard library
+    precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
+    remat: str | None = None  # none, full, dots_saveable, ...
+    scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
+    eval_every: int = 100  # steps between validation evaluations (0: only at the end)
+    eval_batches: int = 4  # validation batches per evaluation
+    log_every: int = 10  # steps between metric records and progress lines
+    checkpoint_dir: str | None = None  # where checkpoints go (none: no checkpoints)
+    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # how many of the latest checkpoints to keep
+    resume: bool = False  # continue from the latest good checkpoint in checkpoint_dir
+    extend_to: int | None = None  # with --resume: train to this step instead of the saved run's end
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
+    metrics: str | None = None  # JSON-lines metrics file; a PNG of the curves goes beside it
+    devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
+    sample_bytes: int = 160  # length of the greedy sample printed at the end (0: none)
+
+
+# Settings that define the run: a resumed run takes them from its checkpoint.
+RUN_SETTINGS = ("preset", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data")
+AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
+            "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
+            "sample_bytes": 0, "seed": 0}
+CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
+           "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, kind: Any, value: Any, where: str) -> Any:
+    """``value`` as the field's type (YAML reads ``1e-3`` as a string), or a one-line error."""
+    options = [k for k in typing.get_args(kind) if k is not type(None)] or [kind]
+    if value is None and type(None) in typing.get_args(kind):
+        return None
+    for option in options:
+        origin = typing.get_origin(option) or option
+        try:
+            if origin is bool and isinstance(value, (bool, str)):
+                text = str(value).lower()
+                if text in ("true", "yes", "1", "false", "no", "0"):
+                    return text in ("true", "yes", "1")
+            elif origin is int and not isinstance(value, bool) and float(value) == int(float(value)):
+                return int(float(value))
+            elif origin is float and not isinstance(value, bool):
+                return float(value)
+            elif origin is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+            elif origin is list and isinstance(value, (str, list, tuple)):
+                return [str(item) for item in ([value] if isinstance(value, str) else value)]
+        except (TypeError, ValueError, OverflowError):
+            continue
+    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise UsageError(f"{where}: {name} is {value!r}, expected {expected}; e.g. {name}: {_example(name)}")
+
+
+def _example(name: str) -> str:
+    return {"lr": "3e-3", "steps": "200", "data": "[path/to/text]", "mesh": "data=4,model=2"}.get(name, "...")
+
+
+def typed_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """Settings from a YAML file (keys with - or _) coerced to ``TrainConfig``'s field types."""
+    hints = typing.get_type_hints(TrainConfig)
+    typed = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in hints:
+            near = difflib.get_close_matches(name, list(hints), n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"known: {', '.join(sorted(hints))}"
+            raise UsageError(f"{where}: unknown setting {key!r}; {hint}")
+        typed[name] = _coerce(name, hints[name], value, where)
+    return typed
+
+
+def check_values(config: TrainConfig) -> None:
+    """Ranges and choices of every setting, before anything starts."""
+    for name, least in AT_LEAST.items():
+        value = getattr(config, name)
+        if value is not None and value < least:
+            raise UsageError(f"{flag(name)} {value} must be at least {least}")
+    for name, choices in CHOICES.items():
+        value = getattr(config, name)
+        if value is not None and value not in choices:
+            raise UsageError(f"{flag(name)} {value!r} is not one of {', '.join(choices)}")
+    if config.lr is not None and not config.lr > 0:
+        raise UsageError(f"--lr {config.lr} must be a positive learning rate, e.g. 3e-3")
+    if config.extend_to is not None and not config.resume:
+        raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
+    if config.resume and not config.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The settings that define a run, resolved (preset defaults filled in)."""
+
+    preset: str
+    model: TransformerConfig
+    seed: int
+    batch_size: int
+    steps: int  # the schedule's length
+    lr: float
+    data: list[str] | None
+    train_to: int  # the step the run ends at (steps, or --extend-to)
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run (JSON)."""
+        return {"preset": self.preset, "seq_len": self.model.seq_len, "scan_layers": self.model.scan_layers,
+                "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
+                "data": self.data, "train_to": self.train_to}
+
+
+def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
+    """The run ``config`` asks for; with ``saved`` (a checkpoint's run record), the saved run,
+    refusing flags that contradict it."""
+    if saved is not None:
+        config = _from_record(config, saved)
+    preset = get_preset(config.preset or "tiny")
+    overrides: dict[str, Any] = {"compute_dtype": config.precision}
+    for name in ("seq_len", "remat", "scan_layers"):
+        if getattr(config, name) is not None:
+            overrides[name] = getattr(config, name)
+    model = preset.config(**overrides)
+    steps = config.steps if config.steps is not None else preset.steps
+    train_to = config.extend_to or (saved or {}).get("train_to") or steps
+    return Run(preset=config.preset or "tiny", model=model, seed=config.seed or 0,
+               batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
+               steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
+               train_to=max(train_to, steps) if config.extend_to else train_to)
+
+
+def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
+    updates = {}
+    for name in RUN_SETTINGS:
+        given, kept = getattr(config, name), saved.get(name)
+        if given is None:
+            updates[name] = kept
+        elif name == "steps" and given != kept:
+            raise UsageError(f"--steps {given} contradicts the checkpoint's --steps {kept} (its schedule's length); "
+                             f"to train on past step {saved.get('train_to', kept)}, use --extend-to {given}")
+        elif given != kept:
+            raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} {_show(kept)}; "
+                             f"drop {flag(name)} to resume that run, or start a new run in another --checkpoint-dir")
+    return dataclasses.replace(config, **updates)
+
+
+def _show(value: Any) -> str:
+    return " ".join(value) if isinstance(value, list) else str(value)

@@ -1,0 +1,144 @@
+"""Bad input, tried as a new user would: every case exits 2 with one line on stderr that says what was
+given, what was expected and how to fix it, and nothing that existed before is changed."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import QUICK, shardax
+from shardax.cli import main
+from shardax.trainer.manifest import MANIFEST
+
+pytestmark = pytest.mark.xdist_group("test_bad_inputs")
+
+
+@pytest.fixture(scope="module")
+def workspace(small_corpus, tmp_path_factory):
+    """Text, odd data, YAML files and checkpoint directories (another run's, a damaged one, not shardax's)."""
+    root = tmp_path_factory.mktemp("workspace")
+    shutil.copytree(small_corpus, root / "text")
+    (root / "empty").mkdir()
+    (root / "binary").mkdir()
+    (root / "binary" / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
+    (root / "unreadable").mkdir()
+    (root / "unreadable" / "gone.txt").symlink_to(root / "nowhere.txt")
+    (root / "short.txt").write_text("too short")
+    (root / "a_file").write_text("not a directory")
+    yaml = {"typo.yaml": "stepz: 5\n", "ten.yaml": "steps: ten\n", "list.yaml": "- steps\n- 5\n",
+            "broken.yaml": "steps: [5\n", "lr.yaml": "lr: -1e-3\n"}
+    for name, text in yaml.items():
+        (root / name).write_text(text)
+    run = ("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", root / "text")
+    shardax(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
+    shutil.copytree(root / "other_run", root / "damaged")
+    (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": {"bytes": 1, "sha256": "0"}}}')
+    (root / "not_shardax" / "7").mkdir(parents=True)
+    (root / "not_shardax" / "7" / "notes.txt").write_text("someone else's files")
+    return root
+
+
+def snapshot(root):
+    return {p: (p.read_bytes() if p.is_file() else None, p.lstat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+TRAIN = ("train", *QUICK, "--steps", "2", "--eval-every", "0")
+CASES = [
+    # flags: zero, negative, wrong type, unknown choice
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--steps", "-3"], "--steps -3 must be at least 1"),
+    (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+    (["--batch-size", "12"], "--batch-size 12 does not split over the batch axes ('data',) of mesh data=8"),
+    (["--lr", "-1"], "--lr -1.0 must be a positive learning rate"),
+    (["--lr", "0"], "--lr 0.0 must be a positive learning rate"),
+    (["--log-every", "0"], "--log-every 0 must be at least 1"),
+    (["--eval-every", "-1"], "--eval-every -1 must be at least 0"),
+    (["--eval-batches", "0"], "--eval-batches 0 must be at least 1"),
+    (["--grad-accum", "0"], "--grad-accum 0 must be at least 1"),
+    (["--grad-accum", "3"], "times --grad-accum 3 (= 24); use a multiple of 24"),
+    (["--seq-len", "0"], "--seq-len 0 must be at least 1"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints 0 must be at least 1"),
+    (["--devices", "0"], "--devices 0 must be at least 1"),
+    (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
+    (["--precision", "float16"], "argument --precision: invalid choice: 'float16'"),
+    (["--preset", "huge"], "unknown --preset 'huge'; choose one of tiny, notebook"),
+    (["--extend-to", "9"], "--extend-to 9 continues a saved run; add --resume"),
+    # meshes
+    (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
+    (["--mesh", "data:8"], "data:8"),
+    (["--strategy", "fsdp_tp", "--mesh", "data=8"], "strategy 'fsdp_tp' needs mesh axes ('data', 'model')"),
+    # data
+    (["--data", "{root}/nonexistent"], "does not exist"),
+    (["--data", "{root}/empty"], "holds no text files"),
+    (["--data", "{root}/binary"], "no usable text in --data"),
+    (["--data", "{root}/unreadable"], "holds no text files"),  # its only .txt is a link to nothing
+    (["--data", "{root}/short.txt"], "bytes of training text, fewer than the 33"),
+    # YAML files
+    (["--config", "{root}/missing.yaml"], "cannot read it (No such file or directory)"),
+    (["--config", "{root}/broken.yaml"], "not valid YAML"),
+    (["--config", "{root}/typo.yaml"], "unknown setting 'stepz'; did you mean 'steps'?"),
+    (["--config", "{root}/ten.yaml"], "steps is 'ten', expected int"),
+    (["--config", "{root}/list.yaml"], "expected a mapping of settings, got list"),
+    (["--config", "{root}/lr.yaml"], "--lr -0.001 must be a positive learning rate"),
+    # checkpoint directories and files to write
+    (["--checkpoint-dir", "{root}/a_file"], "is a file; give a directory"),
+    (["--checkpoint-dir", "{root}/other_run"], "already holds checkpoints (latest step 2); pass --resume"),
+    (["--checkpoint-dir", "{root}/damaged", "--resume"], "no good checkpoint in"),
+    (["--checkpoint-dir", "{root}/not_shardax", "--resume"], "step 7 is damaged (it is not a checkpoint written by"),
+    (["--checkpoint-dir", "{root}/empty", "--resume"], "resume: no checkpoint in"),
+    (["--checkpoint-dir", "/proc/shardax/ckpt"], "is not writable"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
+    (["--metrics", "{root}/empty"], "is a directory; give a file name"),
+    (["--metrics", "/proc/shardax/m.jsonl"], "cannot be written"),
+]
+
+
+def exit_code(argv):
+    """``main``'s return code; argparse's errors leave through ``SystemExit``."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize("args, message", CASES, ids=[" ".join(args) for args, _ in CASES])
+def test_bad_train_input(args, message, workspace, capsys):
+    args = [arg.replace("{root}", str(workspace)) for arg in args]
+    data = [] if "--data" in args or "--config" in args else ["--data", str(workspace / "text")]
+    before = snapshot(workspace)
+    assert exit_code([*TRAIN, *data, *args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("shardax train: error: ") and message in lines[0], lines[0]
+    assert snapshot(workspace) == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "-n", "2"], "nothing to launch; give the command after --"),
+    (["launch", "-n", "0", "--", "shardax", "train"], "-n 0 and --devices-per-process 8 must be at least 1"),
+    (["launch", "-n", "2", "--devices-per-process", "0", "--", "shardax", "train"], "must be at least 1"),
+    (["launch", "-n", "two", "--", "true"], "argument -n/--num-processes: invalid int value: 'two'"),
+    (["plan", "--device-memory", "lots"], "--device-memory 'lots' is not a size"),
+    (["plan", "--strategy", "zero4"], "argument --strategy: invalid choice: 'zero4'"),
+])
+def test_bad_launch_and_plan_input(args, message, tmp_path):
+    result = shardax(*args, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_bug_keeps_its_traceback_and_another_exit_code():
+    """Not every ValueError is the user's: one raised below shardax is a bug and looks like one."""
+    code = ("import sys; import shardax.cli as cli\n"
+            "def broken(args): raise ValueError('deep inside a library')\n"
+            "cli.train = broken\n"
+            "sys.exit(cli.main(['train']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "ValueError: deep inside a library" in result.stderr

@@ -1,0 +1,270 @@
+"""Runs that survive: resume restores the run, non-finite steps never reach a checkpoint, damaged
+checkpoints are detected and passed over, a failed write is one line, preemption checkpoints and
+resumes bit for bit."""
+
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, stalled, subprocess_env
+from shardax import Trainer
+from shardax.cli import main
+from shardax.errors import NonFiniteError
+from shardax.trainer.checkpoint import saved_arrays, saved_steps
+from user_models import DropoutMLP, classification_loss, on_host, vector_batches
+
+pytestmark = pytest.mark.xdist_group("test_survival")
+
+BATCHES = list(vector_batches(8, seed=11))
+
+
+def trainer():
+    return Trainer(DropoutMLP, optax.adamw(1e-2), classification_loss, strategy="fsdp")
+
+
+def files_of(folder):
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- resume restores the run ----------------------------------------------------------------------------------
+
+LM = (*QUICK, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
+
+
+@pytest.fixture(scope="module")
+def saved_lm_run(small_corpus, tmp_path_factory):
+    """A run of 4 steps with seed 3, checkpointed at 2 and 4."""
+    folder = tmp_path_factory.mktemp("lm")
+    assert main(list(map(str, ["train", *LM, "--steps", 4, "--seed", 3, "--data", small_corpus, "--checkpoint-every",
+                               2, "--checkpoint-dir", folder / "ckpt", "--metrics", folder / "m.jsonl"]))) == 0
+    return folder
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", 1, "--seed 1 contradicts the checkpoint's --seed 3"),
+    ("--batch-size", 8, "--batch-size 8 contradicts the checkpoint's --batch-size 16"),
+    ("--lr", 0.01, "--lr 0.01 contradicts the checkpoint's --lr"),
+    ("--seq-len", 64, "--seq-len 64 contradicts the checkpoint's --seq-len 32"),
+    ("--steps", 10, "--steps 10 contradicts the checkpoint's --steps 4 (its schedule's length); to train on past "
+                    "step 4, use --extend-to 10"),
+    ("--data", "/tmp", "--data /tmp contradicts the checkpoint's --data"),
+])
+def test_resume_refuses_flags_that_contradict_the_saved_run(saved_lm_run, flag, value, message, capsys):
+    before = files_of(saved_lm_run)
+    args = ["train", *LM, "--checkpoint-dir", saved_lm_run / "ckpt", "--resume", flag, value]
+    assert main(list(map(str, args))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert files_of(saved_lm_run) == before
+
+
+def test_resume_takes_seed_data_and_schedule_from_the_checkpoint(saved_lm_run, small_corpus, tmp_path):
+    """Resumed from step 2 with no run flags at all: the seed-3 run's steps 3 and 4, bit for bit."""
+    for name in ("ckpt", "m.jsonl"):
+        os.system(f"cp -r {saved_lm_run / name} {tmp_path / name}")
+    os.system(f"rm -r {tmp_path / 'ckpt' / '4'}")
+    assert main(list(map(str, ["train", *QUICK[:2], "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0,
+                               "--checkpoint-dir", tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl",
+                               "--resume", "--strategy", "fsdp"]))) == 0
+    expected = [r["loss"] for r in read_metrics(saved_lm_run / "m.jsonl")]
+    np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "m.jsonl")], expected, rtol=1e-5)
+
+
+def test_extend_to_continues_a_finished_run_at_the_final_learning_rate(saved_lm_run, tmp_path, capsys):
+    os.system(f"cp -r {saved_lm_run / 'ckpt'} {tmp_path / 'ckpt'}")
+    args = ["train", *QUICK[:2], "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0,
+            "--checkpoint-dir", tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl", "--resume"]
+    assert main(list(map(str, args))) == 2
+    assert "is complete at step 4; to train it further, pass --extend-to N" in capsys.readouterr().err
+    assert main(list(map(str, [*args, "--extend-to", 6]))) == 0
+    records = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in records] == [5, 6]
+    peak = 3e-3  # the tiny preset's
+    assert all(math.isclose(r["lr"], peak / 10, rel_tol=1e-6) for r in records)  # the schedule's end value
+    assert saved_steps(tmp_path / "ckpt")[-1] == 6
+
+
+# -- non-finite steps -----------------------------------------------------------------------------------------
+
+def poisoned(at):
+    """BATCHES with a NaN in the inputs of step ``at`` (1-based)."""
+    batches = [dict(batch) for batch in BATCHES]
+    batches[at - 1]["inputs"] = np.full_like(batches[at - 1]["inputs"], np.nan)
+    return batches
+
+
+def test_a_nan_step_stops_the_run_and_the_last_good_checkpoint_is_kept(tmp_path):
+    run = trainer()
+    with pytest.raises(NonFiniteError, match=r"^step 5: the loss or gradient norm is NaN or infinite.*the last "
+                                             r"good checkpoint is step 4 in"):
+        run.fit(poisoned(5), steps=8, log_every=3, checkpoint_every=2, checkpoint_dir=tmp_path)
+    assert saved_steps(tmp_path) == [2, 4]  # step 6 (a frozen state after the bad step) was never written
+    clean = trainer()
+    clean.fit(BATCHES[:4], steps=4)
+    # the state the run stopped with is the state after step 4: nothing from step 5 on was applied
+    state = on_host(run.state)
+    jax.tree.map(np.testing.assert_array_equal, state.params, on_host(clean.state).params)
+    np.testing.assert_array_equal(saved_arrays(tmp_path, 4)["params.hidden.kernel"], state.params["hidden"]["kernel"])
+
+
+def test_skip_mode_drops_the_bad_update_and_counts_it():
+    run = trainer()
+    result = run.fit(poisoned(3), steps=8, log_every=1, on_nonfinite="skip")
+    assert [r["skipped_steps"] for r in result.history] == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert result.history[2]["loss"] is None  # NaN, written as null
+    clean = trainer()
+    clean.fit([b for i, b in enumerate(BATCHES) if i != 2], steps=7)  # the same updates, without the bad batch
+    jax.tree.map(np.testing.assert_array_equal, on_host(run.state).params, on_host(clean.state).params)
+    jax.tree.map(np.testing.assert_array_equal, on_host(run.state).opt_state, on_host(clean.state).opt_state)
+
+
+# -- damaged checkpoints --------------------------------------------------------------------------------------
+
+def damage_largest_file(directory, how):
+    files = sorted((p for p in directory.rglob("*") if p.is_file() and p.name != "shardax_manifest.json"),
+                   key=lambda p: p.stat().st_size)
+    target = files[-1]
+    if how == "missing":
+        target.unlink()
+    elif how == "truncated":
+        os.truncate(target, target.stat().st_size // 2)
+    elif how == "zeroed":
+        target.write_bytes(bytes(target.stat().st_size))
+    elif how == "unsealed":
+        (directory / "shardax_manifest.json").unlink()
+    return target
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "zeroed", "unsealed"])
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(how, tmp_path, capsys):
+    straight = trainer().fit(BATCHES, steps=6, log_every=1)
+    trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_every=2, checkpoint_dir=tmp_path)
+    damage_largest_file(tmp_path / "6", how)
+    capsys.readouterr()
+    resumed = trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_dir=tmp_path, resume=True)
+    out = capsys.readouterr().out
+    assert f"checkpoint step 6 in {tmp_path} is damaged (" in out and "resuming from step 4" in out
+    assert resumed.start_step == 4 and (tmp_path / "6.damaged").is_dir()
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in straight.history[4:]]
+    jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(straight.state))
+
+
+def test_no_good_checkpoint_is_a_clear_error_and_nothing_is_loaded(tmp_path):
+    trainer().fit(BATCHES, steps=4, checkpoint_every=2, checkpoint_dir=tmp_path, keep_checkpoints=2)
+    for step in (2, 4):
+        damage_largest_file(tmp_path / str(step), "zeroed")
+    before = files_of(tmp_path)
+    with pytest.raises(ValueError, match=r"no good checkpoint in .*step 4 is damaged \(.*\); step 2 is damaged"):
+        trainer().fit(BATCHES, steps=6, checkpoint_dir=tmp_path, resume=True)
+    assert files_of(tmp_path) == before
+
+
+def test_keep_checkpoints_keeps_the_latest(tmp_path):
+    trainer().fit(BATCHES, steps=8, checkpoint_every=1, checkpoint_dir=tmp_path, keep_checkpoints=2)
+    assert saved_steps(tmp_path) == [7, 8]
+
+
+def limit_file_size(limit):
+    """A process whose writes past ``limit`` bytes fail with EFBIG, as writes to a full disk fail."""
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpus, tmp_path):
+    run = ["train", *LM, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path / "ckpt"]
+    shardax(*run)
+    before = files_of(tmp_path / "ckpt")
+    env = dict(subprocess_env(), JAX_ENABLE_COMPILATION_CACHE="false")
+    failed = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, run), "--resume", "--extend-to", "4"],
+                            capture_output=True, text=True, timeout=300, env=env, preexec_fn=limit_file_size(4096))
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert failed.stderr.strip().splitlines() == [
+        f"shardax train: error: could not write the checkpoint of step 4 to {tmp_path / 'ckpt'} (File too large); "
+        "the checkpoints already there are intact (steps [2]); free space or choose another checkpoint directory"]
+    step_2 = tmp_path / "ckpt" / "2"
+    assert files_of(step_2) == {p: v for p, v in before.items() if step_2 in p.parents}
+
+
+# -- preemption -----------------------------------------------------------------------------------------------
+
+PREEMPTIBLE = (*LM, "--steps", 8, "--checkpoint-every", 100)
+
+
+def preempt(command, metrics, at_step, sig, launcher_lines=None):
+    """Run ``command`` (paused after ``at_step``), send ``sig`` once that step is logged, return the result."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None and last_logged_step(metrics) < at_step:
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read()[-2000:]
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=240)
+    return process.returncode, out, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(sig, small_corpus, tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    shardax("train", *PREEMPTIBLE, "--data", small_corpus, "--checkpoint-dir", straight / "ckpt",
+            "--metrics", straight / "m.jsonl")
+    run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--checkpoint-dir", stopped / "ckpt",
+           "--metrics", stopped / "m.jsonl"]
+    code, out, err = preempt(stalled(3, 120, "shardax", *run), stopped / "m.jsonl", 3, sig)
+    assert code == 75, err[-2000:]
+    assert f"stopped by {sig.name} after step 3: checkpoint of step 3 in {stopped / 'ckpt'}" in out
+    assert saved_steps(stopped / "ckpt") == [3]
+    resumed = shardax(*run, "--resume")
+    assert "resumed from step 3" in resumed.stdout
+    losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
+    assert [r["loss"] for r in read_metrics(stopped / "m.jsonl")] == losses
+    expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "ckpt", 8)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(small_corpus, tmp_path):
+    """JAX's preemption service tells every process; all save the same step and exit 75, as does the launcher."""
+    launch = ("launch", "-n", 2, "--devices-per-process", 4, "--")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--strategy", "fsdp_tp"]
+    shardax(*launch, "shardax", *run, "--checkpoint-dir", straight / "ckpt", "--metrics", straight / "m.jsonl")
+    command = [sys.executable, "-m", "shardax.cli", *map(str, launch),
+               *stalled(3, 5, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    lines = []  # what the launcher printed before the pid line (its own start lines)
+    deadline = time.time() + 240
+    while time.time() < deadline and last_logged_step(stopped / "m.jsonl") < 3:
+        time.sleep(0.05)
+    out_so_far = process.stdout.readline()
+    while not out_so_far.startswith("[launch] process 1:"):
+        lines.append(out_so_far)
+        out_so_far = process.stdout.readline()
+    os.kill(int(out_so_far.split("pid")[1]), signal.SIGTERM)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 75, (out + err)[-3000:]
+    assert "[0] stopped by SIGTERM after step 3: checkpoint of step 3" in out, out[-3000:]
+    assert "every process stopped after a checkpoint" in out
+    assert saved_steps(stopped / "ckpt") == [3]
+    shardax(*launch, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl",
+            "--resume")
+    losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
+    assert [r["loss"] for r in read_metrics(stopped / "m.jsonl")] == losses
+    expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "ckpt", 8)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
