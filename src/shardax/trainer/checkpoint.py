@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,8 +215,11 @@ class Checkpointer:
             reason = _write_failure(error)
             if reason is None:
                 raise
-            sys.unraisablehook = lambda unraisable: None  # the abandoned writers, at interpreter exit
-            logging.getLogger("absl").setLevel(logging.CRITICAL)
+            # orbax's abandoned writer tasks report the same failure again as they are collected
+            sys.unraisablehook = lambda unraisable: None
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+            warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")
             with contextlib.suppress(Exception):
                 self.manager.close()  # let its writer threads finish now rather than at interpreter exit
             step = self._saving if step is None else step
