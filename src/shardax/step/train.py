@@ -58,8 +58,8 @@ def build_train_step(
 
     Parameters stored by ``param_shardings`` are constrained to ``compute_shardings`` for the
     forward pass, their gradients to ``gradient_shardings``. ``layer_layout()`` is entered while
-    the loss is traced, so layers that read their weights
-    through ``for_compute`` gather (and reduce-scatter) them one layer at a time. The metrics
+    the loss is traced, so layers that read their weights through ``for_compute`` gather (and
+    reduce-scatter) them one layer at a time. The metrics
     are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
     mean over the global batch (and over microbatches), and ``skipped_steps``.
 
