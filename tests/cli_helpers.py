@@ -19,6 +19,8 @@ _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 COMPILATION_CACHE = (os.path.join(tempfile.gettempdir(), f"shardax-test-jax-cache-{_RUN}") if _RUN
                      else tempfile.mkdtemp(prefix="shardax-test-jax-cache-"))
 os.makedirs(COMPILATION_CACHE, exist_ok=True)
+# Token shards that `shardax train --tokenizer ...` prepares go to a cache of the test session's own.
+os.environ.setdefault("SHARDAX_DATA_CACHE", COMPILATION_CACHE.replace("jax-cache", "data-cache"))
 
 
 def subprocess_env():

@@ -34,6 +34,17 @@ def workspace(small_corpus, tmp_path_factory):
     shardax(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
     shutil.copytree(root / "other_run", root / "damaged")
     (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": {"bytes": 1, "sha256": "0"}}}')
+    shardax("prepare", root / "text", "--out", root / "shards_bpe", "--tokenizer", "bpe", "--vocab-size", 300)
+    shardax("prepare", root / "text", "--out", root / "swapped")  # bytes; a run trains on them ...
+    shardax(*run[:-2], "--data", root / "swapped", "--checkpoint-dir", root / "swapped_run")
+    shardax("prepare", root / "text", "--out", root / "swapped", "--tokenizer", "bpe", "--vocab-size", 300,
+            "--overwrite")  # ... then they are replaced by BPE shards
+    (root / "bad").mkdir()
+    (root / "bad" / "empty.txt").write_text("")
+    (root / "bad" / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    (root / "bad" / "other.jsonl").write_text('{"body": "text under another name"}\n')
+    pytest.importorskip("pyarrow.parquet").write_table(
+        __import__("pyarrow").table({"body": ["text under another name"]}), root / "bad" / "other.parquet")
     (root / "not_shardax" / "7").mkdir(parents=True)
     (root / "not_shardax" / "7" / "notes.txt").write_text("someone else's files")
     return root
@@ -76,6 +87,12 @@ CASES = [
     (["--data", "{root}/binary"], "no usable text in --data"),
     (["--data", "{root}/unreadable"], "holds no text files"),  # its only .txt is a link to nothing
     (["--data", "{root}/short.txt"], "bytes of training text, fewer than the 33"),
+    (["--data", "{root}/shards_bpe", "--tokenizer", "bytes"], "holds shards made with bpe (trained, vocabulary 300)"),
+    (["--data", "{root}/swapped", "--checkpoint-dir", "{root}/swapped_run", "--resume", "--extend-to", "4"],
+     "was trained on bytes tokens (model vocabulary 320), but its data now gives bpe-"),
+    (["--vocab-size", "300"], "--vocab-size 300 needs --tokenizer bpe"),
+    (["--tokenizer", "{root}/a_file"], "a_file is not JSON"),
+    (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 must be at least 258"),
     # YAML files
     (["--config", "{root}/missing.yaml"], "cannot read it (No such file or directory)"),
     (["--config", "{root}/broken.yaml"], "not valid YAML"),
@@ -115,6 +132,23 @@ def test_bad_train_input(args, message, workspace, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("shardax train: error: ") and message in lines[0], lines[0]
+    assert snapshot(workspace) == before
+
+
+@pytest.mark.parametrize("name, extra, message", [
+    ("empty.txt", [], "empty.txt is empty; remove it from the inputs"),
+    ("latin1.txt", [], "latin1.txt is not UTF-8 text (byte 3: b'\\xe9'); convert it"),
+    ("other.jsonl", [], "other.jsonl line 1 has no field 'text' (it has body); pass --field NAME"),
+    ("other.parquet", [], "other.parquet has no column 'text' (it has body); pass --field NAME"),
+    ("other.parquet", ["--tokenizer", "bpe", "--vocab-size", "9"], "--vocab-size 9: a byte-level BPE needs"),
+    ("latin1.txt", ["--tokenizer", "{root}/shards_bpe/index.json"], "is not a Hugging Face tokenizer.json"),
+])
+def test_bad_prepare_input(name, extra, message, workspace, capsys):
+    before = snapshot(workspace)
+    extra = [arg.replace("{root}", str(workspace)) for arg in extra]
+    assert exit_code(["prepare", str(workspace / "bad" / name), "--out", str(workspace / "new"), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardax prepare: error: ") and message in lines[0], lines
     assert snapshot(workspace) == before
 
 

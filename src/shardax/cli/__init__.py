@@ -1,4 +1,5 @@
-"""The ``shardax`` command: ``train`` (the LM job), ``plan`` (what fits, what it costs), ``launch``.
+"""The ``shardax`` command: ``train`` (the LM job), ``prepare`` (token shards), ``plan`` (what fits,
+what it costs), ``launch``.
 
 Each subcommand lives in its own module; this one parses and reports errors: bad input is one
 line on stderr and exit code 2, with no traceback.
@@ -14,6 +15,7 @@ from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED, 
                                 UsageError)
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
+from shardax.cli.prepare import add_prepare_parser, prepare_command
 from shardax.cli.train import STRATEGY_NAMES, add_train_parser, train
 
 
@@ -28,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="shardax", description="Train Flax NNX models across devices and hosts.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_train_parser(subparsers)
+    add_prepare_parser(subparsers)
     add_plan_parser(subparsers, STRATEGY_NAMES)
     add_launch_parser(subparsers)
     args = parser.parse_args(argv)
     try:
-        return {"train": train, "plan": plan_command, "launch": launch_command}[args.command](args)
+        return {"train": train, "prepare": prepare_command, "plan": plan_command,
+                "launch": launch_command}[args.command](args)
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

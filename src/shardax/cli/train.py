@@ -21,7 +21,7 @@ STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="train the transformer LM on text",
-                                   description="Train a byte-level transformer LM with any parallelism strategy.")
+                                   description="Train a transformer LM on text with any parallelism strategy.")
     add = parser.add_argument
     add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
     add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
@@ -33,7 +33,12 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--seq-len", type=int, help="bytes per training sequence")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")
-    add("--data", nargs="+", help="text files or folders (default: the Python standard library's source)")
+    add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
+                                   "prepare (default: the Python standard library's source)")
+    add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
+                            "prepare) and pack documents; default: bytes held in memory")
+    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096)")
+    add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")
@@ -58,7 +63,10 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
              "that update and count it (metric skipped_steps)")
     add("--metrics", help="JSON-lines metrics file; a PNG of the loss curves is written beside it")
     add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
-    add("--sample-bytes", type=int, help="length of the greedy sample at the end (default 160; 0: none)")
+    add("--sample-bytes", type=int, metavar="N",
+        help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
+    add("--sample-temperature", type=float, help="sampling temperature (default 0.8; 0: greedy)")
+    add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 40; 0: all)")
     return parser
 
 

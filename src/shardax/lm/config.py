@@ -34,7 +34,10 @@ class TrainConfig:
     seq_len: int | None = None  # bytes per training sequence
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
     seed: int | None = None  # model initialisation and data order (default 0)
-    data: list[str] | None = None  # text files or folders; default: the Python standard library
+    data: list[str] | None = None  # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib
+    tokenizer: str | None = None  # bytes, bpe or a tokenizer.json: tokenize into shards first (see shardax prepare)
+    vocab_size: int | None = None  # with --tokenizer bpe: the vocabulary to train (default 4096)
+    field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
     scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
@@ -49,14 +52,17 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
     metrics: str | None = None  # JSON-lines metrics file; a PNG of the curves goes beside it
     devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
-    sample_bytes: int = 160  # length of the greedy sample printed at the end (0: none)
+    sample_bytes: int = 160  # tokens of text sampled at the end (bytes with the byte tokenizer; 0: none)
+    sample_temperature: float = 0.8  # 0: greedy
+    sample_top_k: int = 40  # draw from the k most likely tokens (0: all)
 
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-RUN_SETTINGS = ("preset", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data")
+RUN_SETTINGS = ("preset", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data", "tokenizer",
+                "vocab_size", "field")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
-            "sample_bytes": 0, "seed": 0}
+            "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0}
 CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
            "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
 
@@ -139,12 +145,16 @@ class Run:
     lr: float
     data: list[str] | None
     train_to: int  # the step the run ends at (steps, or --extend-to)
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+    field: str | None = None
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
         return {"preset": self.preset, "seq_len": self.model.seq_len, "scan_layers": self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
-                "data": self.data, "train_to": self.train_to}
+                "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
+                "vocab_size": self.vocab_size, "field": self.field}
 
 
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
@@ -163,7 +173,8 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     return Run(preset=config.preset or "tiny", model=model, seed=config.seed or 0,
                batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
-               train_to=max(train_to, steps) if config.extend_to else train_to)
+               train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
+               vocab_size=config.vocab_size, field=config.field)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:

@@ -1,9 +1,9 @@
-"""The main job: train the transformer LM on bytes of real text with any strategy.
+"""The main job: train the transformer LM on real text with any strategy.
 
 ``run(TrainConfig(...))`` is what ``shardax train`` calls. It is one client of ``Trainer``: it
-reads the corpus, checks the settings and the checkpoint directory, hands the Trainer a batch
-function of the step (the data position is the step) and the validation batches, and ends with
-a greedy sample.
+checks the settings and the checkpoint directory, opens the data (bytes in memory, or token
+shards; see ``lm/data.py``), hands the Trainer a batch function of the step (the data position
+is the step) and the validation batches, and ends with a seeded sample of text.
 """
 
 from __future__ import annotations
@@ -12,16 +12,14 @@ import dataclasses
 import math
 from typing import Any
 
-import jax
-import numpy as np
 import optax
 from jax.sharding import Mesh
+from rich.markup import escape as rich_escape
 
-from shardax.data.batches import WindowSampler, validation_batches
-from shardax.data.corpus import Corpus, load_corpus
 from shardax.errors import UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
-from shardax.lm.sampling import greedy_sample
+from shardax.lm.data import ByteText, TokenShards, open_data
+from shardax.lm.sampling import sample_tokens
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
@@ -89,27 +87,23 @@ def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None
                          f"pass --extend-to N with N > {step} (the learning rate stays at its final {run.lr / 10:g})")
 
 
-def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
-    """Rows every process knows in full, as a global array (each process fills its own devices)."""
-    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None, step: int | None,
+                     config: TrainConfig) -> None:
+    """A resumed run reads data of the tokenizer it was trained with."""
+    kept = (saved or {}).get("tokenizer_fingerprint")
+    if saved is not None and kept != data.tokenizer_fingerprint:
+        raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} was trained on "
+                         f"{kept or 'bytes held in memory'} tokens (model vocabulary {saved.get('model_vocab')}), but "
+                         f"its data now gives {data.tokenizer_fingerprint or 'bytes held in memory'} tokens (vocabulary "
+                         f"{data.model_vocab}); resume with the data and tokenizer it was trained on")
 
 
-def loss_with_bits_per_byte(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-    """The next-byte loss in nats, and the same in bits per byte (what evaluation reports)."""
-    loss = next_token_loss(model, batch)
-    return loss, {"bits_per_byte": loss / math.log(2)}
+def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int) -> list[str]:
+    unit = "bytes" if isinstance(data, ByteText) else "tokens"
+    return [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}"]
 
 
-def _header(corpus: Corpus, model: TransformerConfig, steps: int, batch: int) -> list[str]:
-    return [
-        f"data: {corpus.source}: {corpus.files} files, {corpus.train.size:,} train / "
-        f"{corpus.validation.size:,} validation bytes" + (f", {len(corpus.skipped)} skipped" if corpus.skipped else "")
-        + f"; unigram baseline {corpus.unigram_entropy():.4f} nats/byte",
-        f"run: {steps} steps x {batch} sequences x {model.seq_len} bytes",
-    ]
-
-
-def prepare(config: TrainConfig) -> tuple[Trainer, Corpus, Run]:
+def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     """Check every setting and lay the model out, before any step or file write."""
     check_values(config)
     saved, step = _saved_run(config)
@@ -119,38 +113,42 @@ def prepare(config: TrainConfig) -> tuple[Trainer, Corpus, Run]:
     mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
     _check_batch(run.batch_size, config.grad_accum, mesh, strategy.batch_axes)
-    corpus = load_corpus(run.data, min_bytes=run.model.seq_len + 1)
+    data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
+    _check_tokenizer(data, saved, step, config)
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, next_token_loss, mesh=mesh, strategy=strategy,
-                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=loss_with_bits_per_byte,
+                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss,
                       learning_rate=schedule, name="shardax train")
-    return trainer, corpus, run
+    return trainer, data, run
 
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    trainer, corpus, run = prepare(config)
+    trainer, data, run = prepare(config)
     model, batch = run.model, run.batch_size
-    sampler = WindowSampler(corpus.train, model.seq_len, batch, run.seed)
     sharding = trainer.parallel.layout.batch()
-    validation = [{"tokens": global_rows(rows, sharding)}
-                  for rows in validation_batches(corpus.validation, model.seq_len, batch, config.eval_batches)]
+    validation = data.validation(model.seq_len, batch, config.eval_batches, sharding)
     fit = trainer.fit(
-        lambda step: sampler.global_batch(step, sharding), steps=run.train_to, eval_data=validation,
+        data.batches(model.seq_len, batch, run.seed, sharding), steps=run.train_to, eval_data=validation,
         eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
         checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
         metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
-        record={"run": run.record(), "strategy": config.strategy, "mesh": config.mesh,
-                "model": dataclasses.asdict(model)},
-        header=_header(corpus, model, run.train_to, batch),
+        record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
+                        "model_vocab": data.model_vocab},
+                "strategy": config.strategy, "mesh": config.mesh, "model": dataclasses.asdict(model)},
+        header=_header(data, model, run.train_to, batch),
     )
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
-        prompt = bytes(corpus.validation[: min(48, model.seq_len // 2)])
-        text = greedy_sample(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len)
-        say("[bold]sample[/bold] (greedy, prompt from validation text):",
-            (prompt + b"|" + text).decode("utf-8", errors="replace"))
+        prompt = data.prompt(min(48, model.seq_len // 2))
+        ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len, vocab=data.vocab,
+                            temperature=config.sample_temperature, top_k=config.sample_top_k, seed=run.seed)
+        how = ("greedy" if config.sample_temperature == 0 else
+               f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed {run.seed}")
+        say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
+            rich_escape(data.decode(prompt) + "|" + data.decode(ids)))
     trained = fit.end_step - fit.start_step
     return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s, fit.examples_per_sec * model.seq_len,
-                       fit.best_eval_loss, fit.last_eval["loss"] if fit.last_eval else None, corpus.unigram_entropy(),
+                       fit.best_eval_loss, fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(),
                        fit.state, trainer.parallel)

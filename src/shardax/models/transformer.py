@@ -122,11 +122,12 @@ class LayerNorm(nnx.Module):
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
-    """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H)."""
+    """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H); positions:
+    (T,) or (B, T)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (10000 ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = positions[:, None].astype(jnp.float32) * inv_freq  # (T, H/2)
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    angles = jnp.atleast_2d(positions)[..., None].astype(jnp.float32) * inv_freq  # (B or 1, T, H/2)
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
 
@@ -171,15 +172,16 @@ class Block(nnx.Module):
         self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
         self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+                 same_document: jax.Array | None = None) -> jax.Array:  # (B, T, D)
         dtype = self.config.dtype
         y = self.attn_norm(x).astype(dtype)
         qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.config.positions == "rotary":
-            positions = jnp.arange(x.shape[1])
+            positions = jnp.arange(x.shape[1]) if positions is None else positions
             q, k = rotary(q, positions), rotary(k, positions)
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, N, H)
+        attended = jax.nn.dot_product_attention(q, k, v, mask=same_document, is_causal=True)  # (B, T, N, H)
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
         hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
@@ -215,7 +217,11 @@ class TransformerLM(nnx.Module):
 
         self.blocks = make_blocks(rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """``segments`` (B, T): packed documents numbered from 1 (0: padding); a token attends only
+        to earlier tokens of its own document. ``positions`` (B, T): each token's place in its
+        document (default ``0..T-1``)."""
         config = self.config
         length = tokens.shape[1]
         if length > config.seq_len and config.positions == "learned":
@@ -223,10 +229,12 @@ class TransformerLM(nnx.Module):
         embedding = for_compute(self.embedding)
         x = jnp.take(embedding, tokens, axis=0)  # (B, T, D) float32
         if config.positions == "learned":
-            x = x + for_compute(self.position)[:length]
+            table = for_compute(self.position)
+            x = x + (table[:length] if positions is None else jnp.take(table, positions, axis=0))
+        same_document = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
 
         def apply_block(x: jax.Array, block: Block) -> jax.Array:
-            return block(x)
+            return block(x, positions, same_document)
 
         # Under remat, which with "none" saves everything but FSDP's gathered weights. A loop of
         # blocks that neither recomputes nor gathers goes without: remat marks each saved value
@@ -248,8 +256,27 @@ class TransformerLM(nnx.Module):
         return (x @ head.astype(config.dtype)).astype(jnp.float32)
 
 
-def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``."""
+def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Cross-entropy (nats) of each prediction of ``tokens[:, 1:]`` from ``tokens[:, :-1]``, and
+    which predictions count (0 where the input or the target is padding, ``segments == 0``).
+
+    With ``segments``, a document's first token is predicted from the end-of-document token that
+    opens it, and its last token predicts the one that closes it (which opens the next)."""
     tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1))
+    segments, positions = batch.get("segments"), batch.get("positions")
+    if segments is None:
+        logits = model(tokens[:, :-1])
+        weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
+    else:
+        logits = model(tokens[:, :-1], segments[:, :-1], None if positions is None else positions[:, :-1])
+        weights = ((segments[:, :-1] > 0) & (segments[:, 1:] > 0)).astype(jnp.float32)
+    losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
+    return losses, weights
+
+
+def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean cross-entropy of the predictions that count (see ``token_losses``)."""
+    losses, weights = token_losses(model, batch)
+    if "segments" not in batch:
+        return losses.mean()
+    return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)

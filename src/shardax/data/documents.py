@@ -1,0 +1,169 @@
+"""Documents from text files, JSON lines and Parquet files, cut into units of work for ``prepare``.
+
+A text file is one document; a JSON-lines file holds one document per line (its ``field``);
+a Parquet file one per row (its ``field`` column). Units are cut at fixed input sizes (never
+by the number of workers), so the shards ``prepare`` writes do not depend on how many
+processes wrote them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from shardax.data.corpus import TEXT_SUFFIXES
+from shardax.errors import UsageError
+
+JSON_LINES = {".jsonl", ".ndjson"}
+PARQUET = {".parquet"}
+UNIT_BYTES = 16 << 20  # input bytes per unit of work (one shard per split)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A whole text file, a byte range of a JSON-lines file (whole lines), or a Parquet row group."""
+
+    path: str
+    kind: str  # "text", "jsonl" or "parquet"
+    start: int = 0  # bytes (jsonl) or row group (parquet)
+    stop: int = -1
+    size: int = 0  # input bytes, for progress and unit sizes
+
+
+def _kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return "jsonl" if suffix in JSON_LINES else "parquet" if suffix in PARQUET else "text"
+
+
+def input_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
+    """The files to read (folders searched), and the files skipped in folders with the reason.
+
+    A file named on its own must hold text; in a folder, empty and binary files are skipped."""
+    files, skipped = [], []
+    for given in paths:
+        path = Path(given)
+        if not path.exists():
+            raise UsageError(f"--data {str(given)!r} does not exist; give text, .jsonl or .parquet files or "
+                             "folders of them")
+        if path.is_file():
+            if path.stat().st_size == 0:
+                raise UsageError(f"{path} is empty; remove it from the inputs")
+            files.append(path)
+            continue
+        suffixes = TEXT_SUFFIXES | JSON_LINES | PARQUET
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in suffixes)
+        for file in found:
+            if file.stat().st_size == 0:
+                skipped.append(f"{file}: empty")
+            else:
+                files.append(file)
+        if not found:
+            raise UsageError(f"--data folder {str(given)!r} holds no text, .jsonl or .parquet files")
+    if not files:
+        raise UsageError(f"--data {' '.join(map(str, paths))}: every file is empty")
+    return files, skipped
+
+
+def _jsonl_pieces(path: Path, size: int) -> list[Piece]:
+    """Line-aligned byte ranges of about ``UNIT_BYTES``."""
+    cuts = [0]
+    with path.open("rb") as handle:
+        while cuts[-1] + UNIT_BYTES < size:
+            handle.seek(cuts[-1] + UNIT_BYTES)
+            handle.readline()
+            if handle.tell() >= size:
+                break
+            cuts.append(handle.tell())
+    cuts.append(size)
+    return [Piece(str(path), "jsonl", a, b, b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def _parquet_pieces(path: Path, field: str) -> list[Piece]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UsageError(f"{path}: Parquet needs pyarrow; pip install 'shardax[parquet]'") from None
+    try:
+        meta = pq.ParquetFile(path)
+    except Exception as error:  # pyarrow's own exception types
+        raise UsageError(f"{path}: not a readable Parquet file ({str(error)[:100]})") from None
+    columns = meta.schema_arrow.names
+    if field not in columns:
+        raise UsageError(f"{path} has no column {field!r} (it has {', '.join(columns)}); pass --field NAME")
+    groups = meta.metadata.num_row_groups
+    size = path.stat().st_size
+    return [Piece(str(path), "parquet", g, g + 1, size // max(groups, 1)) for g in range(groups)]
+
+
+def plan_units(files: Sequence[Path], field: str) -> list[list[Piece]]:
+    """The inputs as units of about ``UNIT_BYTES`` each, in input order."""
+    pieces: list[Piece] = []
+    for path in files:
+        kind, size = _kind(path), path.stat().st_size
+        if kind == "jsonl":
+            pieces.extend(_jsonl_pieces(path, size))
+        elif kind == "parquet":
+            pieces.extend(_parquet_pieces(path, field))
+        else:
+            pieces.append(Piece(str(path), "text", size=size))
+    units: list[list[Piece]] = [[]]
+    filled = 0
+    for piece in pieces:
+        if units[-1] and filled + piece.size > UNIT_BYTES:
+            units.append([])
+            filled = 0
+        units[-1].append(piece)
+        filled += piece.size
+    return units
+
+
+def _decoded(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{where} is not UTF-8 text (byte {error.start}: {data[error.start:error.start + 1]!r}); "
+                         "convert it (e.g. iconv -t utf-8) or leave it out") from None
+
+
+def read_piece(piece: Piece, field: str) -> Iterator[str]:
+    """The documents of one piece (empty ones left out)."""
+    path = Path(piece.path)
+    if piece.kind == "text":
+        data = path.read_bytes()
+        if b"\x00" in data[:8192]:
+            raise UsageError(f"{path} is binary (it holds NUL bytes), not text; leave it out")
+        text = _decoded(data, str(path))
+        if text.strip():
+            yield text
+        return
+    if piece.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        column = pq.ParquetFile(path).read_row_group(piece.start, columns=[field]).column(field)
+        for number, value in enumerate(column.to_pylist()):
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"{path}: column {field!r} holds {type(value).__name__}, not text "
+                                 f"(row group {piece.start}, row {number}); pass --field with a text column")
+            if value and value.strip():
+                yield value
+        return
+    with path.open("rb") as handle:
+        handle.seek(piece.start)
+        lines = handle.read(piece.stop - piece.start).splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}" + (f" after byte {piece.start}" if piece.start else "")
+        try:
+            record = json.loads(_decoded(line, where))
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{where} is not JSON ({error.msg}); give one JSON object per line") from None
+        if not isinstance(record, dict) or field not in record:
+            keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+            raise UsageError(f"{where} has no field {field!r} (it has {keys}); pass --field NAME")
+        if not isinstance(record[field], str):
+            raise UsageError(f"{where}: field {field!r} is {type(record[field]).__name__}, not text")
+        if record[field].strip():
+            yield record[field]

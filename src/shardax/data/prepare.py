@@ -1,0 +1,291 @@
+"""``shardax prepare``: tokenize a corpus once into token shards on disk, with an index.
+
+Layout of a prepared directory::
+
+    index.json                 what was read, with which tokenizer; per split: shards, documents, tokens, bytes
+    tokenizer.json             the tokenizer itself (bytes, or a Hugging Face tokenizer)
+    train-00000.tokens         the split's documents, each as [end-of-document, its tokens...], raw uint16/uint32
+    train-00000.docs.npy       int64 offsets of each document's start in that file, then the file's length
+    validation-00000.tokens    documents held out by a hash of their text (the same split on every machine)
+
+Every document starts with the end-of-document token, so a stream of them reads
+``<eod> doc <eod> doc ...``: the token that ends one document begins the next, and a window cut
+anywhere in the stream knows where documents start. Units of input (about 16 MB each) are
+tokenized in parallel, one shard per unit and split, in input order. A directory is written
+under ``.building/`` and moved into place at the end, so a failed run writes nothing. Running
+again on unchanged inputs with the same settings does nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardax.data.documents import Piece, input_files, plan_units, read_piece
+from shardax.data.tokenizer import ByteTokenizer, Tokenizer, check_bpe_vocab, from_json, load_tokenizer, train_bpe
+from shardax.errors import UsageError
+
+FORMAT = 1
+INDEX = "index.json"
+TOKENIZER = "tokenizer.json"
+SPLITS = ("train", "validation")
+BPE_SAMPLE_BYTES = 64 << 20  # text a BPE tokenizer is trained on, at most (from the training split)
+ENCODE_BATCH = 512  # documents per call to the tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` did: the directory, its index, and whether it was (re)built."""
+
+    root: Path
+    index: dict[str, Any]
+    built: bool
+    reason: str  # why it was built, or why not
+
+
+def is_validation(text: str, fraction: float) -> bool:
+    """Held out by a hash of the document's text: the same on every machine, in any input order."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def _tokenizer_request(tokenizer: str, vocab_size: int | None) -> dict[str, Any]:
+    if tokenizer == "bytes":
+        if vocab_size is not None:
+            raise UsageError(f"--vocab-size {vocab_size} applies to --tokenizer bpe; bytes have 256 (+1)")
+        return {"kind": "bytes"}
+    if tokenizer == "bpe":
+        check_bpe_vocab(vocab_size or 4096)
+        return {"kind": "bpe", "vocab_size": vocab_size or 4096}
+    if vocab_size is not None:
+        raise UsageError(f"--vocab-size {vocab_size} applies to --tokenizer bpe, not to a tokenizer file")
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise UsageError(f"--tokenizer {tokenizer!r} is neither 'bytes', 'bpe' nor a tokenizer.json file")
+    return {"kind": "file", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16], "path": str(path)}
+
+
+def _inputs(files: Sequence[Path]) -> list[list[Any]]:
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _changes(old: list[list[Any]], new: list[list[Any]]) -> str:
+    before, after = {p: (s, m) for p, s, m in old}, {p: (s, m) for p, s, m in new}
+    added = len(after.keys() - before.keys())
+    removed = len(before.keys() - after.keys())
+    changed = sum(before[p] != after[p] for p in before.keys() & after.keys())
+    return f"inputs changed ({added} added, {removed} removed, {changed} modified)"
+
+
+def read_index(root: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((root / INDEX).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as error:
+        raise UsageError(f"{root / INDEX} is unreadable ({error}); run shardax prepare again into it") from None
+
+
+def _documents(units: Sequence[Sequence[Piece]], field: str) -> Iterator[str]:
+    for unit in units:
+        for piece in unit:
+            yield from read_piece(piece, field)
+
+
+def _bpe_sample(units: Sequence[Sequence[Piece]], field: str, fraction: float) -> Iterator[str]:
+    taken = 0
+    for text in _documents(units, field):
+        if is_validation(text, fraction):
+            continue
+        yield text
+        taken += len(text)
+        if taken >= BPE_SAMPLE_BYTES:
+            return
+
+
+_WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, field: str, fraction: float,
+                   folder: str, dtype: str) -> dict[str, dict[str, int]]:
+    """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit; their counts."""
+    if tokenizer_json not in _WORKER_TOKENIZERS:
+        _WORKER_TOKENIZERS[tokenizer_json] = from_json(tokenizer_json, "tokenizer.json")
+    tokenizer = _WORKER_TOKENIZERS[tokenizer_json]
+    eod = np.asarray([tokenizer.eod_id], dtype)
+    counts = {split: {"tokens": 0, "documents": 0, "bytes": 0} for split in SPLITS}
+    offsets: dict[str, list[int]] = {split: [] for split in SPLITS}
+    names = {split: Path(folder) / f"{split}-{number:05d}" for split in SPLITS}
+    handles = {split: open(names[split].with_suffix(".tokens"), "wb") for split in SPLITS}
+    try:
+        pending: list[str] = []
+
+        def flush() -> None:
+            for text, ids in zip(pending, tokenizer.encode_batch(pending)):
+                split = "validation" if is_validation(text, fraction) else "train"
+                offsets[split].append(counts[split]["tokens"])
+                handles[split].write(eod.tobytes())
+                handles[split].write(ids.astype(dtype).tobytes())
+                counts[split]["tokens"] += 1 + ids.size
+                counts[split]["documents"] += 1
+                counts[split]["bytes"] += 1 + len(text.encode("utf-8"))
+            pending.clear()
+
+        for piece in unit:
+            for text in read_piece(piece, field):
+                pending.append(text)
+                if len(pending) >= ENCODE_BATCH:
+                    flush()
+        flush()
+    finally:
+        for handle in handles.values():
+            handle.close()
+    for split in SPLITS:
+        np.save(names[split].with_suffix(".docs.npy"), np.asarray(offsets[split] + [counts[split]["tokens"]], np.int64))
+    return counts
+
+
+def _shard_files(name: str) -> list[str]:
+    return [f"{name}.tokens", f"{name}.docs.npy"]
+
+
+def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int) -> None:
+    """When hashing held out no document (a tiny corpus), hold out the last one, or the last tenth of
+    the only one, as the validation split."""
+    if not splits["train"]:
+        splits["train"], splits["validation"] = splits["validation"], []
+        for shard in splits["train"]:
+            new = shard["name"].replace("validation-", "train-")
+            for old_file, new_file in zip(_shard_files(shard["name"]), _shard_files(new)):
+                (folder / old_file).rename(folder / new_file)
+            shard["name"] = new
+    last = splits["train"][-1]
+    tokens = np.fromfile(folder / f"{last['name']}.tokens", dtype)
+    offsets = np.load(folder / f"{last['name']}.docs.npy")
+    cut = int(offsets[-2]) if len(offsets) > 2 else max(1, int(tokens.size * 0.9))
+    held = tokens[cut:] if len(offsets) > 2 else np.concatenate([np.asarray([eod], dtype), tokens[cut:]])
+    kept = tokens[:cut]
+    name = last["name"].replace("train-", "validation-")
+    held.tofile(folder / f"{name}.tokens")
+    np.save(folder / f"{name}.docs.npy", np.asarray([0, held.size], np.int64))
+    kept.tofile(folder / f"{last['name']}.tokens")
+    np.save(folder / f"{last['name']}.docs.npy", np.concatenate([offsets[:-2], [cut]]) if len(offsets) > 2
+            else np.asarray([0, cut], np.int64))
+    moved_docs = 1 if len(offsets) > 2 else 0
+    share = held.size / max(tokens.size, 1)
+    splits["validation"] = [{"name": name, "tokens": int(held.size), "documents": 1,
+                             "bytes": int(round(last["bytes"] * share))}]
+    last.update(tokens=int(kept.size), documents=last["documents"] - moved_docs,
+                bytes=int(round(last["bytes"] * (1 - share))))
+
+
+def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fraction: float, folder: Path,
+               dtype: str, workers: int, show_progress: bool) -> list[dict[str, dict[str, int]]]:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    sizes = [sum(piece.size for piece in unit) for unit in units]
+    args = [(n, unit, tokenizer.to_json(), field, fraction, str(folder), dtype) for n, unit in enumerate(units)]
+    results: list[Any] = [None] * len(units)
+    with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), disable=not show_progress) as progress:
+        task = progress.add_task("tokenize", total=sum(sizes))
+        if workers <= 1 or len(units) == 1:
+            for n, arg in enumerate(args):
+                results[n] = _tokenize_unit(*arg)
+                progress.advance(task, sizes[n])
+            return results
+        context = multiprocessing.get_context("spawn")  # the parent may hold JAX's threads
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(units)), mp_context=context) as pool:
+            futures = {pool.submit(_tokenize_unit, *arg): n for n, arg in enumerate(args)}
+            for future in concurrent.futures.as_completed(futures):
+                n = futures[future]
+                results[n] = future.result()  # a worker's UsageError comes back here, one line
+                progress.advance(task, sizes[n])
+    return results
+
+
+def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "bytes",
+            vocab_size: int | None = None, field: str = "text", validation_fraction: float = 0.05,
+            workers: int | None = None, overwrite: bool = False, show_progress: bool = True) -> Prepared:
+    """Tokenize ``inputs`` into shards under ``out`` (see the module docstring); nothing to do when
+    ``out`` already holds them for these inputs and settings."""
+    if not 0 < validation_fraction < 1:
+        raise UsageError(f"--validation-fraction {validation_fraction} must be between 0 and 1, e.g. 0.05")
+    root = Path(out)
+    request = _tokenizer_request(tokenizer, vocab_size)
+    files, skipped = input_files(inputs)
+    settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction}
+    listing = _inputs(files)
+    old = read_index(root) if root.is_dir() else None
+    if old is not None:
+        if old.get("settings") == settings and old.get("inputs") == listing:
+            return Prepared(root, old, False, "up to date: same inputs and settings")
+        if old.get("settings", {}).get("tokenizer") != request and not overwrite:
+            raise UsageError(f"{root} holds shards made with tokenizer {old.get('tokenizer_name')}, not {tokenizer!r}; "
+                             "prepare into another directory, or pass --overwrite to replace them")
+        reason = _changes(old.get("inputs", []), listing) if old.get("settings") == settings else "settings changed"
+    elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise UsageError(f"{root} exists and is not a prepared data directory (no {INDEX}); choose a new or empty one")
+    else:
+        reason = "new"
+    units = plan_units(files, field)
+    if request["kind"] == "bytes":
+        chosen: Tokenizer = ByteTokenizer()
+    elif request["kind"] == "file":
+        chosen = load_tokenizer(request["path"])
+    else:
+        chosen = train_bpe(_bpe_sample(units, field, validation_fraction), request["vocab_size"])
+    dtype = "uint16" if chosen.vocab_size <= 2**16 else "uint32"
+    created = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / ".building"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    try:
+        counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
+                            workers or os.cpu_count() or 1, show_progress)
+        splits: dict[str, list[dict[str, Any]]] = {split: [] for split in SPLITS}
+        for number, unit_counts in enumerate(counts):
+            for split in SPLITS:
+                name = f"{split}-{number:05d}"
+                if unit_counts[split]["documents"]:
+                    splits[split].append({"name": name, **unit_counts[split]})
+                else:
+                    for file in _shard_files(name):
+                        (folder / file).unlink()
+        if not splits["train"] and not splits["validation"]:
+            raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
+        if not splits["validation"] or not splits["train"]:
+            _hold_out_tail(folder, splits, dtype, chosen.eod_id)
+        (folder / TOKENIZER).write_text(chosen.to_json())
+        index = {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
+                 "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
+                 "eod_id": chosen.eod_id, "dtype": dtype,
+                 "splits": {split: {"tokens": sum(s["tokens"] for s in shards),
+                                    "documents": sum(s["documents"] for s in shards),
+                                    "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+                            for split, shards in splits.items()}}
+        (root / INDEX).unlink(missing_ok=True)  # from here on the directory is not a complete prepared set
+        for stale in (old or {}).get("splits", {}).values():
+            for shard in stale.get("shards", []):
+                for file in _shard_files(shard["name"]):
+                    (root / file).unlink(missing_ok=True)
+        for file in folder.iterdir():
+            file.replace(root / file.name)
+        (folder / INDEX).write_text(json.dumps(index, indent=1))
+        (folder / INDEX).replace(root / INDEX)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if created and not (root / INDEX).exists():
+            shutil.rmtree(root, ignore_errors=True)
+    return Prepared(root, index, True, reason)

@@ -1,0 +1,166 @@
+"""The LM job's data: bytes of text held in memory (the default), or token shards read lazily.
+
+``open_data`` chooses: a ``--data`` directory written by ``shardax prepare`` is read as shards;
+``--tokenizer`` tokenizes the inputs into shards first (in a cache directory, once); otherwise
+the text is read into memory as bytes, as the two-command default run does with the standard
+library. Both give the Trainer a batch function of the step, fixed validation batches, and a
+loss reported per token and per byte of text, so runs with different tokenizers compare.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardax.data.batches import WindowSampler, validation_batches
+from shardax.data.corpus import default_sources, load_corpus
+from shardax.data.prepare import INDEX, prepare
+from shardax.data.shards import PackedBatches, PreparedData, validation_rows
+from shardax.data.tokenizer import padded_vocab
+from shardax.errors import UsageError
+from shardax.models.transformer import next_token_loss, token_losses
+
+
+def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
+    """Rows every process knows in full, as a global array (each process fills its own devices)."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])
+
+
+def _unigram_nats(tokens: np.ndarray, vocab: int) -> float:
+    counts = np.bincount(tokens, minlength=vocab).astype(np.float64)
+    probabilities = counts[counts > 0] / counts.sum()
+    return float(-(probabilities * np.log(probabilities)).sum())
+
+
+class ByteText:
+    """Text files read into memory; every byte a token (vocabulary 256), random windows."""
+
+    tokenizer_fingerprint = None
+
+    def __init__(self, paths: list[str] | None, seq_len: int) -> None:
+        self.corpus = load_corpus(paths, min_bytes=seq_len + 1)
+        self.vocab = 256
+        self.model_vocab = 256
+
+    def header(self) -> str:
+        corpus = self.corpus
+        return (f"data: {corpus.source}: {corpus.files} files, {corpus.train.size:,} train / "
+                f"{corpus.validation.size:,} validation bytes" + (f", {len(corpus.skipped)} skipped" if corpus.skipped else "")
+                + f"; unigram baseline {self.unigram_nats():.4f} nats/byte")
+
+    def unigram_nats(self) -> float:
+        return self.corpus.unigram_entropy()
+
+    def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
+        sampler = WindowSampler(self.corpus.train, seq_len, batch, seed)
+        return lambda step: sampler.global_batch(step, sharding)
+
+    def validation(self, seq_len: int, batch: int, count: int, sharding: Any) -> list[dict[str, jax.Array]]:
+        return [{"tokens": global_rows(rows, sharding)}
+                for rows in validation_batches(self.corpus.validation, seq_len, batch, count)]
+
+    @staticmethod
+    def eval_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        loss = next_token_loss(model, batch)
+        return loss, {"bits_per_byte": loss / math.log(2)}
+
+    def prompt(self, length: int) -> list[int]:
+        return list(bytes(self.corpus.validation[:length]))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class TokenShards:
+    """Shards written by ``shardax prepare``, packed into windows and read lazily."""
+
+    def __init__(self, root: Path) -> None:
+        self.data = PreparedData(root)
+        self.tokenizer = self.data.tokenizer
+        self.vocab = self.tokenizer.vocab_size
+        self.model_vocab = padded_vocab(self.vocab)
+        self.tokenizer_fingerprint = self.data.index["tokenizer"]
+        self.token_bytes = self.tokenizer.token_bytes()
+
+    def header(self) -> str:
+        return f"data: {self.data.describe()}; unigram baseline {self.unigram_nats():.4f} nats/token"
+
+    def unigram_nats(self) -> float:
+        return _unigram_nats(self.data.train.read(0, 1 << 22), self.vocab)  # the first 4M tokens
+
+    def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
+        packed = PackedBatches(self.data.train, seq_len, batch, seed, self.data.eod_id)
+        return lambda step: packed.global_batch(step, sharding)
+
+    def validation(self, seq_len: int, batch: int, count: int, sharding: Any) -> list[dict[str, jax.Array]]:
+        rows = validation_rows(self.data.validation, seq_len, batch, count, self.data.eod_id, self.token_bytes)
+        return [{key: global_rows(value, sharding) for key, value in batch_rows.items()} for batch_rows in rows]
+
+    @staticmethod
+    def eval_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        """Nats per token (the loss), bits per token, and bits per byte of the text predicted."""
+        losses, weights = token_losses(model, batch)
+        nats = (losses * weights).sum()
+        loss = nats / jnp.maximum(weights.sum(), 1.0)
+        per_byte = nats / jnp.maximum(batch["target_bytes"].sum().astype(jnp.float32), 1.0)
+        return loss, {"bits_per_token": loss / math.log(2), "bits_per_byte": per_byte / math.log(2)}
+
+    def prompt(self, length: int) -> list[int]:
+        return [int(t) for t in self.data.validation.read(0, length)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SHARDAX_DATA_CACHE") or Path.home() / ".cache" / "shardax" / "data")
+
+
+def _prepared_directory(paths: list[str] | None) -> Path | None:
+    if paths and len(paths) == 1 and (Path(paths[0]) / INDEX).is_file():
+        return Path(paths[0])
+    return None
+
+
+def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | None, field: str | None,
+              seq_len: int) -> ByteText | TokenShards:
+    """The data a run reads (see the module docstring). Only process 0 prepares; the others wait
+    for it and then read the same shards, which must be on storage they share."""
+    prepared = _prepared_directory(paths)
+    if prepared is not None:
+        data = TokenShards(prepared)
+        if tokenizer is not None:
+            wanted = {"kind": "file"} if tokenizer not in ("bytes", "bpe") else {"kind": tokenizer}
+            made = data.data.index["settings"]["tokenizer"]
+            if made["kind"] != wanted["kind"] or (vocab_size and made.get("vocab_size") != vocab_size):
+                raise UsageError(f"--data {prepared} holds shards made with {data.data.index['tokenizer_name']}, "
+                                 f"not --tokenizer "
+                                 f"{tokenizer}" + (f" --vocab-size {vocab_size}" if vocab_size else "")
+                                 + "; drop --tokenizer to train on them, or prepare the text again")
+        return data
+    if tokenizer is None:
+        if vocab_size is not None:
+            raise UsageError(f"--vocab-size {vocab_size} needs --tokenizer bpe")
+        return ByteText(paths, seq_len)
+    inputs = [str(p) for p in default_sources() if p.stat().st_size] if not paths else paths
+    key = json.dumps([sorted(str(Path(p).resolve()) for p in inputs), tokenizer, vocab_size, field or "text"])
+    root = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if jax.process_index() == 0:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with open(root.with_name(root.name + ".lock"), "w") as lock:  # two runs on one machine prepare once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            prepare(inputs, root, tokenizer=tokenizer, vocab_size=vocab_size, field=field or "text")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("shardax data prepared")
+    return TokenShards(root)
