@@ -7,9 +7,10 @@
    of about 8 MB (many documents each, joined as JSON lines) until the corpus holds ``--corpus-mb``
    of text. Input MB/s with the byte tokenizer and with BPE (vocabulary 4096, trained on a 64 MB
    sample, training included), one worker process per core.
-2. Data loading as a share of step time: the ``tiny`` LM trained by ``Trainer.fit`` (dp, 8 CPU
-   devices) on the byte shards of the whole corpus; time inside the batch function over the
-   whole ``fit`` wall time, steps 10 to the end.
+2. Data loading as a share of step time: the ``tiny`` LM's compiled step (dp, 8 CPU devices)
+   fed from the byte shards of the whole corpus, against the same loop reusing one placed batch,
+   in interleaved rounds (the median of the paired ratios, minus one); also the batch
+   function's own time, alone and inside the loop.
 3. Peak resident memory (``ru_maxrss`` of the process) of the same ``shardax train`` run on
    shards of a tenth of the corpus and on shards of all of it.
 
@@ -67,31 +68,58 @@ def time_prepare(inputs: list[Path], out: Path, **options) -> tuple[float, dict]
     return time.perf_counter() - start, done.index
 
 
-def loading_share(shards: Path, steps: int) -> dict:
-    """Seconds in the batch function against the wall time of the same steps of ``Trainer.fit``."""
+def loading_share(shards: Path, steps: int, rounds: int = 5) -> dict:
+    """What reading batches from the shards adds to a step, interleaved with a loop that reuses one
+    placed batch: both run the tiny LM's compiled step (dp, 8 devices) and read the loss every 10
+    steps as a training loop does; rounds alternate which goes first. Also the batch function's own
+    time, alone and inside the shard loop (where it shares the CPU with the step in flight)."""
     code = f"""
-import json, time, jax
+import json, statistics, time, jax
 jax.config.update("jax_num_cpu_devices", 8)
 from shardax.lm.config import TrainConfig
 from shardax.lm import job
-trainer, data, run = job.prepare(TrainConfig(data=[{str(shards)!r}], steps={steps}))
+trainer, data, run = job.prepare(TrainConfig(data=[{str(shards)!r}]))
 sharding = trainer.parallel.layout.batch()
 batches = data.batches(run.model.seq_len, run.batch_size, run.seed, sharding)
-spent, marks = {{}}, {{}}
-def timed(step):
+step_fn = trainer.train_step()
+state = trainer.init()
+fixed = batches(0)
+state, metrics = step_fn(state, fixed)
+jax.block_until_ready(metrics)
+position, inside = 1, []
+def loop(read):
+    global state, position
     start = time.perf_counter()
-    batch = batches(step)
-    spent[step] = time.perf_counter() - start
-    marks[step] = time.perf_counter()
-    return batch
-trainer.fit(timed, steps={steps}, log_every=10)
-first, last = 10, {steps} - 1
-wall = marks[last] - marks[first]
-loading = sum(spent[s] for s in range(first + 1, last + 1))
-print(json.dumps({{"steps": last - first, "wall_s": wall, "loading_s": loading,
-                  "step_s": wall / (last - first), "loading_per_step_s": loading / (last - first)}}))
+    for i in range({steps}):
+        if read:
+            t = time.perf_counter()
+            batch = batches(position)
+            inside.append(time.perf_counter() - t)
+            position += 1
+        else:
+            batch = fixed
+        state, metrics = step_fn(state, batch)
+        if i % 10 == 9:
+            float(metrics["loss"])
+    jax.block_until_ready(state)
+    return (time.perf_counter() - start) / {steps}
+ratios, shard_times, fixed_times = [], [], []
+for r in range({rounds}):
+    order = (True, False) if r % 2 == 0 else (False, True)
+    times = {{read: loop(read) for read in order}}
+    shard_times.append(times[True]); fixed_times.append(times[False])
+    ratios.append(times[True] / times[False])
+alone = []
+for s in range(20):
+    t = time.perf_counter(); jax.block_until_ready(batches(10**6 + s)); alone.append(time.perf_counter() - t)
+print(json.dumps({{"rounds": {rounds}, "steps_per_round": {steps}, "ratio": statistics.median(ratios),
+                  "ratios": ratios, "step_s_reading": statistics.median(shard_times),
+                  "step_s_fixed_batch": statistics.median(fixed_times),
+                  "batch_fn_alone_s": statistics.median(alone), "batch_fn_in_loop_s": statistics.median(inside)}}))
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -113,6 +141,9 @@ def main() -> None:
     parser.add_argument("--workdir", help="where the corpus and shards go (default: a temporary directory)")
     parser.add_argument("--steps", type=int, default=60)
     options = parser.parse_args()
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)  # what the training runs use (the machine line says so)
     from suite import save
 
     work = Path(options.workdir or tempfile.mkdtemp(prefix="shardax-lm-data-"))
@@ -133,7 +164,9 @@ def main() -> None:
         return sum(split["tokens"] for split in index["splits"].values()) * (2 if index["dtype"] == "uint16" else 4)
 
     share = loading_share(work / "shards_bytes", options.steps)
-    print(f"loading: {1000 * share['loading_per_step_s']:.2f} ms of a {1000 * share['step_s']:.0f} ms step")
+    print(f"loading: step {1000 * share['step_s_reading']:.1f} ms reading shards vs {1000 * share['step_s_fixed_batch']:.1f} "
+          f"ms on one batch (ratio {share['ratio']:.4f}); batch function {1000 * share['batch_fn_alone_s']:.2f} ms alone, "
+          f"{1000 * share['batch_fn_in_loop_s']:.2f} ms in the loop")
     small_rss = peak_rss(work / "shards_small", options.steps)
     large_rss = peak_rss(work / "shards_bytes", options.steps)
     print(f"peak RSS: {small_rss / 1e6:.0f} MB on {shard_bytes(small_index) / 1e6:.0f} MB of shards, "
@@ -143,7 +176,7 @@ def main() -> None:
         "prepare_bytes_s": bytes_s, "prepare_bytes_mb_per_s": input_bytes / 1e6 / bytes_s,
         "prepare_bpe_s": bpe_s, "prepare_bpe_mb_per_s": input_bytes / 1e6 / bpe_s,
         "bpe_bytes_per_token": bpe_index["splits"]["train"]["bytes"] / bpe_index["splits"]["train"]["tokens"],
-        "loading": share, "loading_fraction": share["loading_s"] / share["wall_s"],
+        "loading": share, "loading_fraction": share["batch_fn_alone_s"] / share["step_s_fixed_batch"],
         "shards_small_bytes": shard_bytes(small_index), "shards_large_bytes": shard_bytes(bytes_index),
         "peak_rss_small_bytes": small_rss, "peak_rss_large_bytes": large_rss,
         "peak_rss_ratio": large_rss / small_rss,

@@ -82,6 +82,24 @@ def table() -> str:
             lines.append(f"| 8. `Trainer` step time / a hand-written loop calling the same jitted step, {case['case']} | "
                          f"{case['ratio']:.3f} (quartiles {low:.3f} to {high:.3f}; {1000 * case['trainer_step_s']:.1f} vs "
                          f"{1000 * case['hand_written_step_s']:.1f} ms) | <= 1.02 |")
+    data = load("lm_data")
+    if data:
+        lines.append(f"| 9. `shardax prepare` throughput, {data['text_bytes'] / 1e6:.0f} MB of stdlib-made JSON lines, "
+                     f"{data['cores']} cores: bytes; BPE 4096 (training included) | {data['prepare_bytes_mb_per_s']:.1f} MB/s; "
+                     f"{data['prepare_bpe_mb_per_s']:.1f} MB/s | - |")
+        loading = data["loading"]
+        lines.append(f"| 9. data loading / step time, `tiny` on the byte shards (dp, 8 devices): the batch function "
+                     f"alone; the loop reading shards / the same loop reusing one batch (interleaved) | "
+                     f"{100 * data['loading_fraction']:.2f}% ({1000 * loading['batch_fn_alone_s']:.2f} of "
+                     f"{1000 * loading['step_s_fixed_batch']:.0f} ms); {loading['ratio']:.3f}x | <= 2% |")
+        lines.append(f"| 9. peak resident memory of `shardax train`, {data['shards_large_bytes'] / 1e9:.2f} GB vs "
+                     f"{data['shards_small_bytes'] / 1e9:.2f} GB of shards | {data['peak_rss_ratio']:.3f} "
+                     f"({data['peak_rss_large_bytes'] / 1e6:.0f} vs {data['peak_rss_small_bytes'] / 1e6:.0f} MB) | 1 +- 0.10 |")
+    versus = load("bpe_vs_bytes")
+    if versus:
+        lines.append(f"| 10. validation bits per byte after {versus['steps']} steps of `{versus['preset']}` on the stdlib: "
+                     f"BPE {versus['vocab_size']} vs bytes (same held-out documents) | {versus['bpe']['val_bits_per_byte']:.3f} "
+                     f"vs {versus['bytes']['val_bits_per_byte']:.3f} ({versus['bits_per_byte_ratio']:.3f}x) | < 1 |")
     mfu = load("mfu")
     if mfu:
         lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']} "
@@ -96,7 +114,7 @@ def table() -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search and the plan-accuracy cases (minutes)")
+    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases and the 512 MB data benchmark (minutes)")
     options = parser.parse_args()
     names = ["overhead", "memory_and_communication", "compile_time"] + (
         [] if options.skip_slow else ["largest_model", "plan_accuracy"])
@@ -104,6 +122,9 @@ if __name__ == "__main__":
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])
     run(["benchmarks/trainer_overhead.py"])
+    run(["benchmarks/bpe_vs_bytes.py"])
+    if not options.skip_slow:
+        run(["benchmarks/lm_data.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
     text = table()

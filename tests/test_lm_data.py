@@ -257,3 +257,22 @@ def test_prepare_refuses_to_replace_shards_of_another_tokenizer(corpus, tmp_path
         prepare([root], tmp_path / "mine", show_progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert Path(tmp_path / "mine").exists()
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_corpus_too_small_for_the_hash_split_still_holds_out_text(count, tmp_path):
+    """One document: its last tenth is held out; a few that all hash to training: the last one."""
+    texts = [f"document {i}: " + "words and more words " * 40 for i in range(count)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+    done = prepare([tmp_path / f"doc{i}.txt" for i in range(count)], tmp_path / "shards",
+                   validation_fraction=1e-9, show_progress=False)
+    data = PreparedData(done.root)
+    train, validation = split_documents(data, "train"), split_documents(data, "validation")
+    if count == 1:
+        assert len(train) == len(validation) == 1 and train[0] + validation[0] == texts[0]
+        assert 0.05 < len(validation[0]) / len(texts[0]) < 0.15
+    else:
+        assert train == texts[:-1] and validation == texts[-1:]
+    counts = done.index["splits"]
+    assert counts["train"]["documents"] == len(train) and counts["validation"]["documents"] == 1

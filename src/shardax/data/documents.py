@@ -40,7 +40,8 @@ def _kind(path: Path) -> str:
 def input_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
     """The files to read (folders searched), and the files skipped in folders with the reason.
 
-    A file named on its own must hold text; in a folder, empty and binary files are skipped."""
+    An empty file named on its own is an error; in a folder, empty files are skipped and listed.
+    A binary or non-UTF-8 file is an error either way (``read_piece``), naming the file."""
     files, skipped = [], []
     for given in paths:
         path = Path(given)
