@@ -56,7 +56,8 @@ def table() -> str:
     compile_ = load("compile_time")
     if compile_:
         seconds = compile_["seconds"]
-        lines.append(f"| 4. compile time, 32 layers / 4 layers (scan) | {compile_['ratio']:.2f}x "
+        lines.append(f"| 4. compile time, 32 layers / 4 layers (scan; median of {compile_.get('rounds', 1)} paired fresh "
+                     f"compiles, order alternating, after a warm-up) | {compile_['ratio']:.2f}x "
                      f"({seconds['32']:.1f} s vs {seconds['4']:.1f} s) | <= 1.5 |")
     notebook = load("notebook_step_time")
     if notebook:

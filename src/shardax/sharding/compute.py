@@ -27,11 +27,13 @@ GATHERED = "shardax_gathered_weight"
 
 
 def without_gathered(policy: Any = None) -> Any:
-    """A remat policy: what ``policy`` saves (everything if None), except gathered weights."""
-    from jax._src.ad_checkpoint import name_p
+    """A remat policy: what ``policy`` saves (everything if None), except gathered weights.
+
+    Primitives are recognised by their public names (``checkpoint_name`` binds one called
+    ``name``), so nothing here depends on JAX's private modules."""
 
     def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
-        if primitive is name_p and params.get("name") == GATHERED:
+        if primitive.name == "name" and params.get("name") == GATHERED:
             return False
         if primitive.name.startswith("custom_vjp_call"):  # the gather itself (see gather_for_compute)
             return False
