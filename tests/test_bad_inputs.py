@@ -75,6 +75,7 @@ CASES = [
     (["--devices", "0"], "--devices 0 must be at least 1"),
     (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
     (["--precision", "float16"], "argument --precision: invalid choice: 'float16'"),
+    (["--attention", "cudnn"], "--attention cudnn: it needs a GPU (this is cpu); it needs bfloat16 compute"),
     (["--preset", "huge"], "unknown --preset 'huge'; choose one of tiny, notebook"),
     (["--extend-to", "9"], "--extend-to 9 continues a saved run; add --resume"),
     # meshes

@@ -1,5 +1,9 @@
 """The transformer LM: causal, positions, tied head, remat and mixed precision."""
 
+import collections
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +11,7 @@ import pytest
 from flax import nnx
 
 from shardax.models.presets import PRESETS, flops_per_token, parameter_count
-from shardax.models.transformer import TransformerLM, next_token_loss
+from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 from small_models import tiny_transformer_config
 
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(4, 17)).astype(np.int32)
@@ -99,38 +103,65 @@ def test_bad_model_settings():
         tiny_transformer_config(remat="some")
 
 
-def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
-    from shardax.models.transformer import layer_norm
+def recomputed_ops(config, attention=None):
+    """{HLO opcode: count} of what the compiled backward pass of ``config``'s model recomputes
+    (instructions XLA tags as the rematted computation), with ``attention`` in place of
+    ``jax.nn.dot_product_attention`` when given."""
+    import shardax.models.transformer as transformer
 
-    def reference(x, scale, bias):
-        mean = x.mean(-1, keepdims=True)
-        variance = ((x - mean) ** 2).mean(-1, keepdims=True)
-        return (x - mean) / jnp.sqrt(variance + 1e-5) * scale + bias
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    graph, state = nnx.split(model)
 
-    keys = jax.random.split(jax.random.key(3), 4)
-    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5
-    scale, bias = 1 + jax.random.normal(keys[1], (48,)), jax.random.normal(keys[2], (48,))
-    cotangent = jax.random.normal(keys[3], x.shape)
-    ours, vjp = jax.vjp(layer_norm, x, scale, bias)
-    expected, reference_vjp = jax.vjp(reference, x, scale, bias)
-    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
-    for got, want in zip(vjp(cotangent), reference_vjp(cotangent)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    residuals = jax.tree.leaves(jax.linearize(layer_norm, x, scale, bias)[1])  # what the backward pass keeps
-    assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size + scale.size
+    def loss(state):
+        return next_token_loss(nnx.merge(graph, state), {"tokens": jnp.asarray(TOKENS)})
+
+    original = transformer.jax.nn.dot_product_attention
+    if attention is not None:
+        transformer.jax.nn.dot_product_attention = attention
+    try:
+        text = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    finally:
+        transformer.jax.nn.dot_product_attention = original
+    counts = collections.Counter()
+    for line in text.splitlines():
+        found = re.search(r"= \S+ ([\w-]+)\(.*op_name=\"([^\"]*)\"", line)
+        if found and "rematted_computation" in found.group(2):
+            counts[found.group(1)] += 1
+    return counts
 
 
-def test_gelu_keeps_only_its_input_and_matches_autodiff():
-    from shardax.models.transformer import gelu
+def fused_attention_stand_in(query, key, value, mask=None, is_causal=False, implementation=None):
+    """XLA's attention behind a custom VJP, as cuDNN's fused kernel is: one opaque primitive."""
+    attend = functools.partial(ORIGINAL_ATTENTION, mask=mask, is_causal=is_causal)
 
-    x = jnp.linspace(-6.0, 6.0, 1001)
-    cotangent = jnp.cos(x)
-    ours, vjp = jax.vjp(gelu, x)
-    reference, reference_vjp = jax.vjp(jax.nn.gelu, x)
-    np.testing.assert_array_equal(ours, reference)
-    np.testing.assert_allclose(vjp(cotangent)[0], reference_vjp(cotangent)[0], rtol=1e-6, atol=1e-7)
-    residuals = jax.tree.leaves(jax.linearize(gelu, x)[1])  # what the backward pass keeps
-    assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size
+    @jax.custom_vjp
+    def attention(query, key, value):
+        return attend(query, key, value)
+
+    def forward(query, key, value):
+        return attention(query, key, value), (query, key, value)
+
+    def backward(saved, cotangent):
+        return jax.vjp(attend, *saved)[1](cotangent)
+
+    attention.defvjp(forward, backward)
+    return attention(query, key, value)
+
+
+ORIGINAL_ATTENTION = jax.nn.dot_product_attention
+
+
+def test_dots_saveable_recomputes_no_matmul_and_no_custom_vjp_in_the_backward_pass():
+    """Remat by name: the policy refuses only gathered weights and reduced-precision copies, so
+    under ``dots_saveable`` no matmul (attention's included) and no custom VJP (a stand-in for
+    cuDNN's fused attention: its softmax's exponential) is run again in the backward pass, and
+    ``--remat none`` recomputes nothing at all. Full remat, counted the same way, does."""
+    dots = recomputed_ops(tiny_transformer_config(remat="dots_saveable"), fused_attention_stand_in)
+    assert dots["dot"] == 0 and dots["exponential"] == 0, dict(dots)
+    assert recomputed_ops(tiny_transformer_config(remat="dots_saveable"))["dot"] == 0
+    assert not recomputed_ops(tiny_transformer_config(remat="none"), fused_attention_stand_in)
+    full = recomputed_ops(tiny_transformer_config(remat="full"), fused_attention_stand_in)
+    assert full["dot"] >= 4 and full["exponential"] >= 1, dict(full)
 
 
 def test_flops_per_token_is_what_xla_counts_in_the_step():
@@ -163,3 +194,63 @@ def test_bfloat16_weight_copies_are_cast_again_in_the_backward_pass_not_kept():
     weight_shapes = {tuple(leaf.shape) for leaf in jax.tree.leaves(params)}
     bfloat16 = [tuple(leaf.shape) for leaf in kept if leaf.dtype == jnp.bfloat16]
     assert bfloat16 and not weight_shapes & set(bfloat16)
+
+
+def reference_attention(q, k, v, segments=None):
+    """softmax(q k^T / sqrt(h)) v, causal and (with segments) within each document, written out."""
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(q.shape[-1])
+    allowed = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))[None, None]
+    if segments is not None:
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
+    weights = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights, v)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_kernel_matches_attention_written_out(packed, monkeypatch):
+    """Outputs and gradients of the model's attention (auto, which is XLA on CPU) equal the formula."""
+    import shardax.models.transformer as transformer
+
+    config = TransformerConfig(vocab_size=64, seq_len=24, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 24), 0, 64)
+    segments = jnp.asarray(np.repeat(np.arange(1, 5), 6)[None].repeat(3, 0)) if packed else None
+
+    def loss(model):
+        return (model(tokens, segments) ** 2).mean()
+
+    expected_loss, expected_grads = nnx.value_and_grad(loss)(model)
+
+    def written_out(q, k, v, mask=None, is_causal=True, implementation=None):
+        return reference_attention(q, k, v, segments)
+
+    monkeypatch.setattr(transformer.jax.nn, "dot_product_attention", written_out)
+    got_loss, got_grads = nnx.value_and_grad(loss)(model)
+    np.testing.assert_allclose(got_loss, expected_loss, rtol=1e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(expected_grads)), nnx.to_flat_state(nnx.state(got_grads))):
+        np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6, err_msg=str(path))
+
+
+@pytest.mark.parametrize("attention, precision, heads, platform, expected", [
+    ("auto", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),
+    ("auto", "bfloat16", 4, "cpu", ("xla", "cuDNN does not apply: it needs a GPU (this is cpu)")),
+    ("auto", "float32", 4, "gpu", ("xla", "it needs bfloat16 compute (this is float32; --precision bfloat16)")),
+    ("auto", "bfloat16", 3, "gpu", ("xla", "multiple of 8 and at most 256 (this is 20)")),
+    ("xla", "bfloat16", 4, "gpu", ("xla", "asked for")),
+    ("cudnn", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),
+])
+def test_attention_auto_says_which_kernel_and_why(attention, precision, heads, platform, expected):
+    from shardax.models.transformer import attention_implementation
+
+    config = TransformerConfig(d_model=60 if heads == 3 else 256, n_heads=heads, compute_dtype=precision,
+                               attention=attention)
+    kernel, why = attention_implementation(config, platform)
+    assert kernel == expected[0] and expected[1] in why
+
+
+def test_cudnn_attention_where_it_cannot_run_is_a_one_line_error():
+    from shardax.errors import UsageError
+    from shardax.models.transformer import attention_implementation
+
+    with pytest.raises(UsageError, match=r"--attention cudnn: it needs a GPU \(this is cpu\); it needs bfloat16"):
+        attention_implementation(TransformerConfig(attention="cudnn"), "cpu")

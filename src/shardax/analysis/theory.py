@@ -181,8 +181,32 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, 
 # preset under every strategy, and the options the benchmark plan_accuracy tries; the tested
 # presets held to 4.2%. Worst case: 3.7% with remat none, 2.1% with dots, 5.9% with full
 # (large, FSDP). tests/test_plan.py holds the presets to 5%; plan_accuracy reports the rest.
-_WORKING_SET = {"none": (0.865, 0.56, 0.265, 0.97, 0.54), "full": (1.405, 1.44, 0.14, 0.77, 0.515),
+WORKING_SET = {"none": (0.865, 0.56, 0.265, 0.97, 0.54), "full": (1.405, 1.44, 0.14, 0.77, 0.515),
                 "dots": (0.43, 1.85, 0.09, 1.6, 0.105)}
+
+
+# The quantities one layer's backward working set is taken to be linear in (see above).
+WORKING_SET_TERMS = ("layer", "scores", "unsplit", "weights", "gathered")
+
+
+def working_set_class(remat: str) -> str:
+    """Which fitted factors a remat policy uses: ``none``, ``full`` or ``dots`` (both dots policies)."""
+    return remat if remat in ("none", "full") else "dots"
+
+
+def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> dict[str, int]:
+    """Bytes per device of a scanned ``TransformerLM``'s step: ``kept`` (the residuals autodiff
+    keeps under the remat policy, exact) and the ``WORKING_SET_TERMS`` (one layer's residuals
+    without remat other than the attention scores, the scores, what tensor parallelism leaves
+    unsplit, one layer's weights, and those weights again when the strategy gathers them)."""
+    rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
+    split = _model_split_dims(layout)
+    d, f = model.d_model, model.d_ff
+    weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
+    kept, layer, scores = _residual_bytes(model, rows, split)
+    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
+    return {"kept": kept, "layer": layer - scores, "scores": scores, "unsplit": unsplit, "weights": weights,
+            "gathered": weights if layout.strategy.gather_axes else 0}
 
 
 def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
@@ -190,22 +214,18 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
     model's remat policy, plus the working set of one layer's backward pass."""
     if model is None:
         return 0
-    rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
-    split = _model_split_dims(layout)
-    d, f = model.d_model, model.d_ff
-    weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
-    gathers = bool(layout.strategy.gather_axes)
     if not model.scan_layers:
         # Measured on XLA:CPU: with blocks in a loop every layer's activations stay live whatever
         # the remat policy (the recomputation is scheduled early), and under remat a gathering
         # strategy keeps every layer's gathered weights too.
-        gathered = model.n_layers * weights if gathers and model.remat != "none" else 0
+        rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
+        split = _model_split_dims(layout)
+        weights = (4 * model.d_model * model.d_model // split["heads"] + 2 * model.d_model * model.d_ff // split["mlp"]) * 4
+        gathered = model.n_layers * weights if layout.strategy.gather_axes and model.remat != "none" else 0
         return _looped_residual_bytes(model, rows, split) + gathered
-    kept, layer, scores = _residual_bytes(model, rows, split)
-    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
-    per_layer, per_score, per_unsplit, per_weight, per_gathered = _WORKING_SET.get(model.remat, _WORKING_SET["dots"])
-    return int(kept + per_layer * (layer - scores) + per_score * scores + per_unsplit * unsplit
-               + (per_weight + per_gathered * gathers) * weights)
+    terms = working_set_terms(layout, model, batch_size, grad_accum)
+    factors = WORKING_SET[working_set_class(model.remat)]
+    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS, factors)))
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:

@@ -42,6 +42,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")
+    add("--attention", choices=("auto", "xla", "cudnn"),
+        help="attention kernel: auto (default: cuDNN's fused kernel on a GPU with bfloat16 and head dimension a "
+             "multiple of 8 up to 256, else XLA; the run says which and why), xla, or cudnn")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
         help="apply the blocks with a scan (default; compile time flat in depth) or, with --no-scan-layers, "
              "in a Python loop (faster for shallow models on CPU, but every layer's activations stay live: "

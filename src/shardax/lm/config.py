@@ -40,6 +40,7 @@ class TrainConfig:
     field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
+    attention: str = "auto"  # auto (cuDNN on GPU where it applies), xla or cudnn
     scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
     eval_every: int = 100  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation
@@ -64,7 +65,8 @@ AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 1, "eval_ev
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0}
 CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
-           "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
+           "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+           "attention": ("auto", "xla", "cudnn")}
 
 
 def flag(name: str) -> str:
@@ -163,7 +165,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     if saved is not None:
         config = _from_record(config, saved)
     preset = get_preset(config.preset or "tiny")
-    overrides: dict[str, Any] = {"compute_dtype": config.precision}
+    overrides: dict[str, Any] = {"compute_dtype": config.precision, "attention": config.attention}
     for name in ("seq_len", "remat", "scan_layers"):
         if getattr(config, name) is not None:
             overrides[name] = getattr(config, name)

@@ -22,7 +22,7 @@ from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
-from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
+from shardax.models.transformer import TransformerConfig, TransformerLM, attention_implementation, next_token_loss
 from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say
@@ -100,7 +100,8 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
 
 def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int) -> list[str]:
     unit = "bytes" if isinstance(data, ByteText) else "tokens"
-    return [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}"]
+    kernel, why = attention_implementation(model)
+    return [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
 
 
 def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
@@ -113,6 +114,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
     _check_batch(run.batch_size, config.grad_accum, mesh, strategy.batch_axes)
+    attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
     _check_tokenizer(data, saved, step, config)
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))

@@ -19,7 +19,7 @@ from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
-from shardax.sharding.compute import for_compute, gathers_weights, without_gathered
+from shardax.sharding.compute import for_compute, gathers_weights, remat_policy
 
 REMAT_POLICIES = {
     "none": None,
@@ -28,6 +28,7 @@ REMAT_POLICIES = {
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,10 @@ class TransformerConfig:
     # grows with depth, and FSDP gathers every layer's weights up front instead of one layer at a
     # time; in exchange shallow models skip the scan's stacking buffers (faster on CPU).
     scan_layers: bool = True
+    # How attention is computed, through jax.nn.dot_product_attention: "xla" (plain XLA ops),
+    # "cudnn" (the fused cuDNN kernel; GPU only) or "auto" (cuDNN where it applies, else XLA;
+    # ``attention_implementation`` says which and why).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -58,6 +63,8 @@ class TransformerConfig:
             raise UsageError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+        if self.attention not in ATTENTION:
+            raise UsageError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
 
     @property
     def head_dim(self) -> int:
@@ -68,46 +75,33 @@ class TransformerConfig:
         return COMPUTE_DTYPES[self.compute_dtype]
 
 
+def attention_implementation(config: TransformerConfig, platform: str | None = None) -> tuple[str, str]:
+    """The attention kernel ``config`` runs with on ``platform`` (default: JAX's first device), and why.
+
+    cuDNN's fused kernel needs a GPU, 16-bit compute and a head dimension that is a multiple of
+    8 and at most 256. ``auto`` takes it when all hold and says which one does not otherwise;
+    ``cudnn`` asked for where one does not hold is a one-line error."""
+    platform = platform or jax.devices()[0].platform
+    problems = []
+    if platform != "gpu":
+        problems.append(f"it needs a GPU (this is {platform})")
+    if config.compute_dtype != "bfloat16":
+        problems.append(f"it needs bfloat16 compute (this is {config.compute_dtype}; --precision bfloat16)")
+    if config.head_dim % 8 or config.head_dim > 256:
+        problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {config.head_dim})")
+    if config.attention == "xla":
+        return "xla", "asked for"
+    if not problems:
+        return "cudnn", "fused cuDNN kernel"
+    if config.attention == "cudnn":
+        raise UsageError(f"--attention cudnn: {'; '.join(problems)}; use --attention auto or xla")
+    return "xla", "cuDNN does not apply: " + "; ".join(problems)
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None = None) -> nnx.Param:
     """A normal-initialised parameter (fan-in scaled unless ``scale``), annotated with ``axes``."""
     std = scale if scale is not None else shape[0] ** -0.5
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
-
-
-def _normalized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``((x - mean) / std, 1 / std)`` over the last axis."""
-    centered = x - x.mean(-1, keepdims=True)
-    inverse_std = jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
-    return centered * inverse_std, inverse_std
-
-
-@jax.custom_vjp
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """Layer normalisation over the last axis (float32 in and out) whose backward pass keeps
-    only its input and recomputes the statistics.
-
-    Autodiff of the plain formula keeps the centred input, both statistics and several
-    intermediates per layer, and XLA:CPU re-derives the chain of them inside each consumer of
-    the input gradient; the closed-form gradient below is one short fusion.
-    """
-    return _normalized(x)[0] * scale + bias
-
-
-def _layer_norm_forward(x: jax.Array, scale: jax.Array, bias: jax.Array) -> tuple[jax.Array, Any]:
-    return layer_norm(x, scale, bias), (x, scale)
-
-
-def _layer_norm_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    x, scale = saved
-    normalized, inverse_std = _normalized(x)
-    scaled = cotangent * scale
-    grad_x = inverse_std * (scaled - scaled.mean(-1, keepdims=True)
-                            - normalized * (scaled * normalized).mean(-1, keepdims=True))
-    rows = tuple(range(cotangent.ndim - 1))
-    return grad_x, (cotangent * normalized).sum(rows), cotangent.sum(rows)
-
-
-layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
 
 
 class LayerNorm(nnx.Module):
@@ -117,8 +111,11 @@ class LayerNorm(nnx.Module):
         self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
-        return normed.astype(x.dtype)
+        """Normalised over the last axis in float32, returned in ``x``'s dtype."""
+        x32 = x.astype(jnp.float32)
+        centered = x32 - x32.mean(-1, keepdims=True)
+        normed = centered * jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
+        return (normed * for_compute(self.scale) + for_compute(self.bias)).astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -130,28 +127,6 @@ def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
-
-
-@jax.custom_vjp
-def gelu(x: jax.Array) -> jax.Array:
-    """GELU (tanh form) whose backward pass keeps only its input.
-
-    Autodiff of ``jax.nn.gelu`` saves five intermediates per element for the backward pass;
-    this keeps one and recomputes the rest, which is less memory and, on CPU, lets XLA write
-    the gradient once instead of re-deriving it inside a transposed copy.
-    """
-    return jax.nn.gelu(x)
-
-
-def _gelu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.nn.gelu(x), x
-
-
-def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
-    return jax.vjp(jax.nn.gelu, x)[1](cotangent)
-
-
-gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
 class Block(nnx.Module):
@@ -181,10 +156,11 @@ class Block(nnx.Module):
         if self.config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
             q, k = rotary(q, positions), rotary(k, positions)
-        attended = jax.nn.dot_product_attention(q, k, v, mask=same_document, is_causal=True)  # (B, T, N, H)
+        attended = jax.nn.dot_product_attention(  # (B, T, N, H)
+            q, k, v, mask=same_document, is_causal=True, implementation=attention_implementation(self.config)[0])
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
-        hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
+        hidden = jax.nn.gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
         out = hidden @ for_compute(self.mlp_out, dtype) + for_compute(self.mlp_out_bias, dtype)
         return x + out.astype(x.dtype)
 
@@ -242,7 +218,7 @@ class TransformerLM(nnx.Module):
         # notebook's step); inside the scan, dropping it measured no faster.
         policy = REMAT_POLICIES[config.remat]
         if policy is not None or config.scan_layers or gathers_weights():
-            apply_block = nnx.remat(apply_block, policy=without_gathered(policy))
+            apply_block = nnx.remat(apply_block, policy=remat_policy(policy))
         if config.scan_layers:
             x = nnx.scan(
                 apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,

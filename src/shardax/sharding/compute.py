@@ -21,22 +21,41 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.sharding.rules import logical_axes_of
 
-# Gathered weights are named so that remat policies can drop them: the backward pass then
-# gathers each layer again instead of keeping every layer's full weights alive (ZeRO-3).
+# Values that remat policies must never save, by checkpoint name: FSDP's gathered weights (the
+# backward pass gathers each layer again instead of keeping every layer's full weights alive:
+# ZeRO-3) and reduced-precision copies of weights (cast again, instead of keeping every layer's
+# bfloat16 copy). Both are made inside small custom gradients, and named inside them too, so a
+# policy can tell them from every other custom VJP (layer norms, fused attention, a user's op).
 GATHERED = "shardax_gathered_weight"
+COMPUTE_COPY = "shardax_compute_copy"
+NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY})
 
 
-def without_gathered(policy: Any = None) -> Any:
-    """A remat policy: what ``policy`` saves (everything if None), except gathered weights.
+def _names_inside(params: dict[str, Any]) -> set[str]:
+    """The checkpoint names bound inside a custom VJP's primal computation (``call_jaxpr``)."""
+    jaxpr = params.get("call_jaxpr")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return {eqn.params.get("name") for eqn in getattr(jaxpr, "eqns", ()) if eqn.primitive.name == "name"}
 
+
+def remat_policy(policy: Any = None, *, save_custom_vjps: bool | None = None) -> Any:
+    """The remat policy shardax applies: what ``policy`` saves (everything if None), except what
+    is named in ``NEVER_SAVED``.
+
+    ``save_custom_vjps``: whether the outputs of other custom VJPs are saved. JAX's policies see
+    a custom VJP as one opaque primitive that is not a dot, so ``dots_saveable`` alone would run
+    fused attention (cuDNN's is a custom VJP) and a user's custom ops twice. Default: saved
+    unless ``policy`` is ``nothing_saveable`` (full remat recomputes everything).
     Primitives are recognised by their public names (``checkpoint_name`` binds one called
     ``name``), so nothing here depends on JAX's private modules."""
+    if save_custom_vjps is None:
+        save_custom_vjps = policy is not jax.checkpoint_policies.nothing_saveable
 
     def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
-        if primitive.name == "name" and params.get("name") == GATHERED:
+        if primitive.name == "name" and params.get("name") in NEVER_SAVED:
             return False
-        if primitive.name.startswith("custom_vjp_call"):  # the gather itself (see gather_for_compute)
-            return False
+        if primitive.name.startswith("custom_vjp_call"):
+            return save_custom_vjps and not _names_inside(params) & NEVER_SAVED
         return True if policy is None else policy(primitive, *avals, **params)
 
     return decide
@@ -76,7 +95,7 @@ def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: Named
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, compute).astype(target_dtype)
+        return checkpoint_name(jax.lax.with_sharding_constraint(x, compute).astype(target_dtype), GATHERED)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return gather(x), None
@@ -113,14 +132,15 @@ def for_compute(param: nnx.Variable, dtype: Any = None) -> jax.Array:
 
 
 def cast_for_compute(value: jax.Array, dtype: Any) -> jax.Array:
-    """``value`` cast to ``dtype``, its cotangent cast back. Being a custom gradient, remat
-    policies built by ``without_gathered`` recompute the cast in the backward pass instead of
-    keeping every layer's copy (under mixed precision, half the parameters' bytes)."""
+    """``value`` cast to ``dtype``, its cotangent cast back. The cast is one custom-gradient
+    primitive named ``COMPUTE_COPY`` inside (a bare cast's output would be saveable on its own),
+    so ``remat_policy`` recomputes it in the backward pass instead of keeping every layer's
+    copy (under mixed precision, half the parameters' bytes)."""
     source_dtype = value.dtype
 
     @jax.custom_vjp
     def cast(x: jax.Array) -> jax.Array:
-        return x.astype(dtype)
+        return checkpoint_name(x.astype(dtype), COMPUTE_COPY)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return cast(x), None

@@ -1,0 +1,149 @@
+"""Fit ``shardax plan``'s working-set factors, then say how well they predict shapes never fitted.
+
+The plan predicts a step's peak memory per device as the state (exact), the residuals autodiff
+keeps (exact, traced) and one layer's backward working set, taken to be linear in five
+quantities (``shardax.analysis.theory.WORKING_SET_TERMS``). This script compiles the
+``TRAINING`` cases on 8 fake CPU devices, fits the five factors of each remat class by
+minimax relative error (a linear program), and reports the error of those factors on
+``benchmarks/suite.py``'s ``HELD_OUT_SHAPES``, which were fixed before any result was seen and
+are never fitted on. The factors go into ``theory.WORKING_SET`` by hand; ``suite.py
+plan_held_out`` then checks the shipped code end to end on the held-out shapes.
+
+    python benchmarks/plan_fit.py            # compile (a few minutes), fit, report
+    python benchmarks/plan_fit.py --cached   # refit from benchmarks/results/plan_fit.json
+
+The figures are XLA:CPU's: an estimate for an accelerator, not a measurement of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from scipy.optimize import linprog  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, save  # noqa: E402
+
+from shardax import DeviceMeshManager, parallelize  # noqa: E402
+from shardax.analysis.plan import plan_strategy  # noqa: E402
+from shardax.analysis.theory import WORKING_SET, WORKING_SET_TERMS, working_set_class, working_set_terms  # noqa: E402
+from shardax.models.presets import get_preset  # noqa: E402
+from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "plan_fit.json"
+PRESET_NAMES = ("tiny", "notebook", "small", "medium", "large", "1b")
+SEQUENCES = [dict(d_model=256, n_heads=4, n_layers=4, d_ff=1024, seq_len=seq) for seq in (512, 1024)]
+WIDE = dict(d_model=1024, n_heads=16, n_layers=4, d_ff=4096, seq_len=128)
+
+
+def training_cases() -> list[tuple[dict, str, str, int, int]]:
+    """(model settings, strategy, mesh, batch size, microbatches): presets and shapes of every
+    remat class. Scanned layers only (blocks in a loop are modelled without fitted factors)."""
+    every, some = STRATEGY_MESHES, [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]
+    cases = []
+    for name in PRESET_NAMES:
+        preset = get_preset(name)
+        for remat in ("none", "full", "dots_saveable"):
+            pairs = every if name in ("tiny", "small", "medium") or remat == "none" else some
+            cases += [({"preset": name, "remat": remat}, s, m, preset.batch_size, 1) for s, m in pairs]
+    for shape in [*SEQUENCES, WIDE]:
+        for remat in ("none", "full", "dots_saveable"):
+            cases += [({**shape, "remat": remat}, s, m, 16, 1) for s, m in some]
+    for remat in ("none", "full"):
+        cases += [({"preset": name, "remat": remat}, "fsdp_tp", "data=2,model=4", 32, 1) for name in ("small", "medium")]
+        cases += [({"preset": "small", "remat": remat}, s, m, 64, 4) for s, m in [("zero2", "data=8"), *some[:2]]]
+        cases += [({"preset": "large", "remat": remat}, s, m, 16, 1) for s, m in every]
+    return cases
+
+
+def model_of(settings: dict) -> TransformerConfig:
+    settings = dict(settings)
+    if "preset" in settings:
+        return get_preset(settings.pop("preset")).config(**settings)
+    return TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **settings})
+
+
+def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: int) -> dict:
+    """One compiled case: its peak, the prediction without the working set, and the terms."""
+    model = model_of(settings)
+    plan = plan_strategy(model, strategy, mesh, batch_size=batch, grad_accum=microbatches)
+    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3),
+                           DeviceMeshManager().create_device_mesh(mesh), strategy)
+    terms = working_set_terms(parallel.layout, model, batch, microbatches)
+    base = plan.predicted["total"] - plan.predicted["activations"] + terms.pop("kept")
+    return {"settings": settings, "strategy": strategy, "mesh": mesh, "batch_size": batch,
+            "grad_accum": microbatches, "class": working_set_class(model.remat), "peak": plan.compiled["peak"],
+            "base": base, "terms": terms}
+
+
+def fit(rows: list[dict]) -> tuple[list[float], float]:
+    """Non-negative factors minimising the largest |predicted / compiled - 1| over ``rows``."""
+    # variables: one factor per term, then t; minimise t subject to
+    # +-(base + terms . factors - peak) <= t * peak
+    terms = np.array([[row["terms"][name] for name in WORKING_SET_TERMS] for row in rows], float)
+    peak, base = np.array([row["peak"] for row in rows], float), np.array([row["base"] for row in rows], float)
+    scaled = terms / peak[:, None]
+    offset = base / peak - 1
+    column = -np.ones((len(rows), 1))
+    upper = np.vstack([np.hstack([scaled, column]), np.hstack([-scaled, column])])
+    bound = np.concatenate([-offset, offset])
+    cost = np.zeros(len(WORKING_SET_TERMS) + 1)
+    cost[-1] = 1
+    result = linprog(cost, A_ub=upper, b_ub=bound, bounds=[(0, None)] * len(cost), method="highs")
+    assert result.success, result.message
+    return [round(float(x), 3) for x in result.x[:-1]], float(result.x[-1])
+
+
+def ratio(row: dict, factors: list[float]) -> float:
+    predicted = row["base"] + sum(f * row["terms"][name] for f, name in zip(factors, WORKING_SET_TERMS))
+    return predicted / row["peak"]
+
+
+def held_out_cases() -> list[tuple[dict, str, str, int, int]]:
+    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES
+            if shape.get("scan_layers", True) for s, m in STRATEGY_MESHES]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cached", action="store_true", help="refit from the compiled cases saved last time")
+    parser.add_argument("--no-held-out", action="store_true", help="fit only; do not compile the held-out shapes")
+    options = parser.parse_args()
+    if options.cached:
+        saved = json.loads(RESULTS.read_text())
+        training, held_out = saved["training"], saved["held_out"]
+    else:
+        training = [measure(*case) for case in training_cases()]
+        held_out = [] if options.no_held_out else [measure(*case) for case in held_out_cases()]
+    report = {"training": training, "held_out": held_out, "factors": {}, "errors": {}}
+    for name in ("none", "full", "dots"):
+        rows = [row for row in training if row["class"] == name]
+        factors, worst = fit(rows)
+        report["factors"][name] = factors
+        tested = [row for row in held_out if row["class"] == name]
+        errors = [abs(ratio(row, factors) - 1) for row in tested]
+        report["errors"][name] = {
+            "training_cases": len(rows), "training_worst": worst,
+            "held_out_cases": len(tested), "held_out_worst": max(errors, default=None),
+            "held_out_median": statistics.median(errors) if errors else None,
+            "shipped_factors": list(WORKING_SET[name]),
+            "held_out_worst_with_shipped": max((abs(ratio(row, WORKING_SET[name]) - 1) for row in tested), default=None)}
+        print(f"{name}: factors {factors}; training worst {worst:.3f} over {len(rows)}; held out "
+              f"worst {report['errors'][name]['held_out_worst']} over {len(tested)}", flush=True)
+    save("plan_fit", report)
+    print("WORKING_SET = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
+
+
+if __name__ == "__main__":
+    main()
