@@ -1,16 +1,17 @@
 """Fit ``shardax plan``'s working-set factors, then say how well they predict shapes never fitted.
 
 The plan predicts a step's peak memory per device as the state (exact), the residuals autodiff
-keeps (exact, traced) and one layer's backward working set, taken to be linear in five
-quantities (``shardax.analysis.theory.WORKING_SET_TERMS``). This script compiles the
-``TRAINING`` cases on 8 fake CPU devices, fits the five factors of each remat class by
-minimax relative error (a linear program), and reports the error of those factors on
-``benchmarks/suite.py``'s ``HELD_OUT_SHAPES``, which were fixed before any result was seen and
-are never fitted on. The factors go into ``theory.WORKING_SET`` by hand; ``suite.py
-plan_held_out`` then checks the shipped code end to end on the held-out shapes.
+keeps (traced) and one layer's backward working set, taken to be linear in a few quantities
+per class of model (``shardax.analysis.theory.WORKING_SET_TERMS``: scanned layers by remat
+policy, and blocks in a Python loop). This script compiles the ``training_cases`` on 8 fake
+CPU devices, fits each class's factors by minimax relative error (a linear program), and
+reports the error of those factors on ``benchmarks/suite.py``'s ``HELD_OUT_SHAPES``, which were
+fixed before any result was seen and are never fitted on. The factors go into
+``theory.WORKING_SET`` by hand; ``suite.py plan_held_out`` then checks the shipped code end to
+end on the held-out shapes.
 
-    python benchmarks/plan_fit.py            # compile (a few minutes), fit, report
-    python benchmarks/plan_fit.py --cached   # refit from benchmarks/results/plan_fit.json
+    python benchmarks/plan_fit.py            # compile what is not in the cache (minutes), fit, report
+    python benchmarks/plan_fit.py --fresh    # compile everything again (after a model change)
 
 The figures are XLA:CPU's: an estimate for an accelerator, not a measurement of one.
 """
@@ -49,9 +50,16 @@ WIDE = dict(d_model=1024, n_heads=16, n_layers=4, d_ff=4096, seq_len=128)
 
 def training_cases() -> list[tuple[dict, str, str, int, int]]:
     """(model settings, strategy, mesh, batch size, microbatches): presets and shapes of every
-    remat class. Scanned layers only (blocks in a loop are modelled without fitted factors)."""
+    class, and the shapes tests/test_plan.py checks."""
     every, some = STRATEGY_MESHES, [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]
-    cases = []
+    cases = [({"d_model": 512, "n_heads": 4, "n_layers": 2, "d_ff": 2048, "seq_len": 16, "vocab_size": 256,
+               "positions": "learned"}, "hsdp", "replica=2,data=4", 16, 1),
+             ({"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "seq_len": 512, "vocab_size": 256,
+               "positions": "learned", "remat": "dots_saveable"}, "fsdp", "data=8", 16, 1)]
+    for name in ("tiny", "notebook", "small"):
+        for remat in ("none", "full"):
+            cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, get_preset(name).batch_size, 1)
+                      for s, m in every]
     for name in PRESET_NAMES:
         preset = get_preset(name)
         for remat in ("none", "full", "dots_saveable"):
@@ -82,23 +90,50 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
                            DeviceMeshManager().create_device_mesh(mesh), strategy)
     terms = working_set_terms(parallel.layout, model, batch, microbatches)
     base = plan.predicted["total"] - plan.predicted["activations"] + terms.pop("kept")
+    print(f"{settings} {strategy} {mesh} batch {batch}/{microbatches}: {plan.compiled['peak'] / 1e6:.1f} MB",
+          flush=True)
     return {"settings": settings, "strategy": strategy, "mesh": mesh, "batch_size": batch,
-            "grad_accum": microbatches, "class": working_set_class(model.remat), "peak": plan.compiled["peak"],
+            "grad_accum": microbatches, "class": working_set_class(model), "peak": plan.compiled["peak"],
             "base": base, "terms": terms}
 
 
-def fit(rows: list[dict]) -> tuple[list[float], float]:
-    """Non-negative factors minimising the largest |predicted / compiled - 1| over ``rows``."""
+def measured(cases: list[tuple], cache: dict[str, dict]) -> list[dict]:
+    """Each case measured, or taken from ``cache`` (keyed by the case) when it is there."""
+    rows = []
+    for case in cases:
+        key = json.dumps(case, sort_keys=True)  # the same form as case_key
+        rows.append(with_terms(cache[key]) if key in cache else measure(*case))
+        cache[key] = rows[-1]
+    return rows
+
+
+def with_terms(row: dict) -> dict:
+    """A cached case with its terms worked out again by today's code (no compile needed)."""
+    model = model_of(row["settings"])
+    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3),
+                           DeviceMeshManager().create_device_mesh(row["mesh"]), row["strategy"])
+    terms = working_set_terms(parallel.layout, model, row["batch_size"], row["grad_accum"])
+    terms.pop("kept")
+    return {**row, "class": working_set_class(model), "terms": terms}
+
+
+def case_key(row: dict) -> str:
+    return json.dumps((row["settings"], row["strategy"], row["mesh"], row["batch_size"], row["grad_accum"]),
+                      sort_keys=True)
+
+
+def fit(rows: list[dict], names: tuple[str, ...]) -> tuple[list[float], float]:
+    """Non-negative factors of ``names`` minimising the largest |predicted / compiled - 1| over ``rows``."""
     # variables: one factor per term, then t; minimise t subject to
     # +-(base + terms . factors - peak) <= t * peak
-    terms = np.array([[row["terms"][name] for name in WORKING_SET_TERMS] for row in rows], float)
+    terms = np.array([[row["terms"][name] for name in names] for row in rows], float)
     peak, base = np.array([row["peak"] for row in rows], float), np.array([row["base"] for row in rows], float)
     scaled = terms / peak[:, None]
     offset = base / peak - 1
     column = -np.ones((len(rows), 1))
     upper = np.vstack([np.hstack([scaled, column]), np.hstack([-scaled, column])])
     bound = np.concatenate([-offset, offset])
-    cost = np.zeros(len(WORKING_SET_TERMS) + 1)
+    cost = np.zeros(len(names) + 1)
     cost[-1] = 1
     result = linprog(cost, A_ub=upper, b_ub=bound, bounds=[(0, None)] * len(cost), method="highs")
     assert result.success, result.message
@@ -106,30 +141,28 @@ def fit(rows: list[dict]) -> tuple[list[float], float]:
 
 
 def ratio(row: dict, factors: list[float]) -> float:
-    predicted = row["base"] + sum(f * row["terms"][name] for f, name in zip(factors, WORKING_SET_TERMS))
+    names = WORKING_SET_TERMS[row["class"]]
+    predicted = row["base"] + sum(f * row["terms"][name] for f, name in zip(factors, names))
     return predicted / row["peak"]
 
 
 def held_out_cases() -> list[tuple[dict, str, str, int, int]]:
-    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES
-            if shape.get("scan_layers", True) for s, m in STRATEGY_MESHES]
+    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cached", action="store_true", help="refit from the compiled cases saved last time")
+    parser.add_argument("--fresh", action="store_true", help="compile every case again (after a model change)")
     parser.add_argument("--no-held-out", action="store_true", help="fit only; do not compile the held-out shapes")
     options = parser.parse_args()
-    if options.cached:
-        saved = json.loads(RESULTS.read_text())
-        training, held_out = saved["training"], saved["held_out"]
-    else:
-        training = [measure(*case) for case in training_cases()]
-        held_out = [] if options.no_held_out else [measure(*case) for case in held_out_cases()]
+    saved = {} if options.fresh or not RESULTS.exists() else json.loads(RESULTS.read_text())
+    cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
+    training = measured(training_cases(), cache)
+    held_out = [] if options.no_held_out else measured(held_out_cases(), cache)
     report = {"training": training, "held_out": held_out, "factors": {}, "errors": {}}
-    for name in ("none", "full", "dots"):
+    for name in ("none", "full", "dots", "looped"):
         rows = [row for row in training if row["class"] == name]
-        factors, worst = fit(rows)
+        factors, worst = fit(rows, WORKING_SET_TERMS[name])
         report["factors"][name] = factors
         tested = [row for row in held_out if row["class"] == name]
         errors = [abs(ratio(row, factors) - 1) for row in tested]

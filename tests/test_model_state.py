@@ -48,6 +48,21 @@ def test_shard_uses_largest_divisible_dim_and_replicates_the_rest(mesh8, caplog)
     assert "odd/bias" in caplog.text and "out/kernel" in caplog.text and "data=8" in caplog.text
 
 
+@pytest.mark.parametrize("factory", ["mlp", "convnet"])
+def test_shard_mode_is_the_fsdp_strategys_placement(mesh8, factory):
+    """One placement engine: the seed API's "shard" puts every parameter where parallelize's fsdp does."""
+    from shardax import parallelize
+    from user_models import ConvNet
+
+    make = {"mlp": MLP, "convnet": ConvNet}[factory]
+    params = nnx.state(make(nnx.Rngs(0)), nnx.Param)
+    placed = place_model_state_on_shards(params, mesh8, "shard")
+    fsdp = parallelize(make, optax.adamw(1e-3), mesh8, "fsdp").state_shardings.params
+    specs = [leaf.sharding.spec for leaf in jax.tree.leaves(placed)]
+    assert specs == [sharding.spec for sharding in jax.tree.leaves(fsdp)]
+    assert any(specs) and not all(specs)  # some split, some (sizes that never divide) replicated
+
+
 def test_shard_handles_optax_state_with_scalar_count(mesh8):
     params = nnx.state(model(), nnx.Param)
     opt_state = optax.adamw(1e-3).init(params)

@@ -4,6 +4,7 @@ resumes bit for bit."""
 
 import math
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -114,6 +115,20 @@ def test_a_nan_step_stops_the_run_and_the_last_good_checkpoint_is_kept(tmp_path)
     state = on_host(run.state)
     jax.tree.map(np.testing.assert_array_equal, state.params, on_host(clean.state).params)
     np.testing.assert_array_equal(saved_arrays(tmp_path, 4)["params.hidden.kernel"], state.params["hidden"]["kernel"])
+
+
+def test_shardax_train_stops_a_diverging_run_with_one_line_and_exit_code_4(small_corpus, tmp_path):
+    """A learning rate of 1e30 overflows the parameters within a few steps: the command line says
+    which step went non-finite and where the last good checkpoint is, in one line, and exits 4."""
+    result = shardax("train", *LM, "--steps", 6, "--lr", "1e30", "--data", small_corpus, "--checkpoint-every", 1,
+                     "--checkpoint-dir", tmp_path / "ckpt", check=False)
+    assert result.returncode == 4, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    bad = int(re.search(r"^shardax train: error: step (\d+): the loss or gradient norm is NaN or infinite",
+                        lines[0]).group(1))
+    assert f"the last good checkpoint is step {bad - 1} in" in lines[0]
+    assert saved_steps(tmp_path / "ckpt")[-1] == bad - 1
 
 
 def test_skip_mode_drops_the_bad_update_and_counts_it():
@@ -237,31 +252,48 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 
 
+@pytest.fixture(scope="module")
+def two_process_run(small_corpus, tmp_path_factory):
+    """An uninterrupted 2 x 4 run of the preemptible job: what every stopped run must end as."""
+    straight = tmp_path_factory.mktemp("straight")
+    shardax(*TWO_PROCESSES, "shardax", "train", *PREEMPTIBLE, "--data", small_corpus, "--strategy", "fsdp_tp",
+            "--checkpoint-dir", straight / "ckpt", "--metrics", straight / "m.jsonl")
+    return straight
+
+
+TWO_PROCESSES = ("launch", "-n", 2, "--devices-per-process", 4, "--")
+
+
 @pytest.mark.slow
-def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(small_corpus, tmp_path):
-    """JAX's preemption service tells every process; all save the same step and exit 75, as does the launcher."""
-    launch = ("launch", "-n", 2, "--devices-per-process", 4, "--")
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+@pytest.mark.parametrize("target, sig", [("process 1", signal.SIGTERM), ("the launcher", signal.SIGINT)])
+def test_a_signal_to_a_two_process_run_stops_both_at_the_same_step(two_process_run, small_corpus, tmp_path,
+                                                                   target, sig):
+    """SIGTERM to one process (JAX's preemption service tells the other), or Ctrl-C to the launcher
+    (passed on to both): every process saves the same step and exits 75, as does the launcher,
+    and the resumed run ends bit-identical to one never stopped."""
+    straight, stopped, release = two_process_run, tmp_path / "stopped", tmp_path / "release"
     run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--strategy", "fsdp_tp"]
-    shardax(*launch, "shardax", *run, "--checkpoint-dir", straight / "ckpt", "--metrics", straight / "m.jsonl")
-    command = [sys.executable, "-m", "shardax.cli", *map(str, launch),
-               *stalled(3, 5, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
-    lines = []  # what the launcher printed before the pid line (its own start lines)
+    command = [sys.executable, "-m", "shardax.cli", *map(str, TWO_PROCESSES),
+               *stalled(3, 600, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**subprocess_env(), "STALL_RELEASE": str(release)})
     deadline = time.time() + 240
     while time.time() < deadline and last_logged_step(stopped / "m.jsonl") < 3:
         time.sleep(0.05)
-    out_so_far = process.stdout.readline()
-    while not out_so_far.startswith("[launch] process 1:"):
-        lines.append(out_so_far)
-        out_so_far = process.stdout.readline()
-    os.kill(int(out_so_far.split("pid")[1]), signal.SIGTERM)
+    line = process.stdout.readline()
+    while not line.startswith("[launch] process 1:"):
+        line = process.stdout.readline()
+    os.kill(int(line.split("pid")[1]) if target == "process 1" else process.pid, sig)
+    # Both processes wait after step 3 until released; the notice reaches JAX's preemption
+    # service within milliseconds, so it is known before either asks whether to stop at step 3.
+    time.sleep(2)
+    release.touch()
     out, err = process.communicate(timeout=240)
     assert process.returncode == 75, (out + err)[-3000:]
     assert "[0] stopped by SIGTERM after step 3: checkpoint of step 3" in out, out[-3000:]
     assert "every process stopped after a checkpoint" in out
     assert saved_steps(stopped / "ckpt") == [3]
-    shardax(*launch, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl",
+    shardax(*TWO_PROCESSES, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl",
             "--resume")
     losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
     assert [r["loss"] for r in read_metrics(stopped / "m.jsonl")] == losses

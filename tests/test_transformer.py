@@ -103,6 +103,40 @@ def test_bad_model_settings():
         tiny_transformer_config(remat="some")
 
 
+def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
+    from shardax.models.transformer import layer_norm
+
+    def reference(x, scale, bias):
+        mean = x.mean(-1, keepdims=True)
+        variance = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) / jnp.sqrt(variance + 1e-5) * scale + bias
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5
+    scale, bias = 1 + jax.random.normal(keys[1], (48,)), jax.random.normal(keys[2], (48,))
+    cotangent = jax.random.normal(keys[3], x.shape)
+    ours, vjp = jax.vjp(layer_norm, x, scale, bias)
+    expected, reference_vjp = jax.vjp(reference, x, scale, bias)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(vjp(cotangent), reference_vjp(cotangent)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    residuals = jax.tree.leaves(jax.linearize(layer_norm, x, scale, bias)[1])  # what the backward pass keeps
+    assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size + scale.size
+
+
+def test_gelu_keeps_only_its_input_and_matches_autodiff():
+    from shardax.models.transformer import gelu
+
+    x = jnp.linspace(-6.0, 6.0, 1001)
+    cotangent = jnp.cos(x)
+    ours, vjp = jax.vjp(gelu, x)
+    reference, reference_vjp = jax.vjp(jax.nn.gelu, x)
+    np.testing.assert_array_equal(ours, reference)
+    np.testing.assert_allclose(vjp(cotangent)[0], reference_vjp(cotangent)[0], rtol=1e-6, atol=1e-7)
+    residuals = jax.tree.leaves(jax.linearize(gelu, x)[1])  # what the backward pass keeps
+    assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size
+
+
 def recomputed_ops(config, attention=None):
     """{HLO opcode: count} of what the compiled backward pass of ``config``'s model recomputes
     (instructions XLA tags as the rematted computation), with ``attention`` in place of

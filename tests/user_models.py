@@ -29,17 +29,20 @@ class ConvNet(nnx.Module):
 
 
 class DropoutMLP(nnx.Module):
-    """12 -> 40 -> 5 with Dropout between, counting the examples it has trained on."""
+    """12 -> 40 -> 5 with Dropout between, counting the examples it has trained on, and noise
+    added to its inputs in training from an RNG stream of its own (``noise``)."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(12, 40, rngs=rngs)
         self.dropout = nnx.Dropout(0.3, rngs=rngs)
         self.out = nnx.Linear(40, 5, rngs=rngs)
         self.seen = SeenExamples(jnp.zeros((), jnp.int32))
+        self.noise = nnx.Rngs(noise=rngs.params())
 
     def __call__(self, x):
         if not self.dropout.deterministic:  # training
             self.seen[...] += x.shape[0]
+            x = x + 0.1 * jax.random.normal(self.noise.noise(), x.shape)
         return self.out(self.dropout(nnx.relu(self.hidden(x))))
 
 

@@ -4,21 +4,30 @@
     python tests/workers/stall.py STEP SECONDS examples/classify_digits.py ...
 
 After logging step STEP the run waits up to SECONDS, ending the wait early once a stop signal
-has reached the Trainer in this process; then it goes on. A test waits for STEP in the metrics
-file and acts then, however loaded the machine is: nothing races the end of a short run.
+has reached the Trainer in this process, or once the file named by ``STALL_RELEASE`` exists
+(with several processes JAX's preemption service keeps SIGTERM, so the test releases them
+itself); then it goes on. A test waits for STEP in the metrics file and acts then, however
+loaded the machine is: nothing races the end of a short run.
 """
 
+import os
 import runpy
 import signal
 import sys
 import time
+from pathlib import Path
 
 from shardax.trainer import trainer as trainer_module
 
 STEP, SECONDS, TARGET = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
 
 
+RELEASE = os.environ.get("STALL_RELEASE")
+
+
 def stop_requested():
+    if RELEASE and Path(RELEASE).exists():
+        return True
     handler = signal.getsignal(signal.SIGTERM)
     return getattr(getattr(handler, "__self__", None), "received", None) is not None
 

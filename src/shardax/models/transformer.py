@@ -104,6 +104,44 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale:
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
 
 
+def _normalized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((x - mean) / std, 1 / std)`` over the last axis."""
+    centered = x - x.mean(-1, keepdims=True)
+    inverse_std = jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
+    return centered * inverse_std, inverse_std
+
+
+@jax.custom_vjp
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """Layer normalisation over the last axis (float32 in and out) whose backward pass keeps
+    only its input and recomputes the statistics.
+
+    Autodiff of the plain formula saves the centred input, both statistics and more for the
+    backward pass. What is saved is chosen by JAX when it differentiates, before any backend
+    compiles the program, so the saving holds on every platform: the whole step of the
+    ``small`` preset without remat needs 1.07 GB per device with plain layer norm and GELU
+    against 0.71 GB with these (XLA:CPU's compiled peak, dp on 8 devices).
+    """
+    return _normalized(x)[0] * scale + bias
+
+
+def _layer_norm_forward(x: jax.Array, scale: jax.Array, bias: jax.Array) -> tuple[jax.Array, Any]:
+    return layer_norm(x, scale, bias), (x, scale)
+
+
+def _layer_norm_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, scale = saved
+    normalized, inverse_std = _normalized(x)
+    scaled = cotangent * scale
+    grad_x = inverse_std * (scaled - scaled.mean(-1, keepdims=True)
+                            - normalized * (scaled * normalized).mean(-1, keepdims=True))
+    rows = tuple(range(cotangent.ndim - 1))
+    return grad_x, (cotangent * normalized).sum(rows), cotangent.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, features: int):
         key = jax.random.key(0)  # ones/zeros ignore it
@@ -111,11 +149,8 @@ class LayerNorm(nnx.Module):
         self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalised over the last axis in float32, returned in ``x``'s dtype."""
-        x32 = x.astype(jnp.float32)
-        centered = x32 - x32.mean(-1, keepdims=True)
-        normed = centered * jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
-        return (normed * for_compute(self.scale) + for_compute(self.bias)).astype(x.dtype)
+        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
+        return normed.astype(x.dtype)
 
 
 def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -127,6 +162,28 @@ def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
+
+
+@jax.custom_vjp
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU (tanh form) whose backward pass keeps only its input.
+
+    Autodiff of ``jax.nn.gelu`` saves several intermediates per element (the MLP's widest
+    activation) for the backward pass; this keeps one and recomputes the rest, on every
+    platform (see ``layer_norm``).
+    """
+    return jax.nn.gelu(x)
+
+
+def _gelu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.nn.gelu(x), x
+
+
+def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
+    return jax.vjp(jax.nn.gelu, x)[1](cotangent)
+
+
+gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
 class Block(nnx.Module):
@@ -160,7 +217,7 @@ class Block(nnx.Module):
             q, k, v, mask=same_document, is_causal=True, implementation=attention_implementation(self.config)[0])
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
-        hidden = jax.nn.gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
+        hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
         out = hidden @ for_compute(self.mlp_out, dtype) + for_compute(self.mlp_out_bias, dtype)
         return x + out.astype(x.dtype)
 
