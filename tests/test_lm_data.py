@@ -2,6 +2,7 @@
 documents, attention never crosses a document, the order is a function of (data, seed, step)."""
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -82,6 +83,17 @@ def test_parallel_prepare_writes_the_same_shards_as_one_process(corpus, tmp_path
     for shard in one.index["splits"]["train"]["shards"] + one.index["splits"]["validation"]["shards"]:
         name = f"{shard['name']}.tokens"
         assert (one.root / name).read_bytes() == (two.root / name).read_bytes()
+
+
+def test_prepare_shows_its_progress_on_the_command_line(corpus, tmp_path, capsys):
+    from shardax.cli import main
+
+    root, _ = corpus
+    assert main(["prepare", str(root), "--out", str(tmp_path / "shards"), "--workers", "1"]) == 0
+    out = capsys.readouterr()
+    bar = [line for line in (out.out + out.err).splitlines() if line.startswith("tokenizing")]
+    done, total = re.search(r"([\d.]+)/([\d.]+) (?:bytes|kB|MB)", bar[-1]).groups()
+    assert done == total, bar[-1]  # the bar ran to its end
 
 
 def test_prepare_again_does_nothing_and_notices_a_changed_input(corpus, tmp_path):

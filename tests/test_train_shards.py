@@ -62,11 +62,14 @@ def test_two_processes_read_the_batches_of_one(bpe_shards, tmp_path):
     np.testing.assert_allclose(two, one, rtol=1e-5)
 
 
-def test_train_tokenizes_raw_text_once_into_its_cache(small_corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tokenizer", [("bytes",), ("bpe", "--vocab-size", "300")], ids=["bytes", "bpe"])
+def test_train_tokenizes_raw_text_once_into_its_cache(small_corpus, tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("SHARDAX_DATA_CACHE", str(tmp_path / "cache"))
-    args = ("train", *QUICK, "--steps", 1, "--eval-every", 0, "--data", small_corpus, "--tokenizer", "bytes")
+    args = ("train", *QUICK, "--steps", 1, "--eval-every", 0, "--data", small_corpus, "--tokenizer", *tokenizer,
+            "--sample-temperature", "1.5", "--sample-top-k", "5")
     first = shardax(*args)
-    assert "bytes tokens" in first.stdout
+    assert f"{tokenizer[0]}" in first.stdout and "tokens" in first.stdout, first.stdout
+    assert "temperature 1.5, top-k 5" in first.stdout, first.stdout
     prepared = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     assert len(prepared) == 1 and (prepared[0] / "index.json").is_file()
     written = (prepared[0] / "index.json").stat().st_mtime_ns

@@ -116,8 +116,8 @@ def _bfloat16_note(model: TransformerConfig) -> list[str]:
     if model.compute_dtype != "bfloat16":
         return []
     return ["bfloat16 compute on fake CPU devices: XLA:CPU computes bfloat16 in float32 and keeps both widths, "
-            "so its compiled peak overstates an accelerator's (the small preset under dp needs 725 MB in bfloat16 "
-            "and 424 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
+            "so its compiled peak overstates an accelerator's (the small preset under dp needs 730 MB in bfloat16 "
+            "and 715 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
 
 
 def _looped_layers_note(model: TransformerConfig, parallel: Any) -> list[str]:

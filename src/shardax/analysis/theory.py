@@ -189,8 +189,8 @@ WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"
 # under every strategy, with microbatches and a 2x4 tensor mesh, and the shapes tests/test_plan.py
 # checks. The shapes of benchmarks/suite.py HELD_OUT_SHAPES were never fitted on: the README
 # reports the error there.
-WORKING_SET = {"none": (0.274, 0.944, 0.058, 1.627, 0.0), "full": (0.67, 1.35, 0.144, 0.164, 1.453),
-               "dots": (0.408, 1.501, 0.076, 0.816, 0.576), "looped": (0.686, 1.747)}
+WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.322, 1.388, 0.148, 0.202, 1.473),
+               "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
 
 
 def working_set_class(model: Any) -> str:
