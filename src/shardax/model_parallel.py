@@ -11,9 +11,10 @@ code with a different ``Strategy``; ``reshard`` moves a state between strategies
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -21,7 +22,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.sharding.compute import compute_layout
+from shardax.sharding.pipeline import Schedule, pipelined
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import place_batch
 from shardax.sharding.strategies import Strategy, get_strategy
@@ -76,8 +79,9 @@ class ParallelModel:
         """Split a batch (or this process's slice of it) over the strategy's batch axes."""
         return place_batch(batch, self.layout.batch())
 
-    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True,
-                   nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True, nonfinite: str = "stop",
+                   microbatches: int | None = None, pipeline_repeats: int = 1
+                   ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
 
         ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name":
@@ -88,6 +92,8 @@ class ParallelModel:
         gradients and metrics are averaged (same result, less activation memory). A step with a
         non-finite loss or gradient norm is not applied and counted in ``state.skipped``; with
         ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``).
+        Under a pipeline strategy, ``microbatches`` (default: the number of stages) flow
+        through the stages, ``pipeline_repeats`` times round for a circular schedule.
         """
         params = self.abstract_state.params
         step = build_train_step(
@@ -97,7 +103,7 @@ class ParallelModel:
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
-            layer_layout=self._layer_layout,
+            layer_layout=functools.partial(self._layer_layout, self.schedule(microbatches, pipeline_repeats)),
             nonfinite=nonfinite,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -108,16 +114,35 @@ class ParallelModel:
             donate_argnums=(0,) if donate else (),
         )
 
-    def eval_step(self, loss_fn: LossFn) -> Callable[[TrainState, Any], dict]:
+    def eval_step(self, loss_fn: LossFn, *, microbatches: int | None = None,
+                  pipeline_repeats: int = 1) -> Callable[[TrainState, Any], dict]:
         """A compiled ``(state, batch) -> metrics`` in eval mode (``model.eval()``: running
         averages, no dropout), with the train step's layouts; the state is left as it was."""
         evaluate = build_eval_step(self.graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
-                                   layer_layout=self._layer_layout)
+                                   layer_layout=functools.partial(self._layer_layout,
+                                                                  self.schedule(microbatches, pipeline_repeats)))
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
 
-    def _layer_layout(self) -> Any:
-        return compute_layout(self.mesh, self.strategy)
+    def schedule(self, microbatches: int | None = None, repeats: int = 1) -> Schedule | None:
+        """The pipeline schedule of this layout (None unless the strategy pipelines): as many
+        microbatches as stages unless told."""
+        axis = self.strategy.pipeline_axis
+        if axis is None:
+            if microbatches is not None or repeats != 1:
+                raise UsageError(f"microbatches/pipeline repeats are for pipeline strategies; {self.strategy.name!r} "
+                                 "is not one (use --grad-accum to split a batch into microbatches)")
+            return None
+        stages = self.mesh.shape[axis]
+        return Schedule(stages, stages if microbatches is None else microbatches, repeats)
+
+    @contextlib.contextmanager
+    def _layer_layout(self, schedule: Schedule | None = None) -> Iterator[None]:
+        with compute_layout(self.mesh, self.strategy), contextlib.ExitStack() as stack:
+            if schedule is not None:
+                stack.enter_context(pipelined(self.mesh, self.strategy.pipeline_axis, schedule,
+                                              self.strategy.batch_axes))
+            yield
 
     def merge(self, state: TrainState) -> nnx.Module:
         """An ``nnx.Module`` holding ``state``'s parameters (sharded as they are)."""

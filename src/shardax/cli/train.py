@@ -16,7 +16,7 @@ from typing import Any
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp")
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -30,6 +30,10 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")
+    add("--microbatches", type=int, help="pipeline strategies (pp, pp_fsdp, pp_tp): microbatches flowing through the "
+                                         "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
+    add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
+                                             "chunks of layers (a circular schedule; default 1)")
     add("--seq-len", type=int, help="bytes per training sequence")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")

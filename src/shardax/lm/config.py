@@ -25,12 +25,14 @@ from shardax.models.transformer import TransformerConfig
 class TrainConfig:
     """Everything ``shardax train`` takes; ``None`` means "the preset's value" (or, on resume, the checkpoint's)."""
 
-    strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp
+    strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp, pp, pp_fsdp, pp_tp
     mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
     preset: str | None = None  # model size, see shardax.models.presets (default tiny)
     steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
     batch_size: int | None = None  # global batch, in sequences
     grad_accum: int = 1  # microbatches per step (same update, less activation memory)
+    microbatches: int | None = None  # pipeline strategies: microbatches through the stages (default: stages)
+    pipeline_repeats: int = 1  # pipeline strategies: times round the stages (circular schedule)
     seq_len: int | None = None  # bytes per training sequence
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
     seed: int | None = None  # model initialisation and data order (default 0)
@@ -61,7 +63,7 @@ class TrainConfig:
 # Settings that define the run: a resumed run takes them from its checkpoint.
 RUN_SETTINGS = ("preset", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data", "tokenizer",
                 "vocab_size", "field")
-AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
+AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0}
 CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),

@@ -42,12 +42,14 @@ class TrainResult:
     parallel: ParallelModel
 
 
-def _check_batch(batch: int, grad_accum: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
-    split = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) * grad_accum
+def _check_batch(batch: int, grad_accum: int, microbatches: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    split = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) * grad_accum * microbatches
     if batch % split:
+        pipeline = f" x --microbatches {microbatches}" if microbatches > 1 else ""
         raise UsageError(
             f"--batch-size {batch} does not split over the batch axes {axes} of mesh {describe_mesh(mesh)} "
-            f"times --grad-accum {grad_accum} (= {split}); use a multiple of {split}, e.g. {split * max(1, batch // split)}"
+            f"times --grad-accum {grad_accum}{pipeline} (= {split}); use a multiple of {split}, "
+            f"e.g. {split * max(1, batch // split)}"
         )
 
 
@@ -113,7 +115,9 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     strategy = get_strategy(config.strategy)
     mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
-    _check_batch(run.batch_size, config.grad_accum, mesh, strategy.batch_axes)
+    pipeline = {"microbatches": config.microbatches, "pipeline_repeats": config.pipeline_repeats}
+    stages = mesh.shape[strategy.pipeline_axis] if strategy.pipeline_axis else 1
+    _check_batch(run.batch_size, config.grad_accum, config.microbatches or stages, mesh, strategy.batch_axes)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
     _check_tokenizer(data, saved, step, config)
@@ -121,7 +125,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, next_token_loss, mesh=mesh, strategy=strategy,
-                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss,
+                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
                       learning_rate=schedule, name="shardax train")
     return trainer, data, run
 

@@ -20,6 +20,7 @@ from flax import nnx
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.sharding.compute import for_compute, gathers_weights, remat_policy
+from shardax.sharding.pipeline import active_pipeline, run_pipeline
 
 REMAT_POLICIES = {
     "none": None,
@@ -265,6 +266,26 @@ class TransformerLM(nnx.Module):
             table = for_compute(self.position)
             x = x + (table[:length] if positions is None else jnp.take(table, positions, axis=0))
         same_document = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+        if active_pipeline() is not None and not config.scan_layers:
+            raise UsageError("a pipeline strategy splits the stacked layers into stages; blocks in a Python loop "
+                             "(--no-scan-layers) have no stack: drop --no-scan-layers")
+        if active_pipeline() is not None:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def apply_stage(chunk: Any, x: jax.Array, riders: tuple[Any, Any]) -> jax.Array:
+                return self._apply_blocks(nnx.merge(graphdef, chunk), x, *riders)
+
+            x = run_pipeline(apply_stage, stacked, x, (positions, same_document))
+        else:
+            x = self._apply_blocks(self.blocks, x, positions, same_document)
+        x = self.final_norm(x).astype(config.dtype)
+        head = embedding.T if config.tie_embeddings else for_compute(self.head)
+        return (x @ head.astype(config.dtype)).astype(jnp.float32)
+
+    def _apply_blocks(self, blocks: Any, x: jax.Array, positions: jax.Array | None,
+                      same_document: jax.Array | None) -> jax.Array:
+        """``x`` through ``blocks``: a stack (scanned) or a list (a Python loop)."""
+        config = self.config
 
         def apply_block(x: jax.Array, block: Block) -> jax.Array:
             return block(x, positions, same_document)
@@ -277,16 +298,13 @@ class TransformerLM(nnx.Module):
         if policy is not None or config.scan_layers or gathers_weights():
             apply_block = nnx.remat(apply_block, policy=remat_policy(policy))
         if config.scan_layers:
-            x = nnx.scan(
+            return nnx.scan(
                 apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
                 transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )(x, self.blocks)
-        else:
-            for block in self.blocks:
-                x = apply_block(x, block)
-        x = self.final_norm(x).astype(config.dtype)
-        head = embedding.T if config.tie_embeddings else for_compute(self.head)
-        return (x @ head.astype(config.dtype)).astype(jnp.float32)
+            )(x, blocks)
+        for block in blocks:
+            x = apply_block(x, block)
+        return x
 
 
 def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -73,6 +73,17 @@ def compute_layout(mesh: Mesh, strategy: Any) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def laid_out_already() -> Iterator[None]:
+    """Within this context ``for_compute`` is a plain read: the weights were laid out for compute
+    beforehand (a pipeline gathers its stage's weights once, before its loop)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def gathers_weights() -> bool:
     """Whether the step being traced gathers weights for compute (an FSDP-like strategy)."""
     active = _ACTIVE.get()

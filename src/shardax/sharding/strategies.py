@@ -41,6 +41,9 @@ class Strategy:
       shard_gradients: gradients take the optimizer-state layout, so the compiler
         reduce-scatters them instead of all-reducing (ZeRO-2).
       required_axes: mesh axes that must exist for the strategy to mean anything.
+      pipeline_axis: if set, the stacked layers (logical ``layers``) are split over this axis
+        into pipeline stages, and a model's stack runs as a pipeline of microbatches over it
+        (``shardax.sharding.pipeline``).
       description: one line for tables and ``--help``.
     """
 
@@ -52,6 +55,7 @@ class Strategy:
     optimizer_axes: tuple[str, ...] = ()
     shard_gradients: bool = False
     required_axes: tuple[str, ...] = ("data",)
+    pipeline_axis: str | None = None
     description: str = ""
 
     def check_mesh(self, mesh: Mesh) -> None:
@@ -138,11 +142,20 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("hsdp", _rules(embed="data"), batch_axes=("replica", "data"), fsdp_axis="data",
                  gather_axes=("data",), required_axes=("replica", "data"),
                  description="FSDP within groups over data, replicated across groups over replica"),
+        Strategy("pp", _rules(layers="stage"), required_axes=("stage",), pipeline_axis="stage",
+                 description="pipeline: layers split into stages over stage, microbatches flow through"),
+        Strategy("pp_fsdp", _rules(layers="stage", embed="data"), fsdp_axis="data", gather_axes=("data",),
+                 required_axes=("stage", "data"), pipeline_axis="stage",
+                 description="pipeline over stage x FSDP over data within each stage"),
+        Strategy("pp_tp", _rules(layers="stage", mlp="model", heads="model", vocab="model"),
+                 required_axes=("stage", "model"), pipeline_axis="stage",
+                 description="pipeline over stage x tensor parallelism over model (x data parallelism over data)"),
     )
 }
 
 
-_DEFAULT_MESH = {"tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1"}
+_DEFAULT_MESH = {"tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1",
+                 "pp": "stage=2,data=-1", "pp_fsdp": "stage=2,data=-1", "pp_tp": "stage=2,data=-1,model=2"}
 
 
 def default_mesh(strategy: str) -> str:

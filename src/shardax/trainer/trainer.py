@@ -46,8 +46,12 @@ class Trainer:
         (BatchNorm statistics, Dropout's RNG counters, your own Variables) is kept.
       mesh: a ``jax.sharding.Mesh``, a shape such as ``"data=4,model=2"``, or ``None`` (every
         device on ``data``, plus what the strategy needs).
-      strategy: ``dp``, ``zero1``, ``zero2``, ``fsdp``, ``tp``, ``fsdp_tp``, ``hsdp`` or a ``Strategy``.
+      strategy: ``dp``, ``zero1``, ``zero2``, ``fsdp``, ``tp``, ``fsdp_tp``, ``hsdp``, ``pp``,
+        ``pp_fsdp``, ``pp_tp`` or a ``Strategy``.
       grad_accum: microbatches per step (the same update with less activation memory).
+      microbatches, pipeline_repeats: under a pipeline strategy (``pp``, ``pp_fsdp``, ``pp_tp``),
+        how many microbatches flow through the stages (default: one per stage) and how many
+        times round (a circular schedule).
       seed: the model's initialisation (its ``nnx.Rngs``).
       eval_loss_fn: what evaluation computes, in eval mode; defaults to ``loss_fn``.
       learning_rate: the optimizer's schedule (or constant), only to log ``lr``.
@@ -56,6 +60,7 @@ class Trainer:
 
     def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                  mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
+                 microbatches: int | None = None, pipeline_repeats: int = 1,
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax") -> None:
         strategy = get_strategy(strategy)
@@ -64,6 +69,8 @@ class Trainer:
         if grad_accum < 1:
             raise UsageError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
         self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy)
+        self.pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats}
+        self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
         self.grad_accum, self.seed, self.name = grad_accum, seed, name
         self.learning_rate = learning_rate
@@ -87,12 +94,12 @@ class Trainer:
         """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
         if on_nonfinite not in self._steps:
             self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.grad_accum,
-                                                                 nonfinite=on_nonfinite)
+                                                                 nonfinite=on_nonfinite, **self.pipeline)
         return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
         if "eval" not in self._steps:
-            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn)
+            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.pipeline)
         return self._steps["eval"]
 
     def place(self, batch: Any) -> Any:
@@ -132,6 +139,11 @@ class Trainer:
             f"({self.mesh.devices.size} {jax.devices()[0].platform} devices)",
             f"state: {report(self.parallel).summary()}",
         ]
+        if self.schedule is not None:
+            schedule = self.schedule
+            repeats = f" x {schedule.repeats} repeats" if schedule.repeats > 1 else ""
+            lines.append(f"pipeline: {schedule.stages} stages x {schedule.microbatches} microbatches{repeats}: "
+                         f"{schedule.iterations} stage iterations per step, bubble {100 * schedule.bubble:.1f}%")
         return lines + [f"  replicated or moved: {note}" for note in self.parallel.layout.notes()[:5]]
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,

@@ -1,0 +1,215 @@
+"""Pipeline parallelism: a stack of layers split into stages over a ``stage`` mesh axis.
+
+The layers' parameters are stored stacked (a leading ``layers`` dimension) and split over
+``stage`` in order: with S stages and L layers, stage s holds layers s*L/S .. (s+1)*L/S - 1.
+The batch is cut into M microbatches that flow through the stages, one stage per iteration,
+as an SPMD "shifting buffer" (the form MaxText uses): a buffer holds one microbatch's
+activations per stage (its leading dimension is split over ``stage``); every iteration each
+stage applies its layers to its slot (``jax.vmap`` over the stage dimension, partitioned by
+``spmd_axis_name``), then the buffer shifts by one stage (XLA turns the shift into a
+collective-permute between neighbouring stages) and stage 0 takes the next microbatch.
+
+Iterations: R*M + S - 1 for R repeats; during the first and last S - 1 some stages have
+nothing to do (the bubble, (S-1) / (R*M + S - 1) of the iterations). Their slots are zeros,
+their outputs are never read, so nothing computed in the bubble reaches the loss or the
+gradients. With R > 1 (circular) the layers are cut into R*S chunks; a microbatch leaving the
+last stage comes back to stage 0 for the next chunk, which needs M >= S.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flax import nnx
+
+from shardax.errors import UsageError
+from shardax.sharding.compute import for_compute, laid_out_already
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How many stages, microbatches and repeats (circular chunks per stage) a pipeline runs."""
+
+    stages: int
+    microbatches: int
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 1 or self.repeats < 1:
+            raise UsageError(f"--microbatches {self.microbatches} and --pipeline-repeats {self.repeats} must be at "
+                             "least 1")
+        if self.repeats > 1 and self.microbatches < self.stages:
+            raise UsageError(f"--pipeline-repeats {self.repeats} needs --microbatches of at least the {self.stages} "
+                             f"stages (a microbatch comes back to stage 0), not {self.microbatches}")
+
+    @property
+    def iterations(self) -> int:
+        """Stage iterations per step: R*M + S - 1."""
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of stage iterations with nothing to do: (S-1) / (R*M + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    def check_layers(self, layers: int) -> None:
+        """The layers must split evenly into stages x repeats chunks; say which counts would."""
+        chunks = self.stages * self.repeats
+        if layers % chunks:
+            lower, upper = layers - layers % chunks, layers - layers % chunks + chunks
+            nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
+            raise UsageError(f"{layers} layers do not split into {self.stages} stages x {self.repeats} repeats "
+                             f"({chunks} equal chunks); use {nearest} layers, or a stage count that divides {layers}")
+
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None] = (
+    contextvars.ContextVar("shardax_pipeline", default=None))
+
+
+@contextlib.contextmanager
+def pipelined(mesh: Mesh, axis: str, schedule: Schedule, batch_axes: tuple[str, ...]) -> Iterator[None]:
+    """Within this context (while a step is traced), stacked layers run as a pipeline over
+    ``axis``. A model that never ran a pipeline in it (no stacked layers) is refused on exit."""
+    runs: list[int] = []
+    token = _ACTIVE.set((mesh, axis, schedule, batch_axes, runs))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+    if not runs:
+        raise UsageError(f"a pipeline over {axis!r} needs a model whose layers are stacked and run through "
+                         "shardax's pipeline (TransformerLM with scanned layers); this model ran none, so every "
+                         "stage would repeat the same work; use a strategy without a pipeline (dp, fsdp, tp, ...)")
+
+
+def active_pipeline() -> tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None:
+    """The pipeline the step being traced runs its stacked layers as, if any."""
+    return _ACTIVE.get()
+
+
+def _stage_major(leaf: jax.Array, schedule: Schedule) -> jax.Array:
+    """``(L, ...) -> (R, S, L/(R*S), ...)``: chunk (r, s) holds layers (r*S + s)*L/(R*S) onwards."""
+    chunk = leaf.shape[0] // (schedule.stages * schedule.repeats)
+    return leaf.reshape(schedule.repeats, schedule.stages, chunk, *leaf.shape[1:])
+
+
+def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layers: Any, x: jax.Array,
+                 riders: Any = None) -> jax.Array:
+    """``apply_layers(layers, x, riders)`` computed as the active pipeline (see the module docstring).
+
+    ``layers`` is a pytree whose leaves have the stacked-layers dimension first; ``x`` is the
+    activations of the global batch, ``(B, ...)``; ``riders`` a pytree of other per-row inputs
+    (leading dimension B: positions, masks) or None. ``apply_layers(chunk, x, riders)`` applies
+    a chunk of the stack (the same pytree, fewer layers) to one microbatch and its riders.
+
+    The batch's data-parallel groups run the pipeline side by side (``jax.vmap`` over the
+    groups, partitioned over the batch axes): each group accumulates its own gradients through
+    the iterations, and they are summed across groups once, after the loop, instead of at
+    every iteration."""
+    mesh, axis, schedule, batch_axes, runs = _ACTIVE.get()
+    schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
+    runs.append(1)
+    # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
+    # here (and its gradients are reduce-scattered once, after the loop), not at every iteration.
+    layers = jax.tree.map(lambda variable: variable.replace(for_compute(variable)), layers,
+                          is_leaf=lambda node: isinstance(node, nnx.Variable))
+    batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
+    groups = 1
+    for name in batch:
+        groups *= mesh.shape[name]
+    rows = x.shape[0]
+    if rows % (groups * schedule.microbatches):
+        raise UsageError(f"a batch of {rows} rows does not split into {groups} data-parallel groups x "
+                         f"--microbatches {schedule.microbatches}; use a batch size that is a multiple of "
+                         f"{groups * schedule.microbatches}")
+    run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule)
+    if not batch:
+        return run(layers, x, riders)
+    spmd = batch if len(batch) > 1 else batch[0]
+    grouped = lambda leaf: leaf.reshape(groups, rows // groups, *leaf.shape[1:])  # noqa: E731
+
+    def per_group(leaf: jax.Array) -> jax.Array:
+        # one copy of the weights per data-parallel group, each on its own devices (no data
+        # moves): the gradient of each copy accumulates locally through the iterations, and
+        # the broadcast's transpose sums the copies once, after the loop
+        spec = PartitionSpec(spmd, axis, *(None,) * (leaf.ndim - 1))
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(leaf, (groups, *leaf.shape)),
+                                                NamedSharding(mesh, spec))
+
+    run = jax.vmap(run, in_axes=(0, 0, 0), spmd_axis_name=spmd)
+    return run(jax.tree.map(per_group, layers), grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
+
+
+def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str, schedule: Schedule,
+              layers: Any, x: jax.Array, riders: Any) -> jax.Array:
+    """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
+
+    Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
+    stage s receives stage s-1's output, and stage 0 the last stage's, which it files in its
+    ``store`` (one row per microbatch, where the microbatches wait at the start). Stage 0 then
+    takes its next microbatch from the store: a new one, or under a circular schedule the
+    filed output of one coming round again. After the last
+    iteration the store holds the outputs; its microbatches are handed out over the stages, so
+    what follows the layers (the head, the loss) works on rows split over the stages too."""
+    stages, count, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+    rows = x.shape[0]
+    rest = (None,) * (x.ndim - 1)
+
+    def constrain(value: jax.Array, *leading: Any) -> jax.Array:
+        return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*leading, *rest)))
+
+    # microbatch m takes rows m*b .. (m+1)*b - 1 of the group (all on the group's devices)
+    split = lambda leaf: leaf.reshape(count, rows // count, *leaf.shape[1:])  # noqa: E731
+    micro = split(x)
+    rider_micro = jax.tree.map(split, riders)
+    chunks = jax.tree.map(lambda leaf: _stage_major(leaf, schedule), layers)
+
+    def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> jax.Array:
+        chunk = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False),
+                             chunks_of_stage)
+        own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
+        with laid_out_already():
+            return apply_layers(chunk, slot, own)
+
+    # (R, S, ...) -> vmap over S (axis 1); each stage picks its repeat's chunk and its microbatch's riders
+    stages_apply = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
+    index = jnp.arange(stages)
+    per_stage = lambda flags: flags.reshape(-1, *(1,) * x.ndim)  # noqa: E731
+
+    def roll_and_file(buffer: jax.Array, store: jax.Array, finished: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Roll the buffer one stage on; file what reached stage 0 (pass ``finished``) in the store."""
+        rolled = constrain(jnp.roll(buffer, 1, axis=0), axis, None)
+        filed = store.at[:, finished % count].set(rolled)
+        return rolled, jnp.where(finished >= 0, filed, store)
+
+    def iteration(carry: tuple[jax.Array, jax.Array], step: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        buffer, store = carry
+        rolled, store = roll_and_file(buffer, store, step - stages)
+        # stage 0 takes its next microbatch from its store: a new one, or one coming round again
+        inputs = jnp.where(per_stage(index == 0), store[:, step % count], rolled)
+        working = step - index  # which pass over the microbatches each stage is on
+        valid = (working >= 0) & (working < repeats * count)
+        inputs = constrain(jnp.where(per_stage(valid), inputs, 0), axis, None)
+        repeat = jnp.clip(working // count, 0, repeats - 1)
+        buffer = constrain(stages_apply(chunks, repeat, working % count, inputs), axis, None)
+        return (buffer, constrain(store, axis, None, None)), None
+
+    buffer = constrain(jnp.zeros((stages, *micro.shape[1:]), x.dtype), axis, None)
+    # the microbatches start in stage 0's store (moved there once; their gradients come back once)
+    store = jnp.zeros((stages, *micro.shape), x.dtype).at[0].set(micro)
+    store = constrain(store, axis, None, None)
+    (buffer, store), _ = jax.lax.scan(iteration, (buffer, store), jnp.arange(schedule.iterations))
+    _, store = roll_and_file(buffer, store, jnp.asarray(schedule.iterations - stages))
+    outputs = store[0]  # (M, b, ...) on stage 0: hand the microbatches out over the stages
+    if count % stages == 0:
+        outputs = constrain(outputs, axis, None)
+    return outputs.reshape(x.shape)
