@@ -134,7 +134,11 @@ class ParallelModel:
                                  "is not one (use --grad-accum to split a batch into microbatches)")
             return None
         stages = self.mesh.shape[axis]
-        return Schedule(stages, stages if microbatches is None else microbatches, repeats)
+        schedule = Schedule(stages, stages if microbatches is None else microbatches, repeats)
+        for leaf in self.layout.leaves.values():  # the stacked layers must split evenly: say so now
+            if leaf.logical and leaf.logical[0] == "layers":
+                schedule.check_layers(leaf.shape[0])
+        return schedule
 
     @contextlib.contextmanager
     def _layer_layout(self, schedule: Schedule | None = None) -> Iterator[None]:

@@ -126,6 +126,16 @@ def layer_specs(strategy: Any, logical: tuple[str | None, ...] | None, shape: tu
     return spec, strategy.compute_spec(spec), gradient
 
 
+def compute_spec_of(param: nnx.Variable) -> PartitionSpec | None:
+    """The layout ``for_compute`` gives ``param`` under the active strategy (None outside one)."""
+    active = _ACTIVE.get()
+    logical = logical_axes_of(param)
+    if active is None or logical is None or len(logical) != param[...].ndim:
+        return None
+    mesh, strategy = active
+    return layer_specs(strategy, logical, param[...].shape, mesh, f"parameter {logical}")[1]
+
+
 def for_compute(param: nnx.Variable, dtype: Any = None) -> jax.Array:
     """The value of ``param`` laid out for compute under the active strategy (see module doc),
     cast to ``dtype`` when given."""

@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.sharding.compute import for_compute, laid_out_already
+from shardax.sharding.compute import compute_spec_of, for_compute, laid_out_already
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +68,10 @@ class Schedule:
         if layers % chunks:
             lower, upper = layers - layers % chunks, layers - layers % chunks + chunks
             nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
-            raise UsageError(f"{layers} layers do not split into {self.stages} stages x {self.repeats} repeats "
-                             f"({chunks} equal chunks); use {nearest} layers, or a stage count that divides {layers}")
+            into = (f"{self.stages} stages" if self.repeats == 1
+                    else f"{self.stages} stages x {self.repeats} repeats ({chunks} equal chunks)")
+            raise UsageError(f"{layers} layers do not split into {into}; use {nearest} layers, or a stage count "
+                             f"that divides {layers}")
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None] = (
@@ -118,48 +121,53 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
     mesh, axis, schedule, batch_axes, runs = _ACTIVE.get()
     schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
     runs.append(1)
-    # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
-    # here (and its gradients are reduce-scattered once, after the loop), not at every iteration.
-    layers = jax.tree.map(lambda variable: variable.replace(for_compute(variable)), layers,
-                          is_leaf=lambda node: isinstance(node, nnx.Variable))
     batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
-    groups = 1
-    for name in batch:
-        groups *= mesh.shape[name]
+    groups = math.prod(mesh.shape[a] for a in batch)
     rows = x.shape[0]
     if rows % (groups * schedule.microbatches):
         raise UsageError(f"a batch of {rows} rows does not split into {groups} data-parallel groups x "
                          f"--microbatches {schedule.microbatches}; use a batch size that is a multiple of "
                          f"{groups * schedule.microbatches}")
+    spmd = (batch if len(batch) > 1 else batch[0]) if batch else None
+
+    def chunked(variable: nnx.Variable) -> nnx.Variable:
+        # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
+        # here (and its gradients are reduce-scattered once, after the loop), not at every
+        # iteration. Then cut into (repeats, stages, layers per chunk), stages over the axis (a
+        # circular schedule regroups the layers here, once per step), and with data-parallel
+        # groups copied once per group, each copy on its group's devices (no data moves): the
+        # gradient of each copy accumulates locally through the iterations, and the copy's
+        # transpose sums them once, after the loop.
+        spec = compute_spec_of(variable)
+        rest = tuple(spec)[1:] if spec is not None else ()
+        value = _stage_major(for_compute(variable), schedule)
+        value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(None, axis, None, *rest)))
+        if spmd is not None:
+            value = jnp.broadcast_to(value, (groups, *value.shape))
+            value = jax.lax.with_sharding_constraint(
+                value, NamedSharding(mesh, PartitionSpec(spmd, None, axis, None, *rest)))
+        return variable.replace(value)
+
+    chunks = jax.tree.map(chunked, layers, is_leaf=lambda node: isinstance(node, nnx.Variable))
     run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule)
-    if not batch:
-        return run(layers, x, riders)
-    spmd = batch if len(batch) > 1 else batch[0]
+    if spmd is None:
+        return run(chunks, x, riders)
     grouped = lambda leaf: leaf.reshape(groups, rows // groups, *leaf.shape[1:])  # noqa: E731
-
-    def per_group(leaf: jax.Array) -> jax.Array:
-        # one copy of the weights per data-parallel group, each on its own devices (no data
-        # moves): the gradient of each copy accumulates locally through the iterations, and
-        # the broadcast's transpose sums the copies once, after the loop
-        spec = PartitionSpec(spmd, axis, *(None,) * (leaf.ndim - 1))
-        return jax.lax.with_sharding_constraint(jnp.broadcast_to(leaf, (groups, *leaf.shape)),
-                                                NamedSharding(mesh, spec))
-
     run = jax.vmap(run, in_axes=(0, 0, 0), spmd_axis_name=spmd)
-    return run(jax.tree.map(per_group, layers), grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
+    return run(chunks, grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
 
 
 def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str, schedule: Schedule,
-              layers: Any, x: jax.Array, riders: Any) -> jax.Array:
+              chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
     """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
 
     Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
     stage s receives stage s-1's output, and stage 0 the last stage's, which it files in its
     ``store`` (one row per microbatch, where the microbatches wait at the start). Stage 0 then
     takes its next microbatch from the store: a new one, or under a circular schedule the
-    filed output of one coming round again. After the last
-    iteration the store holds the outputs; its microbatches are handed out over the stages, so
-    what follows the layers (the head, the loss) works on rows split over the stages too."""
+    filed output of one coming round again. After the last iteration the store holds the
+    outputs; its microbatches are handed out over the stages, so what follows the layers (the
+    head, the loss) works on rows split over the stages too."""
     stages, count, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     rows = x.shape[0]
     rest = (None,) * (x.ndim - 1)
@@ -171,7 +179,6 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
     split = lambda leaf: leaf.reshape(count, rows // count, *leaf.shape[1:])  # noqa: E731
     micro = split(x)
     rider_micro = jax.tree.map(split, riders)
-    chunks = jax.tree.map(lambda leaf: _stage_major(leaf, schedule), layers)
 
     def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> jax.Array:
         chunk = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False),

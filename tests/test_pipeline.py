@@ -1,0 +1,160 @@
+"""Pipeline parallelism: stages over a ``stage`` mesh axis train exactly like one device, hold
+1/S of the layers each, run R*M + S - 1 iterations and send what theory says between stages."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from shardax import DeviceMeshManager, parallelize, reshard
+from shardax.analysis.collectives import find_collectives
+from shardax.analysis.traffic import wire_bytes
+from shardax.errors import UsageError
+from shardax.models.transformer import TransformerLM, next_token_loss
+from shardax.sharding.pipeline import Schedule
+from small_models import assert_trees_close, tiny_transformer_config, token_batches
+
+pytestmark = pytest.mark.xdist_group("test_pipeline")
+
+STEPS = 20
+BATCH = 32
+CONFIG = tiny_transformer_config(n_layers=8)
+
+
+def factory(rngs):
+    return TransformerLM(CONFIG, rngs=rngs)
+
+
+def train(strategy, mesh_shape, devices=None, **schedule):
+    mesh = DeviceMeshManager(devices=devices).create_device_mesh(mesh_shape)
+    parallel = parallelize(factory, optax.adamw(1e-2), mesh, strategy)
+    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss, **schedule)
+    losses = []
+    for batch in token_batches(STEPS, batch_size=BATCH):
+        state, metrics = step(state, parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, state, parallel
+
+
+_REFERENCE = {}
+
+
+def reference():
+    if not _REFERENCE:
+        _REFERENCE["one device"] = train("dp", "data=1", devices=jax.devices()[:1])
+    return _REFERENCE["one device"]
+
+
+CASES = [("pp", "stage=8", m, 1) for m in (8, 16, 32)] + \
+        [("pp", "stage=4,data=2", m, 1) for m in (4, 8, 16)] + \
+        [("pp_tp", "stage=2,data=2,model=2", m, 1) for m in (2, 4, 8)] + \
+        [("pp_fsdp", "stage=4,data=2", 4, 1), ("pp", "stage=4,data=2", 8, 2), ("pp_fsdp", "stage=2,data=4", 4, 2)]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, microbatches, repeats", CASES,
+                         ids=[f"{s}-{m}-M{mb}-R{r}" for s, m, mb, r in CASES])
+def test_pipeline_trains_like_one_device(strategy, mesh_shape, microbatches, repeats):
+    ref_losses, ref_state, _ = reference()
+    losses, state, parallel = train(strategy, mesh_shape, microbatches=microbatches, pipeline_repeats=repeats)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] < 0.7 * losses[0]
+    # the tolerances of test_strategies: sums in another order, lifted by Adam's 1/sqrt(nu)
+    assert_trees_close(jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-5)
+    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=2e-6)
+    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+def stacked(tree):
+    """The leaves of the layer stack (leading dimension: the 8 layers)."""
+    return [leaf for leaf in jax.tree.leaves(tree) if leaf.ndim >= 2 and leaf.shape[0] == CONFIG.n_layers]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, stages", [("pp", "stage=8", 8), ("pp", "stage=4,data=2", 4),
+                                                          ("pp_fsdp", "stage=4,data=2", 4),
+                                                          ("pp_tp", "stage=2,data=2,model=2", 2)])
+def test_each_device_holds_its_stage_of_the_layers(strategy, mesh_shape, stages):
+    """Stage s holds layers s*L/S .. (s+1)*L/S - 1 of every stacked parameter and of its Adam
+    moments, and nothing else of the stack."""
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    state = parallel.init(seed=0)
+    whole = jax.device_get(state.params)
+    for leaf, host in zip(stacked(state.params), stacked(whole)):
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape[0] == CONFIG.n_layers // stages
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(host)[shard.index])
+        per_device = sum(shard.data.nbytes for shard in leaf.addressable_shards) / len(leaf.addressable_shards)
+        split = np.prod([parallel.mesh.shape[a] for e in leaf.sharding.spec if e for a in ((e,) if isinstance(e, str)
+                                                                                            else e)])
+        assert per_device == leaf.nbytes / split and split % stages == 0
+    for leaf in stacked(state.opt_state):
+        assert {shard.data.shape[0] for shard in leaf.addressable_shards} == {CONFIG.n_layers // stages}
+
+
+def compiled_step(strategy, mesh_shape, microbatches, repeats):
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    batch = {"tokens": jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len + 1), jnp.int32, sharding=parallel.layout.batch())}
+    step = parallel.train_step(next_token_loss, microbatches=microbatches, pipeline_repeats=repeats)
+    return parallel, step.lower(parallel.abstract_state, batch).compile()
+
+
+@pytest.mark.parametrize("mesh_shape, stages, microbatches, repeats", [
+    ("stage=4,data=2", 4, 4, 1), ("stage=4,data=2", 4, 8, 1), ("stage=4,data=2", 4, 16, 1),
+    ("stage=2,data=4", 2, 4, 2), ("stage=8", 8, 8, 1)])
+def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, stages, microbatches, repeats):
+    """The bubble is (S-1)/(R*M+S-1): the compiled loops (forward and backward) run exactly
+    R*M + S - 1 iterations, and each device sends one microbatch's activations to the next
+    stage per iteration each way (plus one roll that hands the last outputs back)."""
+    schedule = Schedule(stages, microbatches, repeats)
+    parallel, compiled = compiled_step("pp", mesh_shape, microbatches, repeats)
+    text = compiled.as_text()
+    trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', text)]
+    assert trips.count(repeats * microbatches + stages - 1) == 2, trips  # the forward and the backward loop
+    assert schedule.bubble == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+    groups = parallel.mesh.shape.get("data", 1)
+    slot = BATCH // groups // microbatches * CONFIG.seq_len * CONFIG.d_model * 4  # one microbatch, one device
+    devices = parallel.mesh.devices.size
+    in_loop = [c for c in find_collectives(text) if c.kind == "collective-permute" and c.executions > 1]
+    sent = sum(wire_bytes(c, devices) * c.executions for c in in_loop)
+    assert sent == 2 * schedule.iterations * slot, [(c.bytes, c.executions, c.replica_groups) for c in in_loop]
+    # nothing else crosses between devices inside the loops: no per-iteration gradient reduction
+    assert not [c for c in find_collectives(text) if c.executions > 1 and c.kind != "collective-permute"]
+
+
+def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
+    losses, state, parallel = train("pp", "stage=4,data=2", microbatches=8)
+    fsdp = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh("data=8"), "fsdp")
+    moved = reshard(state, fsdp)
+    assert jax.tree.map(lambda a: a.sharding, moved) == fsdp.state_shardings
+    back = reshard(moved, parallel)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(back), jax.device_get(state))
+    # and the fsdp copy trains on exactly as the pipeline would
+    batch = next(token_batches(1, batch_size=BATCH, seed=5))
+    _, pipelined = parallel.train_step(next_token_loss, microbatches=8, donate=False)(state, parallel.place_batch(batch))
+    _, sharded = fsdp.train_step(next_token_loss, donate=False)(moved, fsdp.place_batch(batch))
+    np.testing.assert_allclose(float(pipelined["loss"]), float(sharded["loss"]), rtol=1e-6)
+
+
+def test_layers_that_do_not_split_into_stages_are_refused_with_the_nearest_counts():
+    parallel = parallelize(lambda rngs: TransformerLM(tiny_transformer_config(n_layers=6), rngs=rngs),
+                           optax.adamw(1e-2), DeviceMeshManager().create_device_mesh("stage=4,data=2"), "pp")
+    with pytest.raises(UsageError, match=r"^6 layers do not split into 4 stages; use 4 or 8 layers, or a stage count "
+                                         r"that divides 6$"):
+        parallel.train_step(next_token_loss)
+    with pytest.raises(UsageError, match=r"--pipeline-repeats 2 needs --microbatches of at least the 4 stages"):
+        Schedule(4, 2, 2)
+
+
+def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
+    from small_models import AnnotatedMLP, mse_loss, regression_batches
+
+    parallel = parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(1e-2),
+                           DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
+    step = parallel.train_step(mse_loss)
+    with pytest.raises(UsageError, match="this model ran none, so every stage would repeat the same work"):
+        step(parallel.init(), parallel.place_batch(next(regression_batches(1))))
+    with pytest.raises(UsageError, match="microbatches/pipeline repeats are for pipeline strategies; 'fsdp'"):
+        parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(1e-2), DeviceMeshManager().create_device_mesh("data=8"),
+                    "fsdp").train_step(mse_loss, microbatches=4)
