@@ -165,3 +165,48 @@ def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
     with pytest.raises(UsageError, match="microbatches/pipeline repeats are for pipeline strategies; 'fsdp'"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"),
                     "fsdp").train_step(mse_loss, microbatches=4)
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, microbatches", [("pp", "stage=4,data=2", 8), ("pp", "stage=8", 8),
+                                                                ("pp_fsdp", "stage=4,data=2", 8),
+                                                                ("pp_tp", "stage=2,data=2,model=2", 4)])
+def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, mesh_shape, microbatches):
+    """``shardax plan`` compiles the pipeline: state exact, communication within 5% of theory
+    (the shift, the hand-out and hand-in of microbatches, the data-parallel gradient sums), the
+    bubble reported, and a bubble over 25% named in the lint with the microbatches that fix it."""
+    from shardax.analysis.plan import plan_strategy
+
+    plan = plan_strategy(CONFIG, strategy, mesh_shape, batch_size=BATCH, microbatches=microbatches)
+    stages = int(re.search(r"stage=(\d+)", mesh_shape).group(1))
+    assert plan.bubble == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert plan.predicted["state"] == plan.compiled["arguments"]
+    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    bubbles = [note for note in plan.lint if note.startswith("pipeline bubble")]
+    if plan.bubble > 0.25:
+        enough = next(m for m in range(stages, 100, stages) if (stages - 1) / (m + stages - 1) <= 0.25)
+        assert len(bubbles) == 1 and f"--microbatches {enough} brings it to" in bubbles[0]
+    else:
+        assert not bubbles
+
+
+def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_path):
+    from cli_helpers import QUICK, read_metrics, shardax
+    from shardax.trainer.checkpoint import saved_arrays
+
+    run = ["train", *QUICK, "--strategy", "pp", "--mesh", "stage=4,data=2", "--microbatches", 8, "--batch-size", 32,
+           "--data", small_corpus, "--log-every", 1, "--eval-every", 2, "--sample-bytes", 0]
+    straight = shardax(*run, "--steps", 4, "--checkpoint-dir", tmp_path / "a", "--metrics", tmp_path / "a.jsonl")
+    assert "pipeline: 4 stages x 8 microbatches: 11 stage iterations per step, bubble 27.3%" in straight.stdout
+    shardax(*run, "--steps", 4, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path / "b",
+            "--metrics", tmp_path / "b.jsonl")
+    # resume the second run from step 2 (its last checkpoint is removed): it ends as the first
+    import shutil
+    shutil.rmtree(tmp_path / "b" / "4")
+    resumed = shardax(*run, "--checkpoint-dir", tmp_path / "b", "--metrics", tmp_path / "b.jsonl", "--resume")
+    assert "resumed from step 2" in resumed.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path / "a.jsonl") if r.get("loss") is not None]
+    again = [r["loss"] for r in read_metrics(tmp_path / "b.jsonl") if r.get("loss") is not None]
+    assert again[-2:] == losses[-2:] and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    expected, got = saved_arrays(tmp_path / "a", 4), saved_arrays(tmp_path / "b", 4)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)

@@ -124,17 +124,17 @@ class ParallelModel:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
 
-    def schedule(self, microbatches: int | None = None, repeats: int = 1) -> Schedule | None:
+    def schedule(self, microbatches: int | None = None, pipeline_repeats: int = 1) -> Schedule | None:
         """The pipeline schedule of this layout (None unless the strategy pipelines): as many
         microbatches as stages unless told."""
         axis = self.strategy.pipeline_axis
         if axis is None:
-            if microbatches is not None or repeats != 1:
+            if microbatches is not None or pipeline_repeats != 1:
                 raise UsageError(f"microbatches/pipeline repeats are for pipeline strategies; {self.strategy.name!r} "
                                  "is not one (use --grad-accum to split a batch into microbatches)")
             return None
         stages = self.mesh.shape[axis]
-        schedule = Schedule(stages, stages if microbatches is None else microbatches, repeats)
+        schedule = Schedule(stages, stages if microbatches is None else microbatches, pipeline_repeats)
         for leaf in self.layout.leaves.values():  # the stacked layers must split evenly: say so now
             if leaf.logical and leaf.logical[0] == "layers":
                 schedule.check_layers(leaf.shape[0])

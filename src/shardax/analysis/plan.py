@@ -50,6 +50,7 @@ class StrategyPlan:
     fits: bool | None
     lint: list[str]
     compile_s: float
+    bubble: float | None = None  # pipeline strategies: the fraction of idle stage iterations
 
     @property
     def predicted_bytes_per_device(self) -> int:
@@ -66,11 +67,12 @@ class StrategyPlan:
         return record
 
 
-def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1):
-    """The next-token train step of ``parallel`` compiled ahead of time for one batch shape."""
+def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1, **pipeline: Any):
+    """The next-token train step of ``parallel`` compiled ahead of time for one batch shape
+    (``pipeline``: ``microbatches`` and ``pipeline_repeats`` under a pipeline strategy)."""
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
-    step = parallel.train_step(next_token_loss, grad_accum=grad_accum)
+    step = parallel.train_step(next_token_loss, grad_accum=grad_accum, **pipeline)
     return step.lower(parallel.abstract_state, batch).compile()
 
 
@@ -86,16 +88,21 @@ def compiled_memory(compiled) -> dict[str, int]:
 
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
                   grad_accum: int = 1, device_memory: int | None = None,
-                  tx: optax.GradientTransformation | None = None) -> StrategyPlan:
-    """Compile one strategy's step on fake devices and measure it (see the module docstring)."""
+                  tx: optax.GradientTransformation | None = None, microbatches: int | None = None,
+                  pipeline_repeats: int = 1) -> StrategyPlan:
+    """Compile one strategy's step on fake devices and measure it (see the module docstring).
+    ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy."""
     resolved = get_strategy(strategy)
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape or default_mesh(resolved.name))
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, resolved)
+    # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
+    pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
+    schedule = parallel.schedule(**pipeline)
     started = time.perf_counter()
-    compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum)
+    compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
-    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum)
+    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
@@ -105,11 +112,26 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     return StrategyPlan(
         strategy=resolved.name, mesh=describe_mesh(mesh), predicted=predicted, compiled=measured,
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
-        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size),
+        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size, schedule),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
-        lint=lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model),
-        compile_s=compile_s,
+        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model)
+              + _bubble_note(schedule)),
+        compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
     )
+
+
+def _bubble_note(schedule: Any) -> list[str]:
+    """A pipeline that idles more than a quarter of its stage iterations."""
+    if schedule is None or schedule.bubble <= 0.25:
+        return []
+    # the fewest microbatches (a multiple of the stages) that bring the bubble to 25% or less
+    enough = schedule.stages
+    while (schedule.stages - 1) / (schedule.repeats * enough + schedule.stages - 1) > 0.25:
+        enough += schedule.stages
+    return [f"pipeline bubble {100 * schedule.bubble:.0f}%: {schedule.stages - 1} of every "
+            f"{schedule.iterations} stage iterations idle ((S-1)/(R*M+S-1) with S={schedule.stages}, "
+            f"M={schedule.microbatches}, R={schedule.repeats}); --microbatches {enough} brings it to "
+            f"{100 * (schedule.stages - 1) / (schedule.repeats * enough + schedule.stages - 1):.0f}%"]
 
 
 def _bfloat16_note(model: TransformerConfig) -> list[str]:

@@ -232,6 +232,21 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
                                                                                WORKING_SET[kind])))
 
 
+def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
+    """Activation memory per device of ``TransformerLM`` run as a pipeline (``schedule``).
+
+    Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
+    for one microbatch: as a model of (R*M + S - 1) * L/(R*S) layers on a microbatch's rows
+    would. Besides: stage 0's store (every microbatch of the group at the stage boundary) and
+    the rolling buffer."""
+    groups = _axes_size(dict(layout.mesh.shape), layout.strategy.batch_axes)
+    rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
+    chunk = model.n_layers // (schedule.stages * schedule.repeats)
+    virtual = dataclasses.replace(model, n_layers=schedule.iterations * chunk)
+    boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
+    return activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
+
+
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:
     """Bytes per device of a tree laid out by ``shardings`` (shapes and specs only, no compile)."""
     import jax
@@ -243,8 +258,10 @@ def _sharded_bytes(abstract: Any, shardings: Any) -> int:
     return int(sum(jax.tree.leaves(sizes)))
 
 
-def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1) -> MemoryPrediction:
-    """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings."""
+def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
+                   schedule: Any = None) -> MemoryPrediction:
+    """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
+    pipeline ``schedule``, if it runs one)."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
     looped = model is not None and not model.scan_layers
@@ -263,7 +280,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
-        activations=activation_bytes(layout, model, batch_size, grad_accum),
+        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
+                     else activation_bytes(layout, model, batch_size, grad_accum)),
     )
 
 
@@ -273,28 +291,54 @@ def _replicas(layout: Layout) -> int:
     return _axes_size(shape, [a for a in strategy.batch_axes if a in shape and a not in strategy.gather_axes])
 
 
-def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int) -> float:
+def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
+    """What a pipeline step sends between stages per device: one microbatch's activations each
+    iteration forward and back (R*M + S - 1 each), one more roll each way to hand the last
+    outputs back, the outputs handed out over the stages after the loop (and their gradients
+    back), and the gradient of the microbatches, which arrives at stage 0, summed to every
+    stage (each computes the embeddings of the whole batch)."""
+    rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
+    slot = rows * model.seq_len * model.d_model * 4
+    stages = schedule.stages
+    shift = 2 * (schedule.iterations + 1) * slot
+    hand_out = 2 * (stages - 1) / stages * schedule.microbatches * slot if schedule.microbatches % stages == 0 else 0
+    hand_in = 2 * (stages - 1) / stages * schedule.microbatches * slot
+    return shift + hand_out + hand_in
+
+
+def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None) -> float:
     """The least a step of this strategy must send per device (see the module docstring)."""
     shape = dict(layout.mesh.shape)
     strategy = layout.strategy
     gather = _axes_size(shape, strategy.gather_axes)
     replicas = _replicas(layout)
-    total = 0.0
+    total = 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
+    stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
     for leaf in layout.leaves.values():
         other_axes = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
         within_group = _leaf_bytes(leaf) / _axes_size(shape, other_axes)  # bytes per data-parallel group
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
-        if gathered:
-            total += 3 * (gather - 1) / gather * within_group
+        staged = stages > 1 and any(a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e))
+        if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
+            total += (2 if staged else 3) * (gather - 1) / gather * within_group
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
             total += 2 * (gather - 1) / gather * within_group
-        if replicas > 1:  # data parallelism across groups (dp, zero*, tp's data axis, hsdp's replicas)
-            total += 2 * (replicas - 1) / replicas * within_group / (gather if gathered else 1)
+        # under a pipeline, what is not split into stages (embeddings, the head) is used by rows
+        # split over the stages too, so its gradients are summed over them as well
+        copies = replicas * (stages if stages > 1 and not staged else 1)
+        if copies > 1:  # data parallelism across groups (dp, zero*, tp's data axis, hsdp's replicas)
+            total += 2 * (copies - 1) / copies * within_group / (gather if gathered else 1)
             if strategy.optimizer_axes and not strategy.shard_gradients:  # ZeRO-1: all-gather updated params
-                total += (replicas - 1) / replicas * within_group
+                total += (copies - 1) / copies * within_group
     model_size = shape.get("model", 1)
     if model is not None and model_size > 1 and "model" in str(strategy.param_rules):
         rows = batch_rows_per_device(layout, batch_size)
         activation = rows * model.seq_len * model.d_model * 4
-        total += (4 * model.n_layers + 2) * 2 * (model_size - 1) / model_size * activation
+        layers, ends = model.n_layers, activation
+        if schedule is not None:  # each stage runs its L/(R*S) layers on a microbatch per iteration
+            layers = model.n_layers // (schedule.stages * schedule.repeats) * schedule.iterations
+            if schedule.microbatches % schedule.stages == 0:  # the head works on rows split over the stages
+                ends = activation / schedule.stages
+            activation /= schedule.microbatches
+        total += (4 * layers * activation + 2 * ends) * 2 * (model_size - 1) / model_size
     return total

@@ -25,6 +25,8 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
     add("--batch-size", type=int, help="global batch (default: the preset's)")
     add("--seq-len", type=int, help="sequence length (default: the preset's)")
     add("--grad-accum", type=int, default=1, help="microbatches per step")
+    add("--microbatches", type=int, help="pipeline strategies: microbatches through the stages (default: one per stage)")
+    add("--pipeline-repeats", type=int, default=1, help="pipeline strategies: times round the stages (circular)")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
     add("--precision", choices=("float32", "bfloat16"), default="float32")
     add("--json", action="store_true", help="print a JSON list, one object per strategy")
@@ -76,8 +78,11 @@ def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model
                   "'sent' counts ring-algorithm bytes of the compiled collectives against the strategy's "
                   "theoretical minimum.")
     for plan in plans:
+        if plan.bubble is not None:
+            console.print(f"pipeline [{plan.strategy}]: bubble {100 * plan.bubble:.1f}% of stage iterations idle",
+                          markup=False)
         for finding in plan.lint:
-            console.print(f"lint [{plan.strategy}]: {finding}")
+            console.print(f"lint [{plan.strategy}]: {finding}", markup=False)
     for line in skipped:
         console.print(f"skipped {line}")
     console.print(recommendation)
@@ -96,7 +101,8 @@ def run_plan(args: argparse.Namespace) -> int:
     model = preset.config(**overrides)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=args.batch_size or preset.batch_size,
-                              grad_accum=args.grad_accum, device_memory=memory)
+                              grad_accum=args.grad_accum, device_memory=memory, microbatches=args.microbatches,
+                              pipeline_repeats=args.pipeline_repeats)
     if args.json:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flax import nnx
@@ -97,6 +98,9 @@ def pipelined(mesh: Mesh, axis: str, schedule: Schedule, batch_axes: tuple[str, 
 def active_pipeline() -> tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None:
     """The pipeline the step being traced runs its stacked layers as, if any."""
     return _ACTIVE.get()
+
+
+_CHUNK = "shardax_pipeline_chunk"  # a circular pass's weights: picked again, never saved per iteration
 
 
 def _stage_major(leaf: jax.Array, schedule: Schedule) -> jax.Array:
@@ -181,11 +185,17 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
     rider_micro = jax.tree.map(split, riders)
 
     def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> jax.Array:
-        chunk = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False),
-                             chunks_of_stage)
+        if repeats == 1:  # the stage's one chunk: a constant of the loop, never saved per iteration
+            chunk = jax.tree.map(lambda leaf: leaf[0], chunks_of_stage)
+        else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
+            chunk = jax.tree.map(lambda leaf: checkpoint_name(
+                jax.lax.dynamic_index_in_dim(leaf, repeat, 0, keepdims=False), _CHUNK), chunks_of_stage)
         own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
         with laid_out_already():
             return apply_layers(chunk, slot, own)
+
+    if repeats > 1:
+        stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.save_anything_except_these_names(_CHUNK))
 
     # (R, S, ...) -> vmap over S (axis 1); each stage picks its repeat's chunk and its microbatch's riders
     stages_apply = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
