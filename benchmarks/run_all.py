@@ -77,7 +77,16 @@ def table() -> str:
             best = row["largest"]
             text = "none" if not best else (f"{best['parameters'] / 1e6:.0f}M parameters (d_model {best['d_model']}, "
                                              f"{best['n_layers']} layers), peak {best['peak_bytes'] / 1e9:.2f} GB")
-            lines.append(f"| 6. largest model under {budget:.0f} GB/device, {row['strategy']} on {row['mesh']} | {text} | - |")
+            schedule = f", {row['microbatches']} microbatches" if row.get("microbatches") else ""
+            lines.append(f"| 6. largest model under {budget:.0f} GB/device, {row['strategy']} on {row['mesh']}{schedule} "
+                         f"| {text} | - |")
+    bubble = load("pipeline_bubble")
+    if bubble:
+        for case in bubble["cases"]:
+            circular = f", {case['repeats']} repeats" if case["repeats"] > 1 else ""
+            lines.append(f"| 11. pipeline bubble on {bubble['mesh']}, M = {case['microbatches']}{circular}: idle stage "
+                         f"iterations of the compiled loops ({case['compiled_iterations']} run) | "
+                         f"{100 * case['bubble_compiled']:.1f}% (formula {100 * case['bubble_formula']:.1f}%) | = formula |")
     accuracy = load("plan_accuracy")
     if accuracy:
         for case, (low, high) in accuracy["predicted_over_compiled_peak"].items():
@@ -135,7 +144,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases and the 512 MB data benchmark (minutes)")
     options = parser.parse_args()
-    names = ["overhead", "memory_and_communication", "compile_time"] + (
+    names = ["overhead", "memory_and_communication", "compile_time", "pipeline_bubble"] + (
         [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out"])
     for name in names:
         run(["benchmarks/suite.py", name])

@@ -153,23 +153,35 @@ def compile_time(depths: tuple[int, int] = (4, 32), rounds: int = 5) -> dict:
                                  "ratio": statistics.median(ratios), "ratios": ratios, "target": "<= 1.5"})
 
 
-def largest_model(budget_bytes: int = 2 * 10**9) -> dict:
-    """The largest transformer whose compiled step fits ``budget_bytes`` per device, by strategy (remat full)."""
+PIPELINE_MESHES = [("pp", "stage=8"), ("pp", "stage=4,data=2"), ("pp_fsdp", "stage=2,data=4")]
+
+
+def largest_model(budget_bytes: int = 2 * 10**9, only: list[str] | None = None) -> dict:
+    """The largest transformer whose compiled step fits ``budget_bytes`` per device, by strategy
+    (remat full; pipelines with one sequence per microbatch). ``only``: strategies to (re)measure, keeping
+    the saved rows of the others."""
     candidates = [(d, layers) for d in (512, 768, 1024, 1536, 2048) for layers in (8, 16, 24)]
     candidates.sort(key=lambda c: parameter_count(TransformerConfig(d_model=c[0], n_layers=c[1], d_ff=4 * c[0],
                                                                     n_heads=c[0] // 64)))
+    saved = {} if not (RESULTS / "largest_model.json").exists() else {
+        (row["strategy"], row["mesh"]): row for row in json.loads((RESULTS / "largest_model.json").read_text())["strategies"]}
     rows = []
-    for strategy, mesh in STRATEGY_MESHES:
+    for strategy, mesh in STRATEGY_MESHES + PIPELINE_MESHES:
+        if only is not None and strategy not in only and (strategy, mesh) in saved:
+            rows.append(saved[(strategy, mesh)])
+            continue
         best = None
+        groups = DeviceMeshManager().create_device_mesh(mesh).shape.get("data", 1)
+        schedule = {"microbatches": 16 // groups} if strategy.startswith("pp") else {}  # one row each
         for d_model, layers in candidates:
             model = TransformerConfig(vocab_size=256, seq_len=512, d_model=d_model, n_heads=d_model // 64,
                                       n_layers=layers, d_ff=4 * d_model, remat="full", positions="rotary")
-            plan = plan_strategy(model, strategy, mesh, batch_size=16)
+            plan = plan_strategy(model, strategy, mesh, batch_size=16, **schedule)
             if plan.compiled["peak"] > budget_bytes:
                 break
             best = {"d_model": d_model, "n_layers": layers, "parameters": parameter_count(model),
                     "peak_bytes": plan.compiled["peak"]}
-        rows.append({"strategy": strategy, "mesh": mesh, "largest": best})
+        rows.append({"strategy": strategy, "mesh": mesh, "largest": best, **schedule})
     return save("largest_model", {"budget_bytes_per_device": budget_bytes, "batch_size": 16, "seq_len": 512,
                                   "remat": "full", "strategies": rows})
 
@@ -243,9 +255,32 @@ def plan_held_out() -> dict:
         "within_10_percent": sum(e <= 0.10 for e in errors) / len(errors)})
 
 
+def pipeline_bubble() -> dict:
+    """The bubble of the pipeline as compiled: stage iterations of the compiled loops (XLA's trip
+    counts) against the R*M that do work, for M = S, 2S, 4S on stage=4,data=2 (and a circular
+    schedule), beside the formula (S-1)/(R*M+S-1)."""
+    import re
+
+    model = TransformerConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=8, d_ff=1024)
+    rows = []
+    for microbatches, repeats in [(4, 1), (8, 1), (16, 1), (8, 2)]:
+        mesh = DeviceMeshManager().create_device_mesh("stage=4,data=2")
+        parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3), mesh, "pp")
+        from shardax.analysis.plan import compile_step
+
+        compiled = compile_step(parallel, 32, model.seq_len, microbatches=microbatches, pipeline_repeats=repeats)
+        trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', compiled.as_text())]
+        iterations = max(trips)
+        rows.append({"stages": 4, "microbatches": microbatches, "repeats": repeats, "compiled_iterations": iterations,
+                     "bubble_compiled": 1 - repeats * microbatches / iterations,
+                     "bubble_formula": 3 / (repeats * microbatches + 3)})
+        print(rows[-1], flush=True)
+    return save("pipeline_bubble", {"mesh": "stage=4,data=2", "cases": rows})
+
+
 BENCHMARKS = {"overhead": overhead, "memory_and_communication": memory_and_communication,
               "compile_time": compile_time, "largest_model": largest_model, "plan_accuracy": plan_accuracy,
-              "plan_held_out": plan_held_out}
+              "plan_held_out": plan_held_out, "pipeline_bubble": pipeline_bubble}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(BENCHMARKS):

@@ -193,8 +193,9 @@ def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_
     from cli_helpers import QUICK, read_metrics, shardax
     from shardax.trainer.checkpoint import saved_arrays
 
-    run = ["train", *QUICK, "--strategy", "pp", "--mesh", "stage=4,data=2", "--microbatches", 8, "--batch-size", 32,
-           "--data", small_corpus, "--log-every", 1, "--eval-every", 2, "--sample-bytes", 0]
+    common = ["train", *QUICK, "--batch-size", 32, "--data", small_corpus, "--log-every", 1, "--eval-every", 2,
+              "--sample-bytes", 0]
+    run = [*common, "--strategy", "pp", "--mesh", "stage=4,data=2", "--microbatches", 8]
     straight = shardax(*run, "--steps", 4, "--checkpoint-dir", tmp_path / "a", "--metrics", tmp_path / "a.jsonl")
     assert "pipeline: 4 stages x 8 microbatches: 11 stage iterations per step, bubble 27.3%" in straight.stdout
     shardax(*run, "--steps", 4, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path / "b",
@@ -210,3 +211,6 @@ def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_
     expected, got = saved_arrays(tmp_path / "a", 4), saved_arrays(tmp_path / "b", 4)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    # the pipeline's checkpoint goes on under fsdp (a strategy may change on resume)
+    onward = shardax(*common, "--strategy", "fsdp", "--checkpoint-dir", tmp_path / "a", "--resume", "--extend-to", 5)
+    assert "resumed from step 4" in onward.stdout and "strategy fsdp" in onward.stdout
