@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.sharding.compute import compute_layout
+from shardax.sharding.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, context_parallel
 from shardax.sharding.pipeline import Schedule, pipelined
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import place_batch
@@ -80,8 +81,8 @@ class ParallelModel:
         return place_batch(batch, self.layout.batch())
 
     def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True, nonfinite: str = "stop",
-                   microbatches: int | None = None, pipeline_repeats: int = 1
-                   ) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+                   microbatches: int | None = None, pipeline_repeats: int = 1,
+                   context_attention: str = "all-gather") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
 
         ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name":
@@ -94,6 +95,8 @@ class ParallelModel:
         ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``).
         Under a pipeline strategy, ``microbatches`` (default: the number of stages) flow
         through the stages, ``pipeline_repeats`` times round for a circular schedule.
+        On a mesh with a ``context`` axis, sequences are split over it and attention gathers
+        the rest by ``context_attention``: ``all-gather`` or ``ring`` (``shardax.sharding.context``).
         """
         params = self.abstract_state.params
         step = build_train_step(
@@ -103,7 +106,8 @@ class ParallelModel:
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
-            layer_layout=functools.partial(self._layer_layout, self.schedule(microbatches, pipeline_repeats)),
+            layer_layout=functools.partial(self._layer_layout, self.schedule(microbatches, pipeline_repeats),
+                                           self.context_attention(context_attention)),
             nonfinite=nonfinite,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -114,13 +118,14 @@ class ParallelModel:
             donate_argnums=(0,) if donate else (),
         )
 
-    def eval_step(self, loss_fn: LossFn, *, microbatches: int | None = None,
-                  pipeline_repeats: int = 1) -> Callable[[TrainState, Any], dict]:
+    def eval_step(self, loss_fn: LossFn, *, microbatches: int | None = None, pipeline_repeats: int = 1,
+                  context_attention: str = "all-gather") -> Callable[[TrainState, Any], dict]:
         """A compiled ``(state, batch) -> metrics`` in eval mode (``model.eval()``: running
         averages, no dropout), with the train step's layouts; the state is left as it was."""
         evaluate = build_eval_step(self.graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
                                    layer_layout=functools.partial(self._layer_layout,
-                                                                  self.schedule(microbatches, pipeline_repeats)))
+                                                                  self.schedule(microbatches, pipeline_repeats),
+                                                                  self.context_attention(context_attention)))
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
 
@@ -140,12 +145,31 @@ class ParallelModel:
                 schedule.check_layers(leaf.shape[0])
         return schedule
 
+    def context_attention(self, variant: str = "all-gather") -> str | None:
+        """How attention spans a sequence split over the mesh's ``context`` axis (None: no such
+        axis of more than one device)."""
+        if variant not in CONTEXT_VARIANTS:
+            raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(CONTEXT_VARIANTS)}")
+        if self.mesh.shape.get(CONTEXT_AXIS, 1) == 1:
+            if variant != "all-gather":
+                raise UsageError(f"--context-attention {variant} is for meshes with a {CONTEXT_AXIS!r} axis; this "
+                                 f"mesh has none (e.g. --mesh data=2,{CONTEXT_AXIS}=4)")
+            return None
+        if self.strategy.pipeline_axis is not None:
+            raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis does not combine with pipeline strategies yet; use "
+                             f"dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from --mesh")
+        return variant
+
     @contextlib.contextmanager
-    def _layer_layout(self, schedule: Schedule | None = None) -> Iterator[None]:
+    def _layer_layout(self, schedule: Schedule | None = None, context: str | None = None) -> Iterator[None]:
         with compute_layout(self.mesh, self.strategy), contextlib.ExitStack() as stack:
             if schedule is not None:
                 stack.enter_context(pipelined(self.mesh, self.strategy.pipeline_axis, schedule,
                                               self.strategy.batch_axes))
+            if context is not None:
+                heads = dict(self.strategy.param_rules).get("heads")
+                heads = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
+                stack.enter_context(context_parallel(self.mesh, context, self.strategy.batch_axes, heads))
             yield
 
     def merge(self, state: TrainState) -> nnx.Module:

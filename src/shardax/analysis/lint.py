@@ -85,6 +85,8 @@ def full_parameter_gathers(layout: Any, collectives: list[Collective]) -> list[s
             scattered.remove(collective.bytes)
             continue
         for shape in collective.shapes:
+            if not shape.startswith(("f", "bf")):  # token positions and ids (context parallelism), not weights
+                continue
             for leaf in by_shape.get(_dims(shape), []):
                 stacked = bool(layout.strategy.gather_axes) and "layers" in (leaf.logical or ()) and leaf.shape[0] > 1
                 if stacked or never_gathers:

@@ -89,20 +89,24 @@ def compiled_memory(compiled) -> dict[str, int]:
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
                   grad_accum: int = 1, device_memory: int | None = None,
                   tx: optax.GradientTransformation | None = None, microbatches: int | None = None,
-                  pipeline_repeats: int = 1) -> StrategyPlan:
+                  pipeline_repeats: int = 1, context_attention: str = "all-gather") -> StrategyPlan:
     """Compile one strategy's step on fake devices and measure it (see the module docstring).
-    ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy."""
+    ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy;
+    ``context_attention``: how attention spans a sequence split over a ``context`` axis."""
     resolved = get_strategy(strategy)
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape or default_mesh(resolved.name))
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, resolved)
     # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
     schedule = parallel.schedule(**pipeline)
+    context = parallel.context_attention(context_attention) if "context" in mesh.shape else None
+    if context is not None:
+        pipeline["context_attention"] = context
     started = time.perf_counter()
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
-    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule)
+    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule, context or "all-gather")
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
@@ -112,7 +116,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     return StrategyPlan(
         strategy=resolved.name, mesh=describe_mesh(mesh), predicted=predicted, compiled=measured,
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
-        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size, schedule),
+        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size, schedule,
+                                                                  context or "all-gather"),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model)
               + _bubble_note(schedule)),

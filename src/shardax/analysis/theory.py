@@ -258,8 +258,26 @@ def _sharded_bytes(abstract: Any, shardings: Any) -> int:
     return int(sum(jax.tree.leaves(sizes)))
 
 
+def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
+                             variant: str = "all-gather") -> int:
+    """``activation_bytes`` with the sequence split over a ``context`` axis of C: each device keeps
+    1/C of every activation (under ``all-gather`` its scores are its share of the queries against
+    the whole sequence); ``ring`` keeps no scores at all (its backward pass recomputes them)."""
+    shards = dict(layout.mesh.shape).get("context", 1)
+    if shards == 1 or model is None:
+        return activation_bytes(layout, model, batch_size, grad_accum)
+    if variant == "ring":
+        terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
+        if kind != "looped":
+            saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
+            terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
+        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
+        return int(whole) // shards
+    return activation_bytes(layout, model, batch_size, grad_accum) // shards
+
+
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
-                   schedule: Any = None) -> MemoryPrediction:
+                   schedule: Any = None, context_attention: str = "all-gather") -> MemoryPrediction:
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
     pipeline ``schedule``, if it runs one)."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
@@ -281,7 +299,7 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
                                  (shardings.opt_state, shardings.step, shardings.skipped)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
         activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
-                     else activation_bytes(layout, model, batch_size, grad_accum)),
+                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
     )
 
 
@@ -306,13 +324,51 @@ def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, s
     return shift + hand_out + hand_in
 
 
-def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None) -> float:
+def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant: str = "all-gather") -> float:
+    """What attention over a sequence split C ways sends per device per step (0 without a
+    ``context`` axis). With K the bytes of one device's share of a layer's keys (as many of its
+    values), G the same in float32 and I of the share's token positions (as many of its document
+    ids), per layer:
+
+    - ``all-gather``: keys and values gathered in the forward pass (the backward pass reuses
+      them: XLA merges the gather that remat repeats) and their gradients reduce-scattered,
+      (C-1) * 4K; positions and documents, the same for every layer, gathered once per step.
+    - ``ring``: C-1 hops of keys, values, positions and documents forward; backward, C-1 hops of
+      keys and values with their float32 gradients, then one hop that brings the gradients
+      home: (C-1) * (2K + 2I) + (C-1) * (2K + 2G) + 2G.
+
+    Besides, the per-token losses come back from the zig-zag order: (C-1)/C of each row's
+    float32 losses."""
+    shards = dict(layout.mesh.shape).get("context", 1)
+    if model is None or shards == 1:
+        return 0.0
+    rows = batch_rows_per_device(layout, batch_size)
+    heads = model.n_heads // _model_split_dims(layout)["heads"]
+    tokens = rows * model.seq_len // shards  # one device's share of the sequence
+    keys = tokens * heads * model.head_dim * np.dtype(model.dtype).itemsize
+    ints = tokens * 4
+    grads = tokens * heads * model.head_dim * 4
+    once = (shards - 1) * tokens * 4  # the losses back in order
+    if variant == "all-gather":
+        per_layer = (shards - 1) * 4 * keys
+        once += (shards - 1) * 2 * ints
+    else:
+        per_layer = (shards - 1) * (2 * keys + 2 * ints) + (shards - 1) * (2 * keys + 2 * grads) + 2 * grads
+    return float(model.n_layers * per_layer + once)
+
+
+def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
+                                 context_attention: str = "all-gather") -> float:
     """The least a step of this strategy must send per device (see the module docstring)."""
     shape = dict(layout.mesh.shape)
     strategy = layout.strategy
     gather = _axes_size(shape, strategy.gather_axes)
     replicas = _replicas(layout)
-    total = 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
+    # each device of a context axis computes the gradients of its share of the sequence: they are
+    # summed over it first, then over the batch axes (two all-reduces, as XLA compiles them)
+    context = shape.get("context", 1)
+    total = context_attention_bytes(layout, model, batch_size, context_attention)
+    total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
     for leaf in layout.leaves.values():
         other_axes = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
@@ -326,6 +382,8 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
         # under a pipeline, what is not split into stages (embeddings, the head) is used by rows
         # split over the stages too, so its gradients are summed over them as well
         copies = replicas * (stages if stages > 1 and not staged else 1)
+        if context > 1:
+            total += 2 * (context - 1) / context * within_group / (gather if gathered else 1)
         if copies > 1:  # data parallelism across groups (dp, zero*, tp's data axis, hsdp's replicas)
             total += 2 * (copies - 1) / copies * within_group / (gather if gathered else 1)
             if strategy.optimizer_axes and not strategy.shard_gradients:  # ZeRO-1: all-gather updated params
@@ -333,7 +391,7 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
     model_size = shape.get("model", 1)
     if model is not None and model_size > 1 and "model" in str(strategy.param_rules):
         rows = batch_rows_per_device(layout, batch_size)
-        activation = rows * model.seq_len * model.d_model * 4
+        activation = rows * model.seq_len * model.d_model * 4 / shape.get("context", 1)
         layers, ends = model.n_layers, activation
         if schedule is not None:  # each stage runs its L/(R*S) layers on a microbatch per iteration
             layers = model.n_layers // (schedule.stages * schedule.repeats) * schedule.iterations

@@ -27,6 +27,8 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
     add("--grad-accum", type=int, default=1, help="microbatches per step")
     add("--microbatches", type=int, help="pipeline strategies: microbatches through the stages (default: one per stage)")
     add("--pipeline-repeats", type=int, default=1, help="pipeline strategies: times round the stages (circular)")
+    add("--context-attention", choices=("all-gather", "ring"), default="all-gather",
+        help="meshes with a context axis: attention by all-gather (default) or ring")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
     add("--precision", choices=("float32", "bfloat16"), default="float32")
     add("--json", action="store_true", help="print a JSON list, one object per strategy")
@@ -102,7 +104,7 @@ def run_plan(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=args.batch_size or preset.batch_size,
                               grad_accum=args.grad_accum, device_memory=memory, microbatches=args.microbatches,
-                              pipeline_repeats=args.pipeline_repeats)
+                              pipeline_repeats=args.pipeline_repeats, context_attention=args.context_attention)
     if args.json:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")

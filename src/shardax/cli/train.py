@@ -34,6 +34,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
                                          "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
     add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
                                              "chunks of layers (a circular schedule; default 1)")
+    add("--context-attention", choices=("all-gather", "ring"),
+        help="a mesh with a context axis (the sequence split over it, e.g. data=2,context=4): gather every "
+             "share's keys and values (all-gather, default) or pass them round the devices (ring)")
     add("--seq-len", type=int, help="bytes per training sequence")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")

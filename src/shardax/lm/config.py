@@ -33,6 +33,7 @@ class TrainConfig:
     grad_accum: int = 1  # microbatches per step (same update, less activation memory)
     microbatches: int | None = None  # pipeline strategies: microbatches through the stages (default: stages)
     pipeline_repeats: int = 1  # pipeline strategies: times round the stages (circular schedule)
+    context_attention: str = "all-gather"  # a mesh with a context axis: all-gather or ring attention
     seq_len: int | None = None  # bytes per training sequence
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
     seed: int | None = None  # model initialisation and data order (default 0)
@@ -68,7 +69,7 @@ AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pi
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0}
 CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
            "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
-           "attention": ("auto", "xla", "cudnn")}
+           "attention": ("auto", "xla", "cudnn"), "context_attention": ("all-gather", "ring")}
 
 
 def flag(name: str) -> str:

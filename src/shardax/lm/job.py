@@ -115,7 +115,8 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     strategy = get_strategy(config.strategy)
     mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
     strategy.check_mesh(mesh)
-    pipeline = {"microbatches": config.microbatches, "pipeline_repeats": config.pipeline_repeats}
+    pipeline = {"microbatches": config.microbatches, "pipeline_repeats": config.pipeline_repeats,
+                "context_attention": config.context_attention}
     stages = mesh.shape[strategy.pipeline_axis] if strategy.pipeline_axis else 1
     _check_batch(run.batch_size, config.grad_accum, config.microbatches or stages, mesh, strategy.batch_axes)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here

@@ -15,11 +15,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.sharding.compute import for_compute, gathers_weights, remat_policy
+from shardax.sharding import context
 from shardax.sharding.pipeline import active_pipeline, run_pipeline
 
 REMAT_POLICIES = {
@@ -205,8 +207,11 @@ class Block(nnx.Module):
         self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
         self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-                 same_document: jax.Array | None = None) -> jax.Array:  # (B, T, D)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, same_document: jax.Array | None = None,
+                 segments: jax.Array | None = None) -> jax.Array:  # (B, T, D)
+        """``same_document``: (B, 1, T, T) or None, whom each token may see besides the causal
+        mask. Under context parallelism the mask comes from ``positions`` and ``segments``
+        (B, T) instead (see ``shardax.sharding.context``)."""
         dtype = self.config.dtype
         y = self.attn_norm(x).astype(dtype)
         qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
@@ -214,8 +219,12 @@ class Block(nnx.Module):
         if self.config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
             q, k = rotary(q, positions), rotary(k, positions)
-        attended = jax.nn.dot_product_attention(  # (B, T, N, H)
-            q, k, v, mask=same_document, is_causal=True, implementation=attention_implementation(self.config)[0])
+        kernel = attention_implementation(self.config)[0]
+        if context.active_context() is not None:
+            attended = context.attention(q, k, v, positions, segments, implementation=kernel)
+        else:
+            attended = jax.nn.dot_product_attention(  # (B, T, N, H)
+                q, k, v, mask=same_document, is_causal=True, implementation=kernel)
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
         hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
@@ -265,37 +274,46 @@ class TransformerLM(nnx.Module):
         if config.positions == "learned":
             table = for_compute(self.position)
             x = x + (table[:length] if positions is None else jnp.take(table, positions, axis=0))
-        same_document = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+        split = context.active_context()
+        if split is not None:  # the sequence split over devices: the mask comes from positions and segments
+            split.check_length(length)
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+            x = split.split_sequence(x)
+            riders = (positions, None, segments)
+        else:
+            same_document = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+            riders = (positions, same_document, None)
         if active_pipeline() is not None and not config.scan_layers:
             raise UsageError("a pipeline strategy splits the stacked layers into stages; blocks in a Python loop "
                              "(--no-scan-layers) have no stack: drop --no-scan-layers")
         if active_pipeline() is not None:
             graphdef, stacked = nnx.split(self.blocks)
 
-            def apply_stage(chunk: Any, x: jax.Array, riders: tuple[Any, Any]) -> jax.Array:
+            def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:
                 return self._apply_blocks(nnx.merge(graphdef, chunk), x, *riders)
 
-            x = run_pipeline(apply_stage, stacked, x, (positions, same_document))
+            x = run_pipeline(apply_stage, stacked, x, riders)
         else:
-            x = self._apply_blocks(self.blocks, x, positions, same_document)
+            x = self._apply_blocks(self.blocks, x, *riders)
         x = self.final_norm(x).astype(config.dtype)
         head = embedding.T if config.tie_embeddings else for_compute(self.head)
         return (x @ head.astype(config.dtype)).astype(jnp.float32)
 
     def _apply_blocks(self, blocks: Any, x: jax.Array, positions: jax.Array | None,
-                      same_document: jax.Array | None) -> jax.Array:
+                      same_document: jax.Array | None, segments: jax.Array | None = None) -> jax.Array:
         """``x`` through ``blocks``: a stack (scanned) or a list (a Python loop)."""
         config = self.config
 
         def apply_block(x: jax.Array, block: Block) -> jax.Array:
-            return block(x, positions, same_document)
+            return block(x, positions, same_document, segments)
 
         # Under remat, which with "none" saves everything but FSDP's gathered weights. A loop of
         # blocks that neither recomputes nor gathers goes without: remat marks each saved value
         # with a reduce-precision op, which XLA:CPU runs as one more copy (about 3% of the
         # notebook's step); inside the scan, dropping it measured no faster.
         policy = REMAT_POLICIES[config.remat]
-        if policy is not None or config.scan_layers or gathers_weights():
+        if policy is not None or config.scan_layers or gathers_weights() or context.active_context() is not None:
             apply_block = nnx.remat(apply_block, policy=remat_policy(policy))
         if config.scan_layers:
             return nnx.scan(
@@ -315,6 +333,9 @@ def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax
     opens it, and its last token predicts the one that closes it (which opens the next)."""
     tokens = batch["tokens"]
     segments, positions = batch.get("segments"), batch.get("positions")
+    split = context.active_context()
+    if split is not None:
+        return _zigzag_token_losses(model, tokens, segments, positions, split)
     if segments is None:
         logits = model(tokens[:, :-1])
         weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
@@ -323,6 +344,29 @@ def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax
         weights = ((segments[:, :-1] > 0) & (segments[:, 1:] > 0)).astype(jnp.float32)
     losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
     return losses, weights
+
+
+def _zigzag_token_losses(model: TransformerLM, tokens: jax.Array, segments: jax.Array | None,
+                         positions: jax.Array | None, split: context.ContextLayout) -> tuple[jax.Array, jax.Array]:
+    """``token_losses`` with the sequence split over devices: the model sees the sequence in the
+    zig-zag order (each device two chunks, one early and one late, so that under the causal mask
+    all do the same work), told each token's position; the losses come back in the usual order.
+    Only token ids, positions and the per-token losses are reordered, never activations."""
+    length = tokens.shape[1] - 1
+    split.check_length(length, "a sequence (the batch's length - 1)")
+    order = context.zigzag_order(length, split.shards)
+    inputs, targets = tokens[:, :-1][:, order], tokens[:, 1:][:, order]
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.asarray(order), inputs.shape)  # each token's place: its index
+    else:
+        positions = positions[:, :-1][:, order]
+    weights = jnp.ones(inputs.shape, jnp.float32)
+    if segments is not None:
+        weights = ((segments[:, :-1] > 0) & (segments[:, 1:] > 0)).astype(jnp.float32)
+        segments = segments[:, :-1][:, order]
+    logits = model(inputs, segments, positions)
+    losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+    return losses[:, np.argsort(order)], weights
 
 
 def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Array:

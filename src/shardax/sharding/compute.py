@@ -23,12 +23,15 @@ from shardax.sharding.rules import logical_axes_of
 
 # Values that remat policies must never save, by checkpoint name: FSDP's gathered weights (the
 # backward pass gathers each layer again instead of keeping every layer's full weights alive:
-# ZeRO-3) and reduced-precision copies of weights (cast again, instead of keeping every layer's
-# bfloat16 copy). Both are made inside small custom gradients, and named inside them too, so a
-# policy can tell them from every other custom VJP (layer norms, fused attention, a user's op).
+# ZeRO-3), reduced-precision copies of weights (cast again, instead of keeping every layer's
+# bfloat16 copy), and under context parallelism the keys and values gathered from the other
+# devices (gathered again, or sent round the ring again, so a device keeps 1/C of the sequence).
+# The first two are made inside small custom gradients, and named inside them too, so a policy
+# can tell them from every other custom VJP (layer norms, fused attention, a user's op).
 GATHERED = "shardax_gathered_weight"
 COMPUTE_COPY = "shardax_compute_copy"
-NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY})
+CONTEXT_KV = "shardax_context_keys_values"
+NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY, CONTEXT_KV})
 
 
 def _names_inside(params: dict[str, Any]) -> set[str]:

@@ -52,6 +52,8 @@ class Trainer:
       microbatches, pipeline_repeats: under a pipeline strategy (``pp``, ``pp_fsdp``, ``pp_tp``),
         how many microbatches flow through the stages (default: one per stage) and how many
         times round (a circular schedule).
+      context_attention: on a mesh with a ``context`` axis (sequences split over it), how
+        attention reaches the other shares: ``all-gather`` (default) or ``ring``.
       seed: the model's initialisation (its ``nnx.Rngs``).
       eval_loss_fn: what evaluation computes, in eval mode; defaults to ``loss_fn``.
       learning_rate: the optimizer's schedule (or constant), only to log ``lr``.
@@ -60,7 +62,7 @@ class Trainer:
 
     def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                  mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
-                 microbatches: int | None = None, pipeline_repeats: int = 1,
+                 microbatches: int | None = None, pipeline_repeats: int = 1, context_attention: str = "all-gather",
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax") -> None:
         strategy = get_strategy(strategy)
@@ -69,8 +71,10 @@ class Trainer:
         if grad_accum < 1:
             raise UsageError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
         self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy)
-        self.pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats}
+        self.pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats,
+                         "context_attention": context_attention}
         self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
+        self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
         self.grad_accum, self.seed, self.name = grad_accum, seed, name
         self.learning_rate = learning_rate

@@ -1,0 +1,268 @@
+"""Context parallelism: the sequence dimension of activations split over a ``context`` mesh axis.
+
+Everything a transformer does to one token at a time (embeddings, layer norms, the MLP, the
+head, the loss) runs on each device's share of the sequence with no communication; only
+attention needs the other shares' keys and values. Two ways to get them, chosen per step:
+
+- ``all-gather`` (the default, as Llama 3 trained): every layer all-gathers the keys and
+  values over ``context``, and each device attends with its own queries to the whole sequence.
+  Its backward pass reduce-scatters their gradients.
+- ``ring``: the key/value shares travel round the devices, one neighbour hop per step
+  (``ppermute``), C steps for C shares, each folded into the output with an online softmax, so
+  no device ever holds more than two shares of keys and values.
+
+The mask is computed from each token's position (and document, for packed sequences), never
+from where a token sits in the array, so any order of the sequence is correct. The order
+``token_losses`` uses is the zig-zag one (``zigzag_order``): the sequence is cut into 2C
+chunks and device i holds chunks i and 2C-1-i, so under a causal mask every device has the same
+amount of attention to compute. Under ``ring`` each hop's work is cut into four quarter blocks,
+and a block with no allowed (query, key) pair is skipped (``lax.cond``): with the zig-zag order
+every device computes exactly two of the four at every hop but its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.errors import UsageError
+from shardax.sharding.compute import CONTEXT_KV
+
+AXIS = "context"
+VARIANTS = ("all-gather", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextLayout:
+    """How the step being traced splits sequences: over ``axis`` of ``mesh``, attention by ``variant``."""
+
+    mesh: Mesh
+    axis: str
+    variant: str
+    batch_axes: tuple[str, ...]
+    heads_axes: tuple[str, ...] = ()  # where attention heads are split (tensor parallelism)
+    runs: list[int] = dataclasses.field(default_factory=list, compare=False)
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def check_length(self, length: int, what: str = "a sequence") -> None:
+        """The sequence must cut into 2C equal chunks (C shares, two chunks each)."""
+        chunks = 2 * self.shards
+        if length % chunks:
+            lower, upper = length - length % chunks, length - length % chunks + chunks
+            nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
+            raise UsageError(f"{what} of {length} tokens does not cut into {chunks} equal chunks ({self.axis}="
+                             f"{self.shards} shares of two chunks each); use --seq-len {nearest}")
+
+    @property
+    def rows(self) -> Any:
+        """The spec entry of the batch dimension."""
+        batch = tuple(a for a in self.batch_axes if a in self.mesh.shape)
+        return None if not batch else batch[0] if len(batch) == 1 else batch
+
+    def split_sequence(self, x: jax.Array) -> jax.Array:
+        """``x`` (B, T, ...) laid out with rows over the batch axes and the sequence over ``axis``."""
+        spec = PartitionSpec(self.rows, self.axis, *(None,) * (x.ndim - 2))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+
+_ACTIVE: contextvars.ContextVar[ContextLayout | None] = contextvars.ContextVar("shardax_context", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(mesh: Mesh, variant: str = "all-gather", batch_axes: tuple[str, ...] = ("data",),
+                     heads_axes: tuple[str, ...] = (), axis: str = AXIS) -> Iterator[None]:
+    """Within this context (while a step is traced), sequences are split over ``axis``; rows
+    over ``batch_axes`` and attention heads over ``heads_axes`` (those the mesh has)."""
+    if variant not in VARIANTS:
+        raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(VARIANTS)}")
+    heads_axes = tuple(a for a in heads_axes if a in mesh.shape)
+    layout = ContextLayout(mesh, axis, variant, tuple(batch_axes), heads_axes)
+    token = _ACTIVE.set(layout)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+    if not layout.runs:
+        raise UsageError(f"a {axis!r} mesh axis splits sequences for models whose attention runs through "
+                         "shardax's context attention (TransformerLM); this model ran none, so every device of "
+                         f"{axis} would repeat the same work; drop {axis} from the mesh")
+
+
+def active_context() -> ContextLayout | None:
+    """The sequence split of the step being traced, if any."""
+    return _ACTIVE.get()
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+    """The permutation of ``range(length)`` that gives share i chunks i and 2C-1-i of 2C chunks."""
+    chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None,
+              implementation: str | None = None) -> jax.Array:
+    """Causal attention over a sequence split by the active ``ContextLayout``.
+
+    ``q``, ``k``, ``v``: (B, T, N, H) global arrays; ``positions`` (B, T): each token's place in
+    its document; ``segments`` (B, T) or None: its document. A query attends to the keys of its
+    own document at positions up to its own."""
+    layout = active_context()
+    layout.runs.append(1)
+    shards = layout.shards
+    if q.shape[1] % shards:
+        layout.check_length(q.shape[1])
+    segments = jnp.zeros_like(positions) if segments is None else segments
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def gathered(q, k, v, positions, segments):
+        def everyone(x):  # gathered again in the backward pass, never saved (see CONTEXT_KV)
+            return checkpoint_name(jax.lax.all_gather(x, layout.axis, axis=1, tiled=True), CONTEXT_KV)
+
+        k_all, v_all, pos_all, seg_all = everyone(k), everyone(v), everyone(positions), everyone(segments)
+        mask = _allowed(positions, segments, pos_all, seg_all)[:, None]  # (B, 1, t, T)
+        return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, scale=scale, implementation=implementation)
+
+    def ring(q, k, v, positions, segments):
+        return _ring_attention(layout.axis, shards, scale, q, k, v, positions, segments)
+
+    # Every axis is manual: rows stay on their batch axes and heads on theirs, as around it. (The
+    # ring's gradient is its own, and the gather's transpose is a reduce-scatter either way, so
+    # JAX's tracking of which values vary over which axes is not needed.)
+    body = gathered if layout.variant == "all-gather" else ring
+    heads = None if not layout.heads_axes else layout.heads_axes[0] if len(layout.heads_axes) == 1 else layout.heads_axes
+    split, tokens = PartitionSpec(layout.rows, layout.axis, heads), PartitionSpec(layout.rows, layout.axis)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=(split, split, split, tokens, tokens), out_specs=split,
+                         check_vma=False)(q, k, v, positions, segments)
+
+
+def _allowed(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """(B, q, k): same document, key not after the query."""
+    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+
+
+def _halves(x: jax.Array, parts: int) -> list[jax.Array]:
+    return jnp.split(x, parts, axis=1)
+
+
+def _parts(q: jax.Array) -> int:
+    """Each share's sequence is cut in two (its zig-zag chunks) where it can be."""
+    return 2 if q.shape[1] % 2 == 0 else 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring_attention(axis: str, shards: int, scale: float, q: jax.Array, k: jax.Array, v: jax.Array,
+                    positions: jax.Array, segments: jax.Array) -> jax.Array:
+    """Ring attention of one share (inside ``shard_map`` over ``axis``); see the module docstring."""
+    return _ring_forward(axis, shards, scale, q, k, v, positions, segments)[0]
+
+
+def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
+    """The output of this share's queries and the log of their softmax denominators.
+
+    Keys and values travel one hop per step (C - 1 hops); each quarter block with an allowed
+    (query, key) pair is folded into running sums (an online softmax)."""
+    parts = _parts(q)
+    hop = [(j, (j + 1) % shards) for j in range(shards)]
+    queries, q_pos, q_seg = _halves(q, parts), _halves(positions, parts), _halves(segments, parts)
+    batch, length, heads, _ = queries[0].shape
+    sums = [tuple((
+        jnp.zeros(queries[0].shape, jnp.float32), jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, heads, length), jnp.float32))) for _ in range(parts)]
+    travelling = (k, v, positions, segments)
+    for step in range(shards):
+        keys, values, k_pos, k_seg = (_halves(x, parts) for x in travelling)
+        for a in range(parts):
+            for b in range(parts):
+                allowed = _allowed(q_pos[a], q_seg[a], k_pos[b], k_seg[b])[:, None]  # (B, 1, q, k)
+                sums[a] = jax.lax.cond(jnp.any(allowed), _fold, lambda s, *_: s, sums[a], queries[a] * scale,
+                                       keys[b], values[b], allowed)
+        if step < shards - 1:
+            travelling = jax.lax.ppermute(travelling, axis, hop)
+    tiny = jnp.finfo(jnp.float32).tiny
+    out = jnp.concatenate([o / jnp.maximum(t, tiny).transpose(0, 2, 1)[..., None] for o, _, t in sums], axis=1)
+    log_sum = jnp.concatenate([top + jnp.log(jnp.maximum(t, tiny)) for _, top, t in sums], axis=-1)  # (B, N, t)
+    return out.astype(q.dtype), log_sum
+
+
+def _ring_forward_rule(axis, shards, scale, q, k, v, positions, segments):
+    out, log_sum = _ring_forward(axis, shards, scale, q, k, v, positions, segments)
+    return out, (q, k, v, positions, segments, out, log_sum)
+
+
+def _ring_backward_rule(axis, shards, scale, saved, d_out):
+    """The flash-attention backward pass, round the ring again: keys and values travel with the
+    gradients of their own share, which come home on one last hop. Only this share's queries,
+    keys, values, output and softmax denominators were kept from the forward pass."""
+    q, k, v, positions, segments, out, log_sum = saved
+    parts = _parts(q)
+    hop = [(j, (j + 1) % shards) for j in range(shards)]
+    queries, q_pos, q_seg = _halves(q, parts), _halves(positions, parts), _halves(segments, parts)
+    d_outs = _halves(d_out.astype(jnp.float32), parts)
+    # D = rowsum(dO * O), (B, N, q) per half
+    deltas = [x.transpose(0, 2, 1) for x in _halves((d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1), parts)]
+    log_sums = jnp.split(log_sum, parts, axis=-1)
+    d_queries = [jnp.zeros(part.shape, jnp.float32) for part in queries]
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    travelling = (k, v, positions, segments, zeros, zeros)
+    for step in range(shards):
+        keys, values, k_pos, k_seg, d_keys, d_values = (_halves(x, parts) for x in travelling)
+        for a in range(parts):
+            for b in range(parts):
+                allowed = _allowed(q_pos[a], q_seg[a], k_pos[b], k_seg[b])[:, None]
+                grads = (d_queries[a], d_keys[b], d_values[b])
+                d_queries[a], d_keys[b], d_values[b] = jax.lax.cond(
+                    jnp.any(allowed), _unfold, lambda g, *_: g, grads, queries[a], keys[b], values[b],
+                    d_outs[a], log_sums[a], deltas[a], allowed, scale)
+        travelling = (*travelling[:4], jnp.concatenate(d_keys, axis=1), jnp.concatenate(d_values, axis=1))
+        if step < shards - 1:
+            travelling = jax.lax.ppermute(travelling, axis, hop)
+    # after C - 1 hops each device holds the gradients of its next neighbour's keys and values
+    d_k, d_v = jax.lax.ppermute(travelling[4:], axis, hop) if shards > 1 else travelling[4:]
+    no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  (integer inputs)
+    return (jnp.concatenate(d_queries, axis=1).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+            no_grad(positions), no_grad(segments))
+
+
+_ring_attention.defvjp(_ring_forward_rule, _ring_backward_rule)
+
+
+def _unfold(grads, q, k, v, d_out, log_sum, delta, allowed, scale):
+    """One block's share of the gradients of the queries, keys and values."""
+    d_q, d_k, d_v = grads
+    logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32) * scale
+    weights = jnp.where(allowed, jnp.exp(logits - log_sum[..., None]), 0.0)  # (B, N, q, k)
+    d_v = d_v + jnp.einsum("bnqk,bqnh->bknh", weights, d_out)
+    d_weights = jnp.einsum("bqnh,bknh->bnqk", d_out, v.astype(jnp.float32))
+    d_logits = weights * (d_weights - delta[..., None]) * scale
+    d_q = d_q + jnp.einsum("bnqk,bknh->bqnh", d_logits, k.astype(jnp.float32))
+    d_k = d_k + jnp.einsum("bnqk,bqnh->bknh", d_logits, q.astype(jnp.float32))
+    return d_q, d_k, d_v
+
+
+def _fold(sums: tuple[jax.Array, jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
+          allowed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Fold one block of keys and values into the running sums of ``q``'s rows."""
+    out, top, total = sums
+    logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    # the result does not depend on the running maximum, so its gradient is not followed
+    new_top = jax.lax.stop_gradient(jnp.maximum(top, logits.max(-1)))
+    shrink = jnp.exp(jnp.where(jnp.isfinite(top), top - new_top, -jnp.inf))
+    weights = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(new_top), new_top, 0.0)[..., None]), 0.0)
+    total = total * shrink + weights.sum(-1)
+    update = jnp.einsum("bnqk,bknh->bqnh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out * shrink.transpose(0, 2, 1)[..., None] + update, new_top, total
