@@ -87,6 +87,17 @@ def table() -> str:
             lines.append(f"| 11. pipeline bubble on {bubble['mesh']}, M = {case['microbatches']}{circular}: idle stage "
                          f"iterations of the compiled loops ({case['compiled_iterations']} run) | "
                          f"{100 * case['bubble_compiled']:.1f}% (formula {100 * case['bubble_formula']:.1f}%) | = formula |")
+    longest = load("longest_sequence")
+    if longest:
+        budget = longest["budget_bytes_per_device"] / 1e9
+        rows = longest["rows"]
+        text = "; ".join(f"C={r['context']} {r['attention']}: {r['longest_tokens']:,} tokens"
+                         + (f" ({r['ratio_to_one_device']:.1f}x)" if "ratio_to_one_device" in r else "") for r in rows)
+        lines.append(f"| 12. longest sequence under {budget:.0f} GB/device, `{longest['preset']}`, one sequence per step, "
+                     f"context axis of C | {text} | >= 6x |")
+        for row in longest["communication"]:
+            lines.append(f"| 12. communication per step, C=8 {row['attention']}, {row['seq_len']} tokens: compiled / "
+                         f"theory | {row['compiled_over_theory']:.3f} ({row['compiled_bytes'] / 1e6:.0f} MB) | 1 +- 0.05 |")
     accuracy = load("plan_accuracy")
     if accuracy:
         for case, (low, high) in accuracy["predicted_over_compiled_peak"].items():
@@ -145,7 +156,7 @@ if __name__ == "__main__":
     parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases and the 512 MB data benchmark (minutes)")
     options = parser.parse_args()
     names = ["overhead", "memory_and_communication", "compile_time", "pipeline_bubble"] + (
-        [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out"])
+        [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out", "longest_sequence"])
     for name in names:
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])

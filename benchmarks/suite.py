@@ -278,9 +278,65 @@ def pipeline_bubble() -> dict:
     return save("pipeline_bubble", {"mesh": "stage=4,data=2", "cases": rows})
 
 
+def longest_sequence(budget_bytes: int = 2 * 10**9) -> dict:
+    """The longest sequence whose compiled step fits ``budget_bytes`` per device, for the small
+    preset (one sequence per step, remat none): one device (C=1), and the sequence split over a
+    ``context`` axis of 8 with each attention variant. Sequence lengths are multiples of 256,
+    found by doubling from 1024 and then bisection. Besides: each variant's communication per step,
+    compiled against theory, at 8192 tokens."""
+    from shardax.analysis.plan import compile_step, compiled_memory
+    from shardax.analysis.theory import theoretical_collective_bytes
+    from shardax.analysis.collectives import find_collectives
+    from shardax.analysis.traffic import wire_bytes
+    from shardax.models.presets import get_preset
+
+    def parallel_for(length, shards):
+        model = get_preset("small").config(seq_len=length)
+        shape = "data=1" if shards == 1 else f"data=1,context={shards}"
+        mesh = DeviceMeshManager(devices=jax.devices()[:shards]).create_device_mesh(shape)
+        return model, parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3), mesh, "dp")
+
+    def peak(length, shards, variant):
+        _, parallel = parallel_for(length, shards)
+        options = {} if shards == 1 else {"context_attention": variant}
+        peak_bytes = compiled_memory(compile_step(parallel, 1, length, **options))["peak"]
+        print(f"  C={shards} {variant} T={length}: {peak_bytes / 1e9:.2f} GB", flush=True)
+        return peak_bytes
+
+    def longest(shards, variant):
+        fits, length = 0, 1024
+        while peak(length, shards, variant) <= budget_bytes:
+            fits, length = length, length * 2
+        low, high = fits, length  # low fits (or 0), high does not
+        while high - low > 256:
+            middle = (low + high) // 2 // 256 * 256
+            if peak(middle, shards, variant) <= budget_bytes:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    rows = [{"context": 1, "attention": "xla (one device)", "longest_tokens": longest(1, "all-gather")}]
+    for variant in ("all-gather", "ring"):
+        rows.append({"context": 8, "attention": variant, "longest_tokens": longest(8, variant)})
+    for row in rows[1:]:
+        row["ratio_to_one_device"] = row["longest_tokens"] / rows[0]["longest_tokens"]
+    communication = []
+    for variant in ("all-gather", "ring"):
+        model, parallel = parallel_for(8192, 8)
+        collectives = find_collectives(compile_step(parallel, 1, 8192, context_attention=variant).as_text())
+        sent = sum(wire_bytes(c, 8) * c.executions for c in collectives)
+        theory = theoretical_collective_bytes(parallel.layout, model, 1, None, variant)
+        communication.append({"attention": variant, "seq_len": 8192, "compiled_bytes": sent, "theory_bytes": theory,
+                              "compiled_over_theory": sent / theory})
+    return save("longest_sequence", {"preset": "small", "budget_bytes_per_device": budget_bytes, "batch_size": 1,
+                                     "rows": rows, "communication": communication})
+
+
 BENCHMARKS = {"overhead": overhead, "memory_and_communication": memory_and_communication,
               "compile_time": compile_time, "largest_model": largest_model, "plan_accuracy": plan_accuracy,
-              "plan_held_out": plan_held_out, "pipeline_bubble": pipeline_bubble}
+              "plan_held_out": plan_held_out, "pipeline_bubble": pipeline_bubble,
+              "longest_sequence": longest_sequence}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(BENCHMARKS):

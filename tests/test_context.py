@@ -250,3 +250,22 @@ def test_bad_context_settings_are_one_line_errors():
     with pytest.raises(UsageError, match="this model ran none"):
         step(mlp.init(), mlp.place_batch(batch))
 
+
+
+@pytest.mark.slow
+def test_shardax_train_splits_4096_token_sequences_over_context_and_resumes(small_corpus, tmp_path):
+    from cli_helpers import read_metrics, shardax
+
+    common = ["train", "--data", small_corpus, "--seq-len", 4096, "--batch-size", 2, "--log-every", 1,
+              "--eval-every", 0, "--eval-batches", 1, "--sample-bytes", 0, "--checkpoint-dir", tmp_path / "ckpt",
+              "--metrics", tmp_path / "m.jsonl"]
+    first = shardax(*common, "--mesh", "data=2,context=4", "--steps", 2, timeout=600)
+    assert "on mesh data=2,context=4" in first.stdout and "2 steps x 2 sequences x 4096 bytes" in first.stdout
+    assert ("context: each sequence split 4 ways over context, zig-zag order (8 chunks, each device two), keys and "
+            "values all-gathered") in first.stdout
+    # the checkpoint goes on with ring attention on another context mesh
+    onward = shardax(*common, "--mesh", "data=1,context=8", "--context-attention", "ring", "--resume",
+                     "--extend-to", 3, timeout=600)
+    assert "resumed from step 2" in onward.stdout and "passed round a ring" in onward.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl") if r.get("loss") is not None]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and losses[-1] < losses[0]

@@ -148,6 +148,12 @@ class Trainer:
             repeats = f" x {schedule.repeats} repeats" if schedule.repeats > 1 else ""
             lines.append(f"pipeline: {schedule.stages} stages x {schedule.microbatches} microbatches{repeats}: "
                          f"{schedule.iterations} stage iterations per step, bubble {100 * schedule.bubble:.1f}%")
+        if self.context_attention is not None:
+            shards = self.mesh.shape["context"]
+            how = ("keys and values all-gathered" if self.context_attention == "all-gather"
+                   else "keys and values passed round a ring")
+            lines.append(f"context: each sequence split {shards} ways over context, zig-zag order ({2 * shards} chunks, "
+                         f"each device two), {how}")
         return lines + [f"  replicated or moved: {note}" for note in self.parallel.layout.notes()[:5]]
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
