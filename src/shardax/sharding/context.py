@@ -187,9 +187,11 @@ def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
         keys, values, k_pos, k_seg = (_halves(x, parts) for x in travelling)
         for a in range(parts):
             for b in range(parts):
-                allowed = _allowed(q_pos[a], q_seg[a], k_pos[b], k_seg[b])[:, None]  # (B, 1, q, k)
-                sums[a] = jax.lax.cond(jnp.any(allowed), _fold, lambda s, *_: s, sums[a], queries[a] * scale,
-                                       keys[b], values[b], allowed)
+                # the mask is made inside the branch from the tokens' places (B, q) and (B, k):
+                # masks made outside would all be kept at once, (C x 4) of them
+                tokens = (q_pos[a], q_seg[a], k_pos[b], k_seg[b])
+                sums[a] = jax.lax.cond(jnp.any(_allowed(*tokens)), _fold, lambda s, *_: s, sums[a],
+                                       queries[a] * scale, keys[b], values[b], tokens)
         if step < shards - 1:
             travelling = jax.lax.ppermute(travelling, axis, hop)
     tiny = jnp.finfo(jnp.float32).tiny
@@ -222,11 +224,11 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
         keys, values, k_pos, k_seg, d_keys, d_values = (_halves(x, parts) for x in travelling)
         for a in range(parts):
             for b in range(parts):
-                allowed = _allowed(q_pos[a], q_seg[a], k_pos[b], k_seg[b])[:, None]
+                tokens = (q_pos[a], q_seg[a], k_pos[b], k_seg[b])
                 grads = (d_queries[a], d_keys[b], d_values[b])
                 d_queries[a], d_keys[b], d_values[b] = jax.lax.cond(
-                    jnp.any(allowed), _unfold, lambda g, *_: g, grads, queries[a], keys[b], values[b],
-                    d_outs[a], log_sums[a], deltas[a], allowed, scale)
+                    jnp.any(_allowed(*tokens)), _unfold, lambda g, *_: g, grads, queries[a], keys[b], values[b],
+                    d_outs[a], log_sums[a], deltas[a], tokens, scale)
         travelling = (*travelling[:4], jnp.concatenate(d_keys, axis=1), jnp.concatenate(d_values, axis=1))
         if step < shards - 1:
             travelling = jax.lax.ppermute(travelling, axis, hop)
@@ -240,9 +242,10 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
 _ring_attention.defvjp(_ring_forward_rule, _ring_backward_rule)
 
 
-def _unfold(grads, q, k, v, d_out, log_sum, delta, allowed, scale):
+def _unfold(grads, q, k, v, d_out, log_sum, delta, tokens, scale):
     """One block's share of the gradients of the queries, keys and values."""
     d_q, d_k, d_v = grads
+    allowed = _allowed(*tokens)[:, None]  # (B, 1, q, k)
     logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32) * scale
     weights = jnp.where(allowed, jnp.exp(logits - log_sum[..., None]), 0.0)  # (B, N, q, k)
     d_v = d_v + jnp.einsum("bnqk,bqnh->bknh", weights, d_out)
@@ -254,9 +257,10 @@ def _unfold(grads, q, k, v, d_out, log_sum, delta, allowed, scale):
 
 
 def _fold(sums: tuple[jax.Array, jax.Array, jax.Array], q: jax.Array, k: jax.Array, v: jax.Array,
-          allowed: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+          tokens: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one block of keys and values into the running sums of ``q``'s rows."""
     out, top, total = sums
+    allowed = _allowed(*tokens)[:, None]  # (B, 1, q, k)
     logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(allowed, logits, -jnp.inf)
     # the result does not depend on the running maximum, so its gradient is not followed
