@@ -16,6 +16,7 @@ from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy
 from shardax.analysis.traffic import wire_bytes
 from shardax.analysis.theory import theoretical_collective_bytes
 from shardax.errors import UsageError
+from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
 from shardax.sharding.context import _allowed, attention, context_parallel, zigzag_order
 from small_models import MLP, assert_trees_close, mse_loss, tiny_transformer_config, token_batches
@@ -103,6 +104,16 @@ def test_attention_and_its_gradients_equal_full_attention(variant, mesh_shape, h
     expected_grads = jax.grad(lambda *a: (full(*a) * weights).sum(), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected_grads):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+def test_ring_cut_into_blocks_smaller_than_a_chunk_still_equals_full_attention(monkeypatch):
+    """A share is cut into blocks of at most RING_BLOCK tokens (512) so that no block's scores
+    grow with the sequence; with 4-token blocks each 16-token share is 4 blocks."""
+    import shardax.sharding.context as context
+
+    monkeypatch.setattr(context, "RING_BLOCK", 4)
+    assert context._parts(16) == 4
+    test_attention_and_its_gradients_equal_full_attention("ring", "data=2,context=4", (), True)
 
 
 def test_packed_per_token_losses_equal_one_device():
@@ -218,12 +229,14 @@ def test_communication_equals_theory(strategy, mesh_shape, variant):
 
 
 def test_plan_covers_context_meshes():
-    config = tiny_transformer_config(seq_len=128)
+    """Communication from theory within 12% of the compiled step, and the memory predicted within
+    the band measured on the tiny preset at 512 tokens (0.85 to 0.96 of XLA:CPU's peak)."""
+    config = get_preset("tiny").config(seq_len=512)
     for variant in ("all-gather", "ring"):
         plan = plan_strategy(config, "dp", "data=2,context=4", batch_size=8, context_attention=variant)
         assert plan.mesh == "data=2,context=4" and not plan.lint
         assert plan.theoretical_collective_bytes <= plan.collective_bytes <= 1.12 * plan.theoretical_collective_bytes
-        assert 0.75 <= plan.predicted_bytes_per_device / plan.compiled_bytes_per_device <= 1.1
+        assert 0.8 <= plan.predicted_bytes_per_device / plan.compiled_bytes_per_device <= 1.05
 
 
 # --- errors -----------------------------------------------------------------------------------------

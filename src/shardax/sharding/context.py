@@ -154,13 +154,29 @@ def _allowed(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Ar
     return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
 
 
-def _halves(x: jax.Array, parts: int) -> list[jax.Array]:
-    return jnp.split(x, parts, axis=1)
+# The most tokens of one block of queries or keys the ring folds at once: a block's scores are
+# (block x block) per head, so the memory it needs grows with the block, not with the sequence.
+RING_BLOCK = 512
 
 
-def _parts(q: jax.Array) -> int:
-    """Each share's sequence is cut in two (its zig-zag chunks) where it can be."""
-    return 2 if q.shape[1] % 2 == 0 else 1
+def _parts(length: int) -> int:
+    """How many blocks a share of ``length`` tokens is cut into: its two zig-zag chunks (where it
+    has two), each cut further until a block holds at most ``RING_BLOCK`` tokens."""
+    if length % 2:
+        return 1
+    parts = 2
+    while length // parts > RING_BLOCK and length % (2 * parts) == 0:
+        parts *= 2
+    return parts
+
+
+def _stacked(x: jax.Array, parts: int) -> jax.Array:
+    """``x`` (B, t, ...) as (parts, B, t/parts, ...): blocks to scan over."""
+    return jnp.moveaxis(x.reshape(x.shape[0], parts, x.shape[1] // parts, *x.shape[2:]), 1, 0)
+
+
+def _unstacked(x: jax.Array) -> jax.Array:
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -173,31 +189,54 @@ def _ring_attention(axis: str, shards: int, scale: float, q: jax.Array, k: jax.A
 def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
     """The output of this share's queries and the log of their softmax denominators.
 
-    Keys and values travel one hop per step (C - 1 hops); each quarter block with an allowed
-    (query, key) pair is folded into running sums (an online softmax)."""
-    parts = _parts(q)
+    Keys and values travel one hop per step (C - 1 hops, a loop). At each, every block of
+    queries scans the blocks of keys that arrived, folding each block that holds an allowed
+    (query, key) pair into its running sums (an online softmax) and skipping the others."""
+    parts = _parts(q.shape[1])
     hop = [(j, (j + 1) % shards) for j in range(shards)]
-    queries, q_pos, q_seg = _halves(q, parts), _halves(positions, parts), _halves(segments, parts)
-    batch, length, heads, _ = queries[0].shape
-    sums = [tuple((
-        jnp.zeros(queries[0].shape, jnp.float32), jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
-        jnp.zeros((batch, heads, length), jnp.float32))) for _ in range(parts)]
-    travelling = (k, v, positions, segments)
-    for step in range(shards):
-        keys, values, k_pos, k_seg = (_halves(x, parts) for x in travelling)
-        for a in range(parts):
-            for b in range(parts):
-                # the mask is made inside the branch from the tokens' places (B, q) and (B, k):
-                # masks made outside would all be kept at once, (C x 4) of them
-                tokens = (q_pos[a], q_seg[a], k_pos[b], k_seg[b])
-                sums[a] = jax.lax.cond(jnp.any(_allowed(*tokens)), _fold, lambda s, *_: s, sums[a],
-                                       queries[a] * scale, keys[b], values[b], tokens)
-        if step < shards - 1:
-            travelling = jax.lax.ppermute(travelling, axis, hop)
-    tiny = jnp.finfo(jnp.float32).tiny
-    out = jnp.concatenate([o / jnp.maximum(t, tiny).transpose(0, 2, 1)[..., None] for o, _, t in sums], axis=1)
-    log_sum = jnp.concatenate([top + jnp.log(jnp.maximum(t, tiny)) for _, top, t in sums], axis=-1)  # (B, N, t)
+    query_blocks = tuple(_stacked(x, parts) for x in (q * scale, positions, segments))
+    blocks, length, heads = parts, q.shape[1] // parts, q.shape[2]
+    sums = (jnp.zeros((blocks, *query_blocks[0].shape[1:]), jnp.float32),
+            jnp.full((blocks, q.shape[0], heads, length), -jnp.inf, jnp.float32),
+            jnp.zeros((blocks, q.shape[0], heads, length), jnp.float32))
+
+    def fold_share(sums, share):
+        key_blocks = tuple(_stacked(x, parts) for x in share)
+
+        def per_query_block(_, inputs):
+            query, q_pos, q_seg, block_sums = inputs
+
+            def fold(block_sums, keys):
+                # the mask is made inside the branch from the tokens' places (B, q) and (B, k)
+                tokens = (q_pos, q_seg, keys[2], keys[3])
+                return jax.lax.cond(jnp.any(_allowed(*tokens)), _fold, lambda s, *_: s, block_sums, query,
+                                    keys[0], keys[1], tokens), None
+
+            return None, jax.lax.scan(fold, block_sums, key_blocks)[0]
+
+        return jax.lax.scan(per_query_block, None, (*query_blocks, sums))[1]
+
+    def hop_step(carry, _):
+        sums, share = carry
+        sums = fold_share(sums, share)
+        return (sums, jax.lax.ppermute(share, axis, hop)), None
+
+    (sums, share), _ = jax.lax.scan(hop_step, (sums, (k, v, positions, segments)), None, length=shards - 1)
+    out, top, total = fold_share(sums, share)
+    total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+    out = _unstacked(out / jnp.swapaxes(total, 2, 3)[..., None])
+    log_sum = _rows_last(top + jnp.log(total))  # (B, N, t)
     return out.astype(q.dtype), log_sum
+
+
+def _rows_last(x: jax.Array) -> jax.Array:
+    """(blocks, B, N, c) -> (B, N, blocks * c)."""
+    return jnp.moveaxis(x, 0, 2).reshape(x.shape[1], x.shape[2], -1)
+
+
+def _rows_blocked(x: jax.Array, parts: int) -> jax.Array:
+    """(B, N, t) -> (parts, B, N, t / parts)."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1], parts, -1), 2, 0)
 
 
 def _ring_forward_rule(axis, shards, scale, q, k, v, positions, segments):
@@ -210,32 +249,46 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
     gradients of their own share, which come home on one last hop. Only this share's queries,
     keys, values, output and softmax denominators were kept from the forward pass."""
     q, k, v, positions, segments, out, log_sum = saved
-    parts = _parts(q)
+    parts = _parts(q.shape[1])
     hop = [(j, (j + 1) % shards) for j in range(shards)]
-    queries, q_pos, q_seg = _halves(q, parts), _halves(positions, parts), _halves(segments, parts)
-    d_outs = _halves(d_out.astype(jnp.float32), parts)
-    # D = rowsum(dO * O), (B, N, q) per half
-    deltas = [x.transpose(0, 2, 1) for x in _halves((d_out.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1), parts)]
-    log_sums = jnp.split(log_sum, parts, axis=-1)
-    d_queries = [jnp.zeros(part.shape, jnp.float32) for part in queries]
+    d_out = d_out.astype(jnp.float32)
+    delta = (d_out * out.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)  # D = rowsum(dO * O), (B, N, t)
+    query_blocks = (*(_stacked(x, parts) for x in (q, positions, segments, d_out)),
+                    _rows_blocked(log_sum, parts), _rows_blocked(delta, parts))
+    d_queries = jnp.zeros(query_blocks[0].shape, jnp.float32)
+
+    def unfold_share(d_queries, share):
+        key_blocks = tuple(_stacked(x, parts) for x in share)
+
+        def per_query_block(key_grads, inputs):
+            query, q_pos, q_seg, d_out, log_sum, delta, d_query = inputs
+
+            def unfold(d_query, keys):
+                tokens = (q_pos, q_seg, keys[2], keys[3])
+                d_query, d_keys, d_values = jax.lax.cond(
+                    jnp.any(_allowed(*tokens)), _unfold, lambda g, *_: g, (d_query, keys[4], keys[5]), query,
+                    keys[0], keys[1], d_out, log_sum, delta, tokens, scale)
+                return d_query, (d_keys, d_values)
+
+            d_query, key_grads = jax.lax.scan(unfold, d_query, (*key_blocks[:4], *key_grads))
+            return key_grads, d_query
+
+        key_grads, d_queries = jax.lax.scan(per_query_block, key_blocks[4:], (*query_blocks, d_queries))
+        return d_queries, (*share[:4], *map(_unstacked, key_grads))
+
+    def hop_step(carry, _):
+        d_queries, share = carry
+        d_queries, share = unfold_share(d_queries, share)
+        return (d_queries, jax.lax.ppermute(share, axis, hop)), None
+
     zeros = jnp.zeros(k.shape, jnp.float32)
-    travelling = (k, v, positions, segments, zeros, zeros)
-    for step in range(shards):
-        keys, values, k_pos, k_seg, d_keys, d_values = (_halves(x, parts) for x in travelling)
-        for a in range(parts):
-            for b in range(parts):
-                tokens = (q_pos[a], q_seg[a], k_pos[b], k_seg[b])
-                grads = (d_queries[a], d_keys[b], d_values[b])
-                d_queries[a], d_keys[b], d_values[b] = jax.lax.cond(
-                    jnp.any(_allowed(*tokens)), _unfold, lambda g, *_: g, grads, queries[a], keys[b], values[b],
-                    d_outs[a], log_sums[a], deltas[a], tokens, scale)
-        travelling = (*travelling[:4], jnp.concatenate(d_keys, axis=1), jnp.concatenate(d_values, axis=1))
-        if step < shards - 1:
-            travelling = jax.lax.ppermute(travelling, axis, hop)
+    share = (k, v, positions, segments, zeros, zeros)
+    (d_queries, share), _ = jax.lax.scan(hop_step, (d_queries, share), None, length=shards - 1)
+    d_queries, share = unfold_share(d_queries, share)
     # after C - 1 hops each device holds the gradients of its next neighbour's keys and values
-    d_k, d_v = jax.lax.ppermute(travelling[4:], axis, hop) if shards > 1 else travelling[4:]
+    d_k, d_v = jax.lax.ppermute(share[4:], axis, hop)
     no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  (integer inputs)
-    return (jnp.concatenate(d_queries, axis=1).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+    return (_unstacked(d_queries).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
             no_grad(positions), no_grad(segments))
 
 
