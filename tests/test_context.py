@@ -19,7 +19,7 @@ from shardax.errors import UsageError
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
 from shardax.sharding.context import _allowed, attention, context_parallel, zigzag_order
-from small_models import MLP, assert_trees_close, mse_loss, tiny_transformer_config, token_batches
+from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, token_batches
 
 pytestmark = pytest.mark.xdist_group("test_context")
 
@@ -163,17 +163,10 @@ def test_context_parallel_trains_like_one_device(strategy, mesh_shape, variant, 
         _REFERENCE[positions] = train(config, "dp", "data=1", count=1)
     ref_losses, ref_state, _ = _REFERENCE[positions]
     losses, state, parallel = train(config, strategy, mesh_shape, context_attention=variant)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert losses[-1] < 0.7 * losses[0]
-    # sums in another order, lifted by Adam's 1/sqrt(nu) where gradients are near zero: plain dp
-    # on data=8 (no context axis) leaves this rotary model with 96.6% of its parameters within
-    # 1e-5 relative of one device and all within 8.2e-5; context parallelism is asked the same:
-    # every parameter within 1e-4, 95% within 1e-5 relative (measured: 98.5% or more)
-    ours, theirs = jax.device_get(state.params), jax.device_get(ref_state.params)
-    assert_trees_close(ours, theirs, rtol=1e-5, atol=1e-4)
-    close = [np.isclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))]
-    assert sum(c.sum() for c in close) >= 0.95 * sum(c.size for c in close)
-    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+    # plain dp on data=8 (no context axis) leaves this rotary model with 96.6% of its parameters
+    # within 1e-5 relative of one device and all within 8.2e-5: context parallelism is asked for
+    # 95% (measured: 98.5% or more)
+    assert_trained_like(losses, state, (ref_losses, ref_state), parallel, share=0.95)
 
 
 # --- cost, from the compiled program ------------------------------------------------------------------
@@ -230,7 +223,7 @@ def test_communication_equals_theory(strategy, mesh_shape, variant):
 
 def test_plan_covers_context_meshes():
     """Communication from theory within 12% of the compiled step, and the memory predicted within
-    the band measured on the tiny preset at 512 tokens (0.85 to 0.96 of XLA:CPU's peak)."""
+    the band measured on the tiny preset at 512 tokens (0.90 all-gather, 0.99 ring, of XLA:CPU's peak)."""
     config = get_preset("tiny").config(seq_len=512)
     for variant in ("all-gather", "ring"):
         plan = plan_strategy(config, "dp", "data=2,context=4", batch_size=8, context_attention=variant)

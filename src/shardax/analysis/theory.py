@@ -272,11 +272,7 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
         whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
-        # besides, while a layer's ring runs: the shares of keys, values and their gradients in
-        # flight and laid out as blocks, the query-side blocks, about 16 float32 shares in all
-        rows = batch_rows_per_device(layout, batch_size) // max(grad_accum, 1)
-        share = rows * model.seq_len // shards * model.d_model // _model_split_dims(layout)["heads"] * 4
-        return int(whole) // shards + 16 * share
+        return int(whole) // shards
     return activation_bytes(layout, model, batch_size, grad_accum) // shards
 
 

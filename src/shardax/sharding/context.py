@@ -216,17 +216,29 @@ def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
 
         return jax.lax.scan(per_query_block, None, (*query_blocks, sums))[1]
 
-    def hop_step(carry, _):
+    def hop_step(_, carry):
         sums, share = carry
         sums = fold_share(sums, share)
-        return (sums, jax.lax.ppermute(share, axis, hop)), None
+        return sums, jax.lax.ppermute(share, axis, hop)
 
-    (sums, share), _ = jax.lax.scan(hop_step, (sums, (k, v, positions, segments)), None, length=shards - 1)
+    sums, share = _loop(shards - 1, hop_step, (sums, (k, v, positions, segments)))
     out, top, total = fold_share(sums, share)
     total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
     out = _unstacked(out / jnp.swapaxes(total, 2, 3)[..., None])
     log_sum = _rows_last(top + jnp.log(total))  # (B, N, t)
     return out.astype(q.dtype), log_sum
+
+
+def _loop(count: int, body: Any, carry: Any) -> Any:
+    """``body(i, carry)`` for i < ``count``, as a ``while_loop``. The ring differentiates itself
+    (a custom VJP), so its loops are never differentiated; as a while loop (which JAX cannot
+    split for reverse mode) the hops are also never taken apart by an outer remat, which could
+    otherwise keep every block's scores of every hop for the backward pass."""
+    def step(state):
+        i, carry = state
+        return i + 1, body(i, carry)
+
+    return jax.lax.while_loop(lambda state: state[0] < count, step, (0, carry))[1]
 
 
 def _rows_last(x: jax.Array) -> jax.Array:
@@ -276,14 +288,14 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
         key_grads, d_queries = jax.lax.scan(per_query_block, key_blocks[4:], (*query_blocks, d_queries))
         return d_queries, (*share[:4], *map(_unstacked, key_grads))
 
-    def hop_step(carry, _):
+    def hop_step(_, carry):
         d_queries, share = carry
         d_queries, share = unfold_share(d_queries, share)
-        return (d_queries, jax.lax.ppermute(share, axis, hop)), None
+        return d_queries, jax.lax.ppermute(share, axis, hop)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     share = (k, v, positions, segments, zeros, zeros)
-    (d_queries, share), _ = jax.lax.scan(hop_step, (d_queries, share), None, length=shards - 1)
+    d_queries, share = _loop(shards - 1, hop_step, (d_queries, share))
     d_queries, share = unfold_share(d_queries, share)
     # after C - 1 hops each device holds the gradients of its next neighbour's keys and values
     d_k, d_v = jax.lax.ppermute(share[4:], axis, hop)
