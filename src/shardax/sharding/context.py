@@ -8,16 +8,18 @@ attention needs the other shares' keys and values. Two ways to get them, chosen 
   values over ``context``, and each device attends with its own queries to the whole sequence.
   Its backward pass reduce-scatters their gradients.
 - ``ring``: the key/value shares travel round the devices, one neighbour hop per step
-  (``ppermute``), C steps for C shares, each folded into the output with an online softmax, so
-  no device ever holds more than two shares of keys and values.
+  (``ppermute``), C steps for C shares, each folded into the output with an online softmax, in
+  blocks of at most ``RING_BLOCK`` tokens; its backward pass goes round the ring again (a
+  custom VJP, flash-attention style), so a device holds a couple of shares of keys and values
+  and one block's scores at a time.
 
 The mask is computed from each token's position (and document, for packed sequences), never
 from where a token sits in the array, so any order of the sequence is correct. The order
 ``token_losses`` uses is the zig-zag one (``zigzag_order``): the sequence is cut into 2C
 chunks and device i holds chunks i and 2C-1-i, so under a causal mask every device has the same
-amount of attention to compute. Under ``ring`` each hop's work is cut into four quarter blocks,
-and a block with no allowed (query, key) pair is skipped (``lax.cond``): with the zig-zag order
-every device computes exactly two of the four at every hop but its own.
+amount of attention to compute. Under ``ring`` a block with no allowed (query, key) pair is
+skipped (``lax.cond``): with the zig-zag order and two blocks a share, every device computes
+exactly two of the four at every hop but its own.
 """
 
 from __future__ import annotations
