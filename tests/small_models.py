@@ -38,6 +38,22 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
     )
 
 
+def train_transformer(config, mesh, strategy, *, steps=20, batch_size=32, lr=3e-3, **options):
+    """``steps`` AdamW steps of ``TransformerLM(config)`` on ``token_batches``: (losses, state, parallel)."""
+    import optax
+
+    from shardax import parallelize
+    from shardax.models.transformer import TransformerLM, next_token_loss
+
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(lr), mesh, strategy)
+    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss, **options)
+    losses = []
+    for batch in token_batches(steps, batch_size=batch_size):
+        state, metrics = step(state, parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, state, parallel
+
+
 def assert_trained_like(losses, state, reference, parallel, share=0.99):
     """A run of 20 AdamW steps against one device's (``reference``: its losses and state): losses
     within 1e-5 relative and falling; every parameter within 1e-4 and ``share`` of them within

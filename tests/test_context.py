@@ -19,7 +19,7 @@ from shardax.errors import UsageError
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
 from shardax.sharding.context import _allowed, attention, context_parallel, zigzag_order
-from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, token_batches
+from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, train_transformer
 
 pytestmark = pytest.mark.xdist_group("test_context")
 
@@ -138,14 +138,8 @@ def test_packed_per_token_losses_equal_one_device():
 # --- training ----------------------------------------------------------------------------------------
 
 def train(config, strategy, mesh_shape, count=None, **options):
-    mesh = mesh_of(mesh_shape, count)
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(LR), mesh, strategy)
-    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss, **options)
-    losses = []
-    for batch in token_batches(STEPS, batch_size=BATCH):
-        state, metrics = step(state, parallel.place_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, state, parallel
+    return train_transformer(config, mesh_of(mesh_shape, count), strategy, steps=STEPS, batch_size=BATCH, lr=LR,
+                             **options)
 
 
 _REFERENCE = {}

@@ -15,7 +15,8 @@ from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.sharding.pipeline import Schedule
-from small_models import assert_trained_like, assert_trees_close, tiny_transformer_config, token_batches
+from small_models import (assert_trained_like, assert_trees_close, tiny_transformer_config, token_batches,
+                          train_transformer)
 
 pytestmark = pytest.mark.xdist_group("test_pipeline")
 
@@ -31,13 +32,7 @@ def factory(rngs):
 
 def train(strategy, mesh_shape, devices=None, **schedule):
     mesh = DeviceMeshManager(devices=devices).create_device_mesh(mesh_shape)
-    parallel = parallelize(factory, optax.adamw(LR), mesh, strategy)
-    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss, **schedule)
-    losses = []
-    for batch in token_batches(STEPS, batch_size=BATCH):
-        state, metrics = step(state, parallel.place_batch(batch))
-        losses.append(float(metrics["loss"]))
-    return losses, state, parallel
+    return train_transformer(CONFIG, mesh, strategy, steps=STEPS, batch_size=BATCH, lr=LR, **schedule)
 
 
 _REFERENCE = {}
