@@ -131,7 +131,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def gathered(q, k, v, positions, segments):
-        def everyone(x):  # gathered again in the backward pass, never saved (see CONTEXT_KV)
+        # named so that no remat policy saves the gathered copies (see CONTEXT_KV); XLA may then
+        # merge the backward pass's gather with the forward one (theory counts one per layer)
+        def everyone(x):
             return checkpoint_name(jax.lax.all_gather(x, layout.axis, axis=1, tiled=True), CONTEXT_KV)
 
         k_all, v_all, pos_all, seg_all = everyone(k), everyone(v), everyone(positions), everyone(segments)
