@@ -87,6 +87,16 @@ def table() -> str:
             lines.append(f"| 11. pipeline bubble on {bubble['mesh']}, M = {case['microbatches']}{circular}: idle stage "
                          f"iterations of the compiled loops ({case['compiled_iterations']} run) | "
                          f"{100 * case['bubble_compiled']:.1f}% (formula {100 * case['bubble_formula']:.1f}%) | = formula |")
+    vmaps = load("pipeline_vmap")
+    if vmaps:
+        ratio, median = vmaps["nnx_over_jax"], vmaps["median"]["jax.vmap"]
+        same = "the same program and loss" if vmaps["same_loss"] and ratio["stablehlo_chars"] == 1 else "DIFFERENT programs"
+        lines.append(f"| 11. stages applied by `nnx.vmap` / by `jax.vmap` (shardax's), one pp step on {vmaps['mesh']}, "
+                     f"{vmaps['model']['n_layers']} layers of d_model {vmaps['model']['d_model']}, median of "
+                     f"{vmaps['rounds']} fresh compiles each | {same}; compile {ratio['compile_s']:.2f}x "
+                     f"({median['compile_s']:.1f} s), peak host memory while compiling {ratio['peak_rss_growth_mb']:.2f}x "
+                     f"({median['peak_rss_growth_mb']:.0f} MB), temporaries {ratio['temp_bytes']:.2f}x | measured before "
+                     f"choosing |")
     longest = load("longest_sequence")
     if longest:
         budget = longest["budget_bytes_per_device"] / 1e9
@@ -153,7 +163,7 @@ def table() -> str:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases and the 512 MB data benchmark (minutes)")
+    parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases, the 512 MB data benchmark and the nnx.vmap compiles (minutes)")
     options = parser.parse_args()
     names = ["overhead", "memory_and_communication", "compile_time", "pipeline_bubble"] + (
         [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out", "longest_sequence"])
@@ -164,6 +174,7 @@ if __name__ == "__main__":
     run(["benchmarks/bpe_vs_bytes.py"])
     if not options.skip_slow:
         run(["benchmarks/lm_data.py"])
+        run(["benchmarks/pipeline_vmap.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
     text = table()

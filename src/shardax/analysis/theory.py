@@ -324,6 +324,16 @@ def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, s
     return shift + hand_out + hand_in
 
 
+def circular_regroup_share(schedule: Any) -> float:
+    """The share of its layers a stage must receive (and send back as gradients) to run a
+    circular schedule. The stack is stored in order, so stage s holds chunks s*R .. s*R + R - 1
+    of the R*S chunks; it runs chunks s, S + s, ..., (R-1)*S + s. It keeps those it holds
+    already and receives the rest: averaged over the stages, 1 - (chunks kept) / (R*S)."""
+    stages, repeats = schedule.stages, schedule.repeats
+    kept = sum(1 for s in range(stages) for j in range(repeats) if (s * repeats + j) % stages == s)
+    return 1.0 - kept / (stages * repeats)
+
+
 def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant: str = "all-gather") -> float:
     """What attention over a sequence split C ways sends per device per step (0 without a
     ``context`` axis). With K the bytes of one device's share of a layer's keys (as many of its
@@ -379,6 +389,8 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
             total += (2 if staged else 3) * (gather - 1) / gather * within_group
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
             total += 2 * (gather - 1) / gather * within_group
+        if staged and schedule.repeats > 1:  # a circular schedule regroups the stage's layers, and their gradients
+            total += 2 * circular_regroup_share(schedule) * within_group
         # under a pipeline, what is not split into stages (embeddings, the head) is used by rows
         # split over the stages too, so its gradients are summed over them as well
         copies = replicas * (stages if stages > 1 and not staged else 1)

@@ -45,12 +45,14 @@ def wire_bytes(collective: Collective, num_devices: int) -> float:
     all-reduce of S over n devices: 2(n-1)/n S; all-gather to S, reduce-scatter from S
     (including the CPU all-reduce + dynamic-slice form, counted as the reduce-scatter a GPU
     would run) and all-to-all: (n-1)/n S; collective-permute: S times the share of devices
-    that send (its source-target pairs over all devices: a pipeline's shift split into two
-    permutes sends S from each device once, not twice).
+    that send to another device (its source-target pairs over all devices: a pipeline's shift
+    split into two permutes sends S from each device once, not twice; a pair whose source is
+    its target, as XLA writes into a regrouping permute, sends nothing).
     """
     if collective.kind == "collective-permute":
-        pairs = re.findall(r"\{\d+,\d+\}", collective.replica_groups)
-        share = min(len(pairs) / num_devices, 1.0) if pairs else 1.0
+        pairs = re.findall(r"\{(\d+),(\d+)\}", collective.replica_groups)
+        crossing = [pair for pair in pairs if pair[0] != pair[1]]
+        share = min(len(crossing) / num_devices, 1.0) if pairs else 1.0
         return share * collective.bytes
     if collective.kind == REDUCE_SCATTER_PATTERN:
         n = max(round(collective.bytes / max(collective.shard_bytes, 1)), 1)

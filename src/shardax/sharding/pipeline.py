@@ -100,6 +100,11 @@ def active_pipeline() -> tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] 
     return _ACTIVE.get()
 
 
+# How the stages' layers are applied side by side. ``jax.vmap`` over the raw stacked arrays: the
+# layers are a plain pytree here, and ``nnx.vmap`` would walk them as a graph on every trace
+# (benchmarks/pipeline_vmap.py compiles the step both ways; the README has its figures).
+vmap_stages: Callable[..., Any] = jax.vmap
+
 _CHUNK = "shardax_pipeline_chunk"  # a circular pass's weights: picked again, never saved per iteration
 
 
@@ -198,7 +203,7 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
         stage = jax.checkpoint(stage, policy=jax.checkpoint_policies.save_anything_except_these_names(_CHUNK))
 
     # (R, S, ...) -> vmap over S (axis 1); each stage picks its repeat's chunk and its microbatch's riders
-    stages_apply = jax.vmap(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
+    stages_apply = vmap_stages(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
     index = jnp.arange(stages)
     per_stage = lambda flags: flags.reshape(-1, *(1,) * x.ndim)  # noqa: E731
 
