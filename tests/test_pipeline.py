@@ -118,6 +118,18 @@ def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, 
     assert not [c for c in find_collectives(text) if c.executions > 1 and c.kind != "collective-permute"]
 
 
+def test_a_circular_schedule_keeps_no_copy_of_its_weights_per_stage_iteration():
+    """Each pass picks its chunk of the stage's layers; the backward pass picks it again rather
+    than keeping R*M + S - 1 copies of it (the MLP weights, 32 x 64 here, would show as buffers
+    with one entry per iteration)."""
+    schedule = Schedule(2, 4, 2)
+    _, compiled = compiled_step("pp", "stage=2,data=4", schedule.microbatches, schedule.repeats)
+    per_iteration = re.findall(rf"f32\[{schedule.iterations},[\d,]*\b(?:32,64|64,32)\]", compiled.as_text())
+    assert not per_iteration
+    # the activations are kept per iteration, as they must be
+    assert re.search(rf"f32\[{schedule.iterations},[\d,]*\]", compiled.as_text())
+
+
 def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
     losses, state, parallel = train("pp", "stage=4,data=2", microbatches=8)
     fsdp = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"), "fsdp")

@@ -28,10 +28,13 @@ from shardax.sharding.rules import logical_axes_of
 # devices (gathered again, or sent round the ring again, so a device keeps 1/C of the sequence).
 # The first two are made inside small custom gradients, and named inside them too, so a policy
 # can tell them from every other custom VJP (layer norms, fused attention, a user's op).
+# A circular pipeline's pick of this pass's layers from its stage's chunks is the fourth: picked
+# again in the backward pass, not kept once per stage iteration.
 GATHERED = "shardax_gathered_weight"
 COMPUTE_COPY = "shardax_compute_copy"
 CONTEXT_KV = "shardax_context_keys_values"
-NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY, CONTEXT_KV})
+PIPELINE_CHUNK = "shardax_pipeline_chunk"
+NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY, CONTEXT_KV, PIPELINE_CHUNK})
 
 
 def _names_inside(params: dict[str, Any]) -> set[str]:
