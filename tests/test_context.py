@@ -223,17 +223,20 @@ def test_activation_bytes_per_device_fall_as_one_over_C():
     assert _temporaries(8, 512, "ring") < _temporaries(8, 512)
 
 
-COMM_CASES = [("dp", "data=2,context=4", "all-gather"), ("dp", "data=2,context=4", "ring"),
-              ("fsdp", "data=1,context=8", "ring"), ("tp", "data=2,context=2,model=2", "all-gather")]
+COMM_CASES = [("dp", "data=2,context=4", "all-gather", "none"), ("dp", "data=2,context=4", "ring", "none"),
+              ("fsdp", "data=1,context=8", "ring", "none"), ("tp", "data=2,context=2,model=2", "all-gather", "none"),
+              ("dp", "data=2,context=4", "all-gather", "dots_saveable")]
 
 
-@pytest.mark.parametrize("strategy, mesh_shape, variant", COMM_CASES, ids=[f"{s}-{m}-{v}" for s, m, v in COMM_CASES])
-def test_communication_equals_theory(strategy, mesh_shape, variant):
+@pytest.mark.parametrize("strategy, mesh_shape, variant, remat", COMM_CASES,
+                         ids=[f"{s}-{m}-{v}-{r}" for s, m, v, r in COMM_CASES])
+def test_communication_equals_theory(strategy, mesh_shape, variant, remat):
     """The compiled step's collectives against ``theoretical_collective_bytes``: the attention
     traffic exactly (per layer: all-gather and reduce-scatter of keys and values, or C-1 hops
     forward and C hops back), the whole step within 12% (XLA all-reduces the tied embedding's
-    two gradient parts separately, and sums gradients over context, then data)."""
-    config = TransformerConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+    two gradient parts separately, and sums gradients over context, then data). A remat policy
+    that does not save everything gathers the keys and values again for the backward pass."""
+    config = TransformerConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256, remat=remat)
     mesh = mesh_of(mesh_shape)
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh, strategy)
     collectives = find_collectives(compile_step(parallel, 8, config.seq_len, context_attention=variant).as_text())
@@ -248,7 +251,8 @@ def test_communication_equals_theory(strategy, mesh_shape, variant):
     else:
         gathered = sum(c.bytes * c.executions for c in floats if c.kind == "all-gather")
         scattered = sum(c.bytes * c.executions for c in floats if c.kind == "reduce-scatter")
-        assert gathered == config.n_layers * 2 * keys * shards  # keys and values, whole, once per layer
+        again = 2 if remat != "none" else 1
+        assert gathered == config.n_layers * 2 * keys * shards * again  # keys and values, whole, per layer
         assert scattered == config.n_layers * 2 * keys  # their gradients' shares
     sent = sum(wire_bytes(c, mesh.devices.size) * c.executions for c in collectives)
     theory = theoretical_collective_bytes(parallel.layout, config, 8, None, variant)

@@ -340,9 +340,11 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
     values), G the same in float32 and I of the share's token positions (as many of its document
     ids), per layer:
 
-    - ``all-gather``: keys and values gathered in the forward pass (the backward pass reuses
-      them: XLA merges the gather that remat repeats) and their gradients reduce-scattered,
-      (C-1) * 4K; positions and documents, the same for every layer, gathered once per step.
+    - ``all-gather``: keys and values gathered in the forward pass and their gradients
+      reduce-scattered, (C-1) * 4K; positions and documents, the same for every layer, gathered
+      once per step. Under ``--remat none`` the backward pass reuses the gathered keys and
+      values; under any other remat it gathers them again, with the positions and documents
+      its mask is made of: (C-1) * (2K + 2I) more per layer.
     - ``ring``: C-1 hops of keys, values, positions and documents forward; backward, C-1 hops of
       keys and values with their float32 gradients, then one hop that brings the gradients
       home: (C-1) * (2K + 2I) + (C-1) * (2K + 2G) + 2G.
@@ -361,6 +363,8 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
     once = (shards - 1) * tokens * 4  # the losses back in order
     if variant == "all-gather":
         per_layer = (shards - 1) * 4 * keys
+        if model.remat != "none":  # gathered again for the backward pass
+            per_layer += (shards - 1) * (2 * keys + 2 * ints)
         once += (shards - 1) * 2 * ints
     else:
         per_layer = (shards - 1) * (2 * keys + 2 * ints) + (shards - 1) * (2 * keys + 2 * grads) + 2 * grads

@@ -24,17 +24,15 @@ from shardax.sharding.rules import logical_axes_of
 # Values that remat policies must never save, by checkpoint name: FSDP's gathered weights (the
 # backward pass gathers each layer again instead of keeping every layer's full weights alive:
 # ZeRO-3), reduced-precision copies of weights (cast again, instead of keeping every layer's
-# bfloat16 copy), and under context parallelism the keys and values gathered from the other
-# devices (gathered again, or sent round the ring again, so a device keeps 1/C of the sequence).
-# The first two are made inside small custom gradients, and named inside them too, so a policy
-# can tell them from every other custom VJP (layer norms, fused attention, a user's op).
-# A circular pipeline's pick of this pass's layers from its stage's chunks is the fourth: picked
-# again in the backward pass, not kept once per stage iteration.
+# bfloat16 copy), and a circular pipeline's pick of this pass's layers from its stage's chunks
+# (picked again, not kept once per stage iteration). Each is made inside a small custom
+# gradient and named inside it: a name on a bare op only marks the name's own output, and the
+# op's output under it stays saveable (a copy of the same bytes). The policy below tells these
+# custom VJPs from every other one (layer norms, fused attention, a user's op) by the name.
 GATHERED = "shardax_gathered_weight"
 COMPUTE_COPY = "shardax_compute_copy"
-CONTEXT_KV = "shardax_context_keys_values"
 PIPELINE_CHUNK = "shardax_pipeline_chunk"
-NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY, CONTEXT_KV, PIPELINE_CHUNK})
+NEVER_SAVED = frozenset({GATHERED, COMPUTE_COPY, PIPELINE_CHUNK})
 
 
 def _names_inside(params: dict[str, Any]) -> set[str]:

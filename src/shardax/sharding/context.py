@@ -35,11 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
-from shardax.sharding.compute import CONTEXT_KV
 
 AXIS = "context"
 VARIANTS = ("all-gather", "ring")
@@ -131,10 +129,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     scale = 1.0 / math.sqrt(q.shape[-1])
 
     def gathered(q, k, v, positions, segments):
-        # named so that no remat policy saves the gathered copies (see CONTEXT_KV); XLA may then
-        # merge the backward pass's gather with the forward one (theory counts one per layer)
+        # Under --remat none the gathered copies are kept for the backward pass (one gather per
+        # layer); a policy that saves only dots, or nothing, gathers them again there (two).
         def everyone(x):
-            return checkpoint_name(jax.lax.all_gather(x, layout.axis, axis=1, tiled=True), CONTEXT_KV)
+            return jax.lax.all_gather(x, layout.axis, axis=1, tiled=True)
 
         k_all, v_all, pos_all, seg_all = everyone(k), everyone(v), everyone(positions), everyone(segments)
         mask = _allowed(positions, segments, pos_all, seg_all)[:, None]  # (B, 1, t, T)
