@@ -38,3 +38,39 @@ def mesh8():
 def mesh2d(request):
     return make_mesh(request.param, ("data", "model"))
 
+
+
+@pytest.fixture
+def exported_for_cuda(monkeypatch):
+    """``export(step, *args)``: the StableHLO text of a jitted step exported for CUDA from this
+    CPU-only machine, with shardax's attention choosing as on a GPU. JAX's cuDNN lowering checks
+    for cuDNN and the GPU's compute capability while tracing; with no GPU here the fixture tells
+    its two probes cuDNN 9.10 on a Hopper GPU is present. What it shows: the program JAX would
+    hand a GPU. What it cannot show: that the program runs there."""
+    from jax import export
+
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not hasattr(fused, "check_cudnn_version") or not hasattr(fused, "check_compute_capability"):
+        pytest.skip("this JAX's cuDNN lowering has other probes")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    from shardax.models import transformer
+
+    on_this_machine = transformer.attention_implementation
+    monkeypatch.setattr(transformer, "attention_implementation",
+                        lambda config, platform=None: on_this_machine(config, "gpu"))
+    kernels = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+
+    def run(step, *args):
+        checks = [export.DisabledSafetyCheck.custom_call(kernel) for kernel in kernels]
+        return export.export(step, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+    return run
+
+
+def cudnn_calls(text):
+    """(kernel, mask type, operand types) of each cuDNN attention call in exported StableHLO."""
+    import re
+
+    return [(name, mask, operands.split(", ")) for name, mask, operands in re.findall(
+        r"custom_call @(__cudnn\$\w+)\(.*?mask_type\\22: \\22(\w+)\\22.*?: \(([^)]*)\)", text)]

@@ -174,43 +174,25 @@ def _temporaries(shards, length, variant="all-gather"):
     return compiled_memory(compile_step(parallel, 2, length, **options))["temporaries"]
 
 
-def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mask_for_a_gpu(monkeypatch):
-    """The training step as JAX would hand it to a GPU (exported for CUDA from this CPU-only
-    machine): each layer's attention is cuDNN's fused kernel, forward and backward, fed the
-    device's queries, the gathered keys and values and the causal, per-document mask as a bias
-    of (rows, 1, t, T). No GPU here, so JAX's cuDNN lowering is told cuDNN 9.10 on a Hopper GPU
-    is present (its two probes); that this runs on a GPU is not shown here."""
-    import re
+def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mask_for_a_gpu(exported_for_cuda):
+    """The training step as JAX would hand it to a GPU (see ``exported_for_cuda``): each
+    layer's attention is cuDNN's fused kernel, forward and backward, fed the device's queries,
+    the gathered keys and values and the causal, per-document mask as a bias of (rows, 1, t, T)."""
+    from conftest import cudnn_calls
 
-    from jax import export
-
-    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    if not hasattr(fused, "check_cudnn_version") or not hasattr(fused, "check_compute_capability"):
-        pytest.skip("this JAX's cuDNN lowering has other probes")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
-    monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
-    from shardax.models import transformer
-
-    on_this_machine = transformer.attention_implementation
-    monkeypatch.setattr(transformer, "attention_implementation", lambda config, platform=None: on_this_machine(
-        config, "gpu"))
     config = tiny_transformer_config(compute_dtype="bfloat16", attention="cudnn", seq_len=64, positions="rotary")
     mesh = DeviceMeshManager().create_device_mesh("data=2,context=4")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh, "dp")
     batch = {name: jax.ShapeDtypeStruct((8, 65), jnp.int32, sharding=parallel.layout.batch())
              for name in ("tokens", "segments")}
-    kernels = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
-    exported = export.export(parallel.train_step(next_token_loss, context_attention="all-gather"), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(k) for k in kernels])(
-        parallel.abstract_state, batch)
-    text = exported.mlir_module()
-    calls = re.findall(r"custom_call @(__cudnn\$\w+)\(.*?mask_type\\22: \\22(\w+)\\22.*?: \(([^)]*)\)", text)
+    calls = cudnn_calls(exported_for_cuda(parallel.train_step(next_token_loss, context_attention="all-gather"),
+                                          parallel.abstract_state, batch))
     rows, share, heads, head_dim = 8 // 2, 64 // 4, config.n_heads, config.head_dim
     queries, keys = f"tensor<{rows}x{share}x{heads}x{head_dim}xbf16>", f"tensor<{rows}x64x{heads}x{head_dim}xbf16>"
     bias = f"tensor<{rows}x1x{share}x64xbf16>"
-    assert [name for name, _, _ in calls] == list(kernels), calls  # once each, in the loop over the layers
+    # once each, in the loop over the layers
+    assert [name for name, _, _ in calls] == ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"]
     for name, mask_type, operands in calls:
-        operands = operands.split(", ")
         assert operands[:3] == [queries, keys, keys] and bias in operands and mask_type == "NO_MASK", (name, operands)
 
 
