@@ -191,6 +191,8 @@ def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, me
     stages = int(re.search(r"stage=(\d+)", mesh_shape).group(1))
     assert plan.bubble == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
     assert plan.predicted["state"] == plan.compiled["arguments"]
+    # the memory estimate (XLA:CPU) stays in its band: 0.87 to 1.03 of the compiled peak here
+    assert 0.85 <= plan.predicted["total"] / plan.compiled["peak"] <= 1.05, (plan.predicted, plan.compiled)
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=within), plan.collectives
     bubbles = [note for note in plan.lint if note.startswith("pipeline bubble")]
     if plan.bubble > 0.25:

@@ -238,13 +238,22 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
     for one microbatch: as a model of (R*M + S - 1) * L/(R*S) layers on a microbatch's rows
     would. Besides: stage 0's store (every microbatch of the group at the stage boundary) and
-    the rolling buffer."""
-    groups = _axes_size(dict(layout.mesh.shape), layout.strategy.batch_axes)
+    the rolling buffer, and the stage's weights as the loop uses them: their gradient summed
+    through the iterations, and, where the loop runs on a copy (one per data-parallel group,
+    or FSDP's gathered weights), the copy."""
+    shape, strategy = dict(layout.mesh.shape), layout.strategy
+    groups = _axes_size(shape, strategy.batch_axes)
     rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
     chunk = model.n_layers // (schedule.stages * schedule.repeats)
     virtual = dataclasses.replace(model, n_layers=schedule.iterations * chunk)
     boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
-    return activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
+    stage_weights = sum(_leaf_bytes(leaf) // _axes_size(shape, [a for e in leaf.spec for a in spec_axes(e)
+                                                                if a not in strategy.gather_axes])
+                        for leaf in layout.leaves.values()
+                        if any(a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e)))
+    copies = 1 + (1 if groups > 1 else 0)
+    return (activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
+            + copies * stage_weights)
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:
