@@ -31,6 +31,18 @@ def _leaf_bytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
 
 
+def _bytes_per_group(leaf, mesh_shape: dict[str, int], strategy: Any) -> float:
+    """A leaf's bytes on each device of a data-parallel group: split over every axis of its
+    spec but the ones the strategy gathers over for compute."""
+    kept = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
+    return _leaf_bytes(leaf) / _axes_size(mesh_shape, kept)
+
+
+def _split_into_stages(leaf, strategy: Any) -> bool:
+    return strategy.pipeline_axis is not None and any(
+        a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e))
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPrediction:
     """Bytes per device of each part of a train step's working set."""
@@ -247,13 +259,11 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     chunk = model.n_layers // (schedule.stages * schedule.repeats)
     virtual = dataclasses.replace(model, n_layers=schedule.iterations * chunk)
     boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
-    stage_weights = sum(_leaf_bytes(leaf) // _axes_size(shape, [a for e in leaf.spec for a in spec_axes(e)
-                                                                if a not in strategy.gather_axes])
-                        for leaf in layout.leaves.values()
-                        if any(a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e)))
+    stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
+                        if _split_into_stages(leaf, strategy))
     copies = 1 + (1 if groups > 1 else 0)
-    return (activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
-            + copies * stage_weights)
+    return int(activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
+               + copies * stage_weights)
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:
@@ -394,10 +404,9 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
     total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
     for leaf in layout.leaves.values():
-        other_axes = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
-        within_group = _leaf_bytes(leaf) / _axes_size(shape, other_axes)  # bytes per data-parallel group
+        within_group = _bytes_per_group(leaf, shape, strategy)
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
-        staged = stages > 1 and any(a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e))
+        staged = stages > 1 and _split_into_stages(leaf, strategy)
         if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
             total += (2 if staged else 3) * (gather - 1) / gather * within_group
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group

@@ -100,9 +100,9 @@ def active_pipeline() -> tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] 
     return _ACTIVE.get()
 
 
-# How the stages' layers are applied side by side. ``jax.vmap`` over the raw stacked arrays: the
-# layers are a plain pytree here, and ``nnx.vmap`` would walk them as a graph on every trace
-# (benchmarks/pipeline_vmap.py compiles the step both ways; the README has its figures).
+# How the stages' layers are applied side by side: ``jax.vmap`` over the stacked arrays.
+# ``nnx.vmap`` compiles to the same program but needs the layers' Variables made anew inside the
+# loop (benchmarks/pipeline_vmap.py compiles the step both ways; the README has its figures).
 vmap_stages: Callable[..., Any] = jax.vmap
 
 # Ops that only move or relabel a value's elements: cheaper to run again than to keep. Batching
