@@ -149,11 +149,39 @@ def table() -> str:
         lines.append(f"| 10. validation bits per byte after {versus['steps']} steps of `{versus['preset']}` on the stdlib: "
                      f"BPE {versus['vocab_size']} vs bytes (same held-out documents) | {versus['bpe']['val_bits_per_byte']:.3f} "
                      f"vs {versus['bytes']['val_bits_per_byte']:.3f} ({versus['bits_per_byte_ratio']:.3f}x) | < 1 |")
+    for name in ("layer_vjps", "layer_vjps_gpu"):
+        vjps = load(name)
+        if vjps:
+            low, high = vjps["speedup_quartiles"]
+            memory = "; ".join(f"{preset} {peaks['custom'] / 1e9:.2f} vs {peaks['autodiff'] / 1e9:.2f} GB"
+                               for preset, peaks in vjps["memory_only"].items())
+            lines.append(f"| 13. layer norm and GELU with custom VJPs / plain autodiff ({vjps['machine']}; dp on "
+                         f"{vjps['mesh']}, {vjps['compute_dtype']}): "
+                         f"step time of `{vjps['preset']}` (median of interleaved pairs); compiled peak per device | "
+                         f"{vjps['speedup']:.3f}x faster (quartiles {low:.3f} to {high:.3f}; "
+                         f"{1000 * vjps['custom_step_s']:.0f} vs {1000 * vjps['autodiff_step_s']:.0f} ms); "
+                         f"{vjps['custom_peak_bytes'] / 1e9:.3f} vs {vjps['autodiff_peak_bytes'] / 1e9:.3f} GB; "
+                         f"{memory} | >= 1.0, less memory |")
+    gpu = load("gpu_checks")
+    if gpu:
+        for case in gpu.get("cudnn_attention", {}).get("cases", []):
+            lines.append(f"| 14. cuDNN attention in the model, `small` in bf16, {case['batch']} ({gpu['machine']}): worst "
+                         f"gradient error vs fp32, cuDNN / XLA bf16 | {case['cudnn']['worst_gradient_error']:.2e} / "
+                         f"{case['xla']['worst_gradient_error']:.2e} ({'passes' if case['passes'] else 'FAILS'}) | "
+                         f"<= 1.5x XLA's |")
+        plan = gpu.get("plan")
+        if plan and plan["ratio_range"]:
+            low, high = plan["ratio_range"]
+            lines.append(f"| 14. plan's peak, predicted/compiled on the GPU ({gpu['machine']}), dp on one device, presets "
+                         f"and held-out shapes | {low:.3f} to {high:.3f} (worst {100 * plan['worst_abs_error']:.1f}%) "
+                         f"| XLA:CPU estimate |")
     mfu = load("mfu")
     if mfu:
-        lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']} "
-                     f"({mfu['formula']}) | {100 * mfu['mfu']:.1f}% ({mfu['tokens_per_s']:,.0f} tok/s, peak "
-                     f"{mfu['peak_bytes_in_use'] / 1e9:.1f} GB) | >= 50% |")
+        top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
+        lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']}, "
+                     f"attention {mfu.get('attention', '?')} ({mfu['formula']}) | {100 * mfu['mfu']:.1f}% "
+                     f"({mfu['tokens_per_s']:,.0f} tok/s, {mfu['model_flops_per_s'] / 1e12:.0f} TFLOP/s, peak "
+                     f"{mfu['peak_bytes_in_use'] / 1e9:.1f} GB; top ops: {top}) | >= 50% |")
     else:
         lines.append("| 7. MFU on one H100/H200 (`benchmarks/mfu.py`) | not measured: no GPU was lent to this task "
                      "| >= 50% |")
@@ -175,8 +203,10 @@ if __name__ == "__main__":
     if not options.skip_slow:
         run(["benchmarks/lm_data.py"])
         run(["benchmarks/pipeline_vmap.py"])
+    run(["benchmarks/layer_vjps.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
+        run(["benchmarks/gpu_checks.py"])
     text = table()
     (RESULTS / "README.md").write_text(text)
     print(text)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# What a session with a GPU runs (issue 15), in parts that each fit the device tool's 10-minute call:
+#
+#   bash benchmarks/gpu_session.sh mfu       # benchmark 7: MFU, cuDNN attention, top 5 ops of a profile
+#   bash benchmarks/gpu_session.sh vjps      # benchmark 13 on the GPU: custom VJPs vs plain autodiff
+#   bash benchmarks/gpu_session.sh checks    # benchmark 14: cuDNN attention vs XLA, the plan vs a GPU compile
+#
+# It runs shardax from this checkout (PYTHONPATH=src) with the machine's own JAX, flax and optax,
+# and copies each result to $OUT when that is set (the device tool brings $OUT's files back).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+case "${1:-}" in
+  mfu) "$PYTHON" benchmarks/mfu.py; result=mfu.json ;;
+  vjps) "$PYTHON" benchmarks/layer_vjps.py --steps 30; result=layer_vjps_gpu.json ;;
+  checks) "$PYTHON" benchmarks/gpu_checks.py; result=gpu_checks.json ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh mfu|vjps|checks" >&2; exit 2 ;;
+esac
+if [ -n "${OUT:-}" ]; then cp "benchmarks/results/$result" "$OUT/"; fi
