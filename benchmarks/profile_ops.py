@@ -7,8 +7,9 @@ It runs the step under ``jax.profiler.trace`` (with a Perfetto trace), sums the 
 every event that names an HLO instruction (``hlo_op``), and returns the largest, each with its
 share of the total, the number of times it ran per step, and the JAX operation it came from
 (the instruction's ``op_name`` metadata in the compiled program). On a GPU only the device's
-own timelines count (kernels, not their launches on the host); on a CPU, XLA's thunks, less
-the time collectives spend waiting for the other devices.
+own timelines count (kernels, not their launches on the host; a kernel the trace does not tie
+to an instruction counts under its own name); on a CPU, XLA's thunks, less the time
+collectives spend waiting for the other devices.
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int = 5) ->
     counts: collections.Counter = collections.Counter()
     kernels: dict[str, str] = {}
     for event in events:
-        op = event.get("args", {}).get("hlo_op")
-        if event.get("ph") != "X" or not op or (devices and event["pid"] not in devices):
+        if event.get("ph") != "X" or (devices and event["pid"] not in devices):
+            continue
+        # a device's kernels name their HLO instruction where the trace says it, else by themselves
+        op = event.get("args", {}).get("hlo_op") or (event["name"] if devices else None)
+        if not op:
             continue
         if any(event["name"].startswith(word) for word in WAITING):
             continue
