@@ -9,7 +9,10 @@ scan costs about 7% here in stacking buffers, and pays off in compile time for d
 The two are timed interleaved, step for step (which goes first alternating), so machine noise
 hits both alike; the ratio is the median of the paired per-step ratios.
 
-    python benchmarks/notebook_step_time.py [--devices 8] [--steps 30]
+    python benchmarks/notebook_step_time.py [--devices 8] [--steps 30] [--profile]
+
+With --profile it also profiles 5 steps of each and records where their compute goes per
+device (XLA's instructions by kind, collectives left out: ``profile_ops.py``).
 
 Writes benchmarks/results/notebook_step_time.json and prints a markdown row.
 """
@@ -27,6 +30,7 @@ parser.add_argument("--devices", type=int, default=8)
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--notebook", default=str(Path(__file__).resolve().parents[2] / "shared" / "seeds"
                                                 / "notebook-data-parallelism-in-jax.txt"))
+parser.add_argument("--profile", action="store_true", help="also profile 5 steps of each (where the compute goes)")
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -122,6 +126,17 @@ result["tokens_per_s_ratio"] = statistics.median(ratios)  # the median of the pa
 quartiles = statistics.quantiles(ratios, n=4)
 result["tokens_per_s_ratio_quartiles"] = [quartiles[0], quartiles[2]]
 result["steps"] = args.steps
+if args.profile:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from profile_ops import compute_by_kind, profile_top_ops
+
+    for name, run_one in (("notebook", notebook_step), ("shardax", shardax_step)):
+        kinds = compute_by_kind(profile_top_ops(run_one, "", steps=5, top=None))
+        result[f"{name}_compute_ms_per_device_step"] = sum(kinds.values())
+        result[f"{name}_compute_by_kind_ms"] = {kind: round(ms, 2) for kind, ms in list(kinds.items())[:10]}
+        print(name, f"{sum(kinds.values()):.1f} ms of compute per device per step:", result[f"{name}_compute_by_kind_ms"])
 out = Path(__file__).parent / "results" / "notebook_step_time.json"
 out.parent.mkdir(exist_ok=True)
 out.write_text(json.dumps(result, indent=2) + "\n")

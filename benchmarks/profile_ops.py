@@ -58,7 +58,7 @@ def _trace_events(directory: str) -> list[dict[str, Any]]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int = 5) -> list[dict[str, Any]]:
+def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int | None = 5) -> list[dict[str, Any]]:
     events = _trace_events(directory)
     devices = {event["pid"] for event in events if event.get("ph") == "M" and event.get("name") == "process_name"
                and "/device:" in str(event.get("args", {}).get("name", "")) and "CPU" not in
@@ -87,13 +87,29 @@ def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int = 5) ->
             for op, seconds in totals.most_common(top)]
 
 
-def profile_top_ops(run_step: Callable[[], Any], hlo_text: str, steps: int = 3, top: int = 5) -> list[dict[str, Any]]:
-    """Profile ``steps`` calls of ``run_step`` (already compiled and warm) and return the ``top`` ops."""
+def profile_top_ops(run_step: Callable[[], Any], hlo_text: str, steps: int = 3,
+                    top: int | None = 5) -> list[dict[str, Any]]:
+    """Profile ``steps`` calls of ``run_step`` (already compiled and warm) and return the ``top``
+    ops (``None``: all of them)."""
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
             for _ in range(steps):
                 jax.block_until_ready(run_step())
         return top_ops_in_trace(directory, hlo_text, steps, top)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def compute_by_kind(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Milliseconds per device per step by kind of instruction (its name less the number), the
+    collectives left out (on a CPU their time is mostly waiting for the other devices)."""
+    kinds: collections.Counter = collections.Counter()
+    for row in rows:
+        kind = re.sub(r"\.\d+$", "", row["hlo_op"])
+        if not kind.startswith(COLLECTIVES):
+            kinds[kind] += row["ms_per_step"]
+    return dict(kinds.most_common())
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

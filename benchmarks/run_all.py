@@ -66,10 +66,10 @@ def table() -> str:
     notebook = load("notebook_step_time")
     if notebook:
         spread = notebook.get("tokens_per_s_ratio_quartiles")
-        spread = f"quartiles {spread[0]:.2f} to {spread[1]:.2f}; " if spread else ""
+        spread = f"quartiles {spread[0]:.3f} to {spread[1]:.3f}; " if spread else ""
         lines.append(f"| 5. tokens/s, `notebook` preset, blocks in a loop like the notebook's, vs the notebook's own code "
-                     f"(median of interleaved pairs) | {notebook['tokens_per_s_ratio']:.2f}x ({spread}"
-                     f"{notebook['shardax_tokens_per_s']:,.0f} vs {notebook['notebook_tokens_per_s']:,.0f} tok/s) | >= 1.0 |")
+                     f"(median of interleaved pairs) | {notebook['tokens_per_s_ratio']:.3f}x ({spread}"
+                     f"{notebook['shardax_tokens_per_s']:,.0f} vs {notebook['notebook_tokens_per_s']:,.0f} tok/s, the medians) | >= 1.0 |")
     largest = load("largest_model")
     if largest:
         budget = largest["budget_bytes_per_device"] / 1e9
