@@ -227,7 +227,7 @@ def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_
     import shutil
     shutil.rmtree(tmp_path / "b" / "4")
     resumed = shardax(*run, "--checkpoint-dir", tmp_path / "b", "--metrics", tmp_path / "b.jsonl", "--resume")
-    assert "resumed from step 2" in resumed.stdout
+    assert "resumed from step 2" in resumed.stdout and "changed since" not in resumed.stdout
     losses = [r["loss"] for r in read_metrics(tmp_path / "a.jsonl") if r.get("loss") is not None]
     again = [r["loss"] for r in read_metrics(tmp_path / "b.jsonl") if r.get("loss") is not None]
     assert again[-2:] == losses[-2:] and all(np.isfinite(losses)) and losses[-1] < losses[0]
@@ -235,5 +235,8 @@ def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
     # the pipeline's checkpoint goes on under fsdp (a strategy may change on resume)
-    onward = shardax(*common, "--strategy", "fsdp", "--checkpoint-dir", tmp_path / "a", "--resume", "--extend-to", 5)
+    onward = shardax(*common, "--strategy", "fsdp", "--checkpoint-dir", tmp_path / "a", "--resume", "--extend-to", 5,
+                     "--precision", "bfloat16")
     assert "resumed from step 4" in onward.stdout and "strategy fsdp" in onward.stdout
+    assert ("changed since the checkpoint was saved: strategy pp -> fsdp; mesh stage=4,data=2 -> data=8; "
+            "precision float32 -> bfloat16\n") in onward.stdout

@@ -68,6 +68,7 @@ def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
     moved = shardax("train", *base, "--checkpoint-dir", tmp_path / "moved", "--resume", "--strategy", "fsdp_tp",
                     "--mesh", "data=2,model=4", "--metrics", tmp_path / "moved.jsonl")
     assert "resumed from step 4" in moved.stdout and "strategy fsdp_tp" in moved.stdout
+    assert "changed since the checkpoint was saved: strategy dp -> fsdp_tp; mesh data=8 -> data=2,model=4\n" in moved.stdout
     continued = [r["loss"] for r in read_metrics(tmp_path / "moved.jsonl")]
     uninterrupted = [r["loss"] for r in read_metrics(tmp_path / "dp.jsonl")]
     assert len(continued) == 2

@@ -4,7 +4,8 @@ A run is defined by its model (preset, sequence length, scanned or looped blocks
 its batch size, its data and its schedule (steps, peak learning rate). A checkpoint records
 them; ``--resume`` takes them from there, and a flag that contradicts one is refused, naming
 both values. How the run is computed and observed may change on resume: strategy, mesh,
-number of processes, remat, precision, microbatches, logging, evaluation, checkpoint interval.
+number of processes, remat, precision, microbatches, logging, evaluation, checkpoint interval
+(they take this run's flags or defaults; the header names those that differ from the checkpoint's).
 A finished run goes on only through ``--extend-to N``: the schedule keeps its length, so the
 learning rate stays at its final value (a tenth of the peak) for the added steps.
 """

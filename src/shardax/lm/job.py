@@ -60,11 +60,12 @@ def optimizer(lr: float, steps: int) -> tuple[optax.GradientTransformation, opta
     return tx, schedule
 
 
-def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None]:
-    """The run record and step of the checkpoint to resume (``None`` when starting fresh), after
-    refusing, before anything is written, a resume that cannot work or a start that would overwrite."""
+def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, dict[str, Any]]:
+    """The run record, step and whole record of the checkpoint to resume (``None``, ``None``,
+    ``{}`` when starting fresh), after refusing, before anything is written, a resume that
+    cannot work or a start that would overwrite."""
     if config.checkpoint_dir is None:
-        return None, None
+        return None, None, {}
     checkpointer = Checkpointer(config.checkpoint_dir)
     try:
         step = checkpointer.latest_step()
@@ -72,15 +73,28 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None]:
             if step is not None:
                 raise UsageError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (latest step "
                                  f"{step}); pass --resume to continue it, or choose another directory")
-            return None, None
+            return None, None, {}
         step, _ = checkpointer.latest_good_step()  # damaged newer ones: the Trainer warns and sets them aside
-        saved = checkpointer.record(step).get("run")
+        record = checkpointer.record(step)
+        saved = record.get("run")
     finally:
         checkpointer.close()
     if not isinstance(saved, dict):
         raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not written by "
                          "shardax train (it has no run record); resume it with shardax.Trainer, or start a new run")
-    return saved, step
+    return saved, step, record
+
+
+def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> list[str]:
+    """A line naming how a resumed run is computed differently from when its checkpoint was saved
+    (what may change on resume: it is allowed, and said)."""
+    before = record.get("model") or {}
+    pairs = [("strategy", record.get("strategy"), config.strategy), ("mesh", record.get("mesh"), describe_mesh(mesh)),
+             ("precision", before.get("compute_dtype"), model.compute_dtype), ("remat", before.get("remat"), model.remat),
+             ("attention", before.get("attention"), model.attention),
+             ("grad-accum", record.get("grad_accum"), config.grad_accum)]
+    changed = [f"{name} {old} -> {new}" for name, old, new in pairs if old is not None and old != new]
+    return [f"changed since the checkpoint was saved: {'; '.join(changed)}"] if changed else []
 
 
 def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None:
@@ -106,10 +120,11 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
     return [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
 
 
-def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
-    """Check every setting and lay the model out, before any step or file write."""
+def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, list[str]]:
+    """Check every setting and lay the model out, before any step or file write; with the lines
+    that say what a resumed run changes."""
     check_values(config)
-    saved, step = _saved_run(config)
+    saved, step, record = _saved_run(config)
     run = resolve(config, saved)
     _check_not_finished(run, step, config)
     strategy = get_strategy(config.strategy)
@@ -128,12 +143,12 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run]:
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, next_token_loss, mesh=mesh, strategy=strategy,
                       grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
                       learning_rate=schedule, name="shardax train")
-    return trainer, data, run
+    return trainer, data, run, _changes(record, config, mesh, model)
 
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    trainer, data, run = prepare(config)
+    trainer, data, run, changes = prepare(config)
     model, batch = run.model, run.batch_size
     sharding = trainer.parallel.layout.batch()
     validation = data.validation(model.seq_len, batch, config.eval_batches, sharding)
@@ -144,8 +159,9 @@ def run(config: TrainConfig) -> TrainResult:
         metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
-                "strategy": config.strategy, "mesh": config.mesh, "model": dataclasses.asdict(model)},
-        header=_header(data, model, run.train_to, batch),
+                "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
+                "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
+        header=_header(data, model, run.train_to, batch) + changes,
     )
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = data.prompt(min(48, model.seq_len // 2))
