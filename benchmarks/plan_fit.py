@@ -34,7 +34,7 @@ import optax  # noqa: E402
 from scipy.optimize import linprog  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, save  # noqa: E402
+from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  # noqa: E402
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import plan_strategy  # noqa: E402
@@ -72,6 +72,15 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
         cases += [({"preset": name, "remat": remat}, "fsdp_tp", "data=2,model=4", 32, 1) for name in ("small", "medium")]
         cases += [({"preset": "small", "remat": remat}, s, m, 64, 4) for s, m in [("zero2", "data=8"), *some[:2]]]
         cases += [({"preset": "large", "remat": remat}, s, m, 16, 1) for s, m in every]
+    # many rows per device (one device holding the whole batch, as on a single GPU)
+    for name in ("tiny", "notebook", "small"):
+        batch = get_preset(name).batch_size
+        for remat in ("none", "full", "dots_saveable"):
+            cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for s, m in (("dp", "data=1"), ("fsdp", "data=2"))]
+        cases += [({"preset": name, "remat": remat, "scan_layers": False}, "dp", "data=1", batch, 1)
+                  for remat in ("none", "full")]
+    for shape in [*SEQUENCES, WIDE]:
+        cases += [({**shape, "remat": remat}, "dp", "data=1", 16, 1) for remat in ("none", "full", "dots_saveable")]
     return cases
 
 
@@ -147,7 +156,8 @@ def ratio(row: dict, factors: list[float]) -> float:
 
 
 def held_out_cases() -> list[tuple[dict, str, str, int, int]]:
-    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES]
+    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES] + [
+        (dict(shape), s, m, batch, 1) for shape, s, m, batch in held_out_large_rows()]
 
 
 def main() -> None:
@@ -164,16 +174,24 @@ def main() -> None:
         rows = [row for row in training if row["class"] == name]
         factors, worst = fit(rows, WORKING_SET_TERMS[name])
         report["factors"][name] = factors
-        tested = [row for row in held_out if row["class"] == name]
-        errors = [abs(ratio(row, factors) - 1) for row in tested]
-        report["errors"][name] = {
-            "training_cases": len(rows), "training_worst": worst,
-            "held_out_cases": len(tested), "held_out_worst": max(errors, default=None),
-            "held_out_median": statistics.median(errors) if errors else None,
-            "shipped_factors": list(WORKING_SET[name]),
-            "held_out_worst_with_shipped": max((abs(ratio(row, WORKING_SET[name]) - 1) for row in tested), default=None)}
-        print(f"{name}: factors {factors}; training worst {worst:.3f} over {len(rows)}; held out "
-              f"worst {report['errors'][name]['held_out_worst']} over {len(tested)}", flush=True)
+        report["errors"][name] = {"training_cases": len(rows), "training_worst": worst,
+                                  "shipped_factors": list(WORKING_SET[name])}
+        large = {json.dumps(case, sort_keys=True) for case in held_out_cases()[len(held_out_cases()) - len(
+            held_out_large_rows()):]}
+        for label, wanted in (("held_out", False), ("held_out_large_rows", True)):
+            tested = [row for row in held_out if row["class"] == name and (case_key(row) in large) == wanted]
+            errors = [abs(ratio(row, factors) - 1) for row in tested]
+            shipped = [abs(ratio(row, WORKING_SET[name]) - 1) for row in tested]
+            report["errors"][name] |= {
+                f"{label}_cases": len(tested), f"{label}_worst": max(errors, default=None),
+                f"{label}_median": statistics.median(errors) if errors else None,
+                f"{label}_worst_with_shipped": max(shipped, default=None),
+                f"{label}_median_with_shipped": statistics.median(shipped) if shipped else None}
+        print(f"{name}: factors {factors}; training worst {worst:.3f} over {len(rows)}; "
+              + "; ".join(f"{label} worst {report['errors'][name][label + '_worst']} (shipped "
+                          f"{report['errors'][name][label + '_worst_with_shipped']}) over "
+                          f"{report['errors'][name][label + '_cases']}" for label in ("held_out", "held_out_large_rows")),
+              flush=True)
     save("plan_fit", report)
     print("WORKING_SET = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
 

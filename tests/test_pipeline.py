@@ -130,6 +130,25 @@ def test_a_circular_schedule_keeps_no_copy_of_its_weights_per_stage_iteration():
     assert re.search(rf"f32\[{schedule.iterations},[\d,]*\]", compiled.as_text())
 
 
+@pytest.mark.parametrize("remat, below", [("full", 0.5), ("dots_saveable", 0.95)])
+def test_a_circular_schedule_keeps_what_the_remat_policy_says(remat, below):
+    """With R > 1 each stage iteration runs under a checkpoint of its own (so that it picks its
+    chunk again rather than keep it); that checkpoint follows the model's remat policy, so
+    ``--remat full`` or ``dots_saveable`` keeps less per iteration than ``none``, as with R = 1.
+    (Once it saved everything whatever the policy: the temporaries were the same for all three.)"""
+    def temporaries(policy, repeats):
+        model = tiny_transformer_config(n_layers=8, d_model=64, seq_len=32, remat=policy)
+        parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(LR),
+                               DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
+        batch = {"tokens": jax.ShapeDtypeStruct((BATCH, model.seq_len + 1), jnp.int32, sharding=parallel.layout.batch())}
+        step = parallel.train_step(next_token_loss, microbatches=4, pipeline_repeats=repeats)
+        return step.lower(parallel.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    kept, recomputed, one_pass = temporaries("none", 2), temporaries(remat, 2), temporaries(remat, 1)
+    assert recomputed < below * kept, (recomputed, kept)
+    assert recomputed < 1.25 * one_pass, (recomputed, one_pass)
+
+
 def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
     losses, state, parallel = train("pp", "stage=4,data=2", microbatches=8)
     fsdp = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"), "fsdp")

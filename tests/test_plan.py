@@ -126,10 +126,12 @@ def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
 
 
 # How close the predicted peak must come to XLA:CPU's: what the working-set fit holds on the
-# compiled steps it was fitted on (benchmarks/plan_fit.py: 2.5% with remat none, 8.0% full, 2.7%
-# dots, 21% for blocks in a Python loop), rounded up where a tested case needs it. These tests keep the fit from drifting;
-# how well it predicts shapes it never saw is benchmark plan_held_out's (README).
-TOLERANCE = {"none": 0.05, "full": 0.09, "dots_saveable": 0.05, "looped": 0.2}
+# compiled steps it was fitted on (benchmarks/plan_fit.py: 2.5% with remat none, 11.2% full (its
+# refit with many rows per device traded the tiny preset's 8% for 7.5% instead of 14% on shapes it
+# never saw), 2.7% dots, 21% for blocks in a Python loop), rounded up where a tested case needs it.
+# These tests keep the fit from drifting; how well it predicts shapes it never saw is benchmark
+# plan_held_out's (README).
+TOLERANCE = {"none": 0.05, "full": 0.12, "dots_saveable": 0.05, "looped": 0.2}
 
 STRATEGY_MESHES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
                    ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]

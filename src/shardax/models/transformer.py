@@ -22,7 +22,7 @@ from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.sharding.compute import for_compute, gathers_weights, remat_policy
 from shardax.sharding import context
-from shardax.sharding.pipeline import active_pipeline, run_pipeline
+from shardax.sharding.pipeline import active_pipeline, run_pipeline, stage_checkpointed
 
 REMAT_POLICIES = {
     "none": None,
@@ -293,7 +293,7 @@ class TransformerLM(nnx.Module):
             def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:
                 return self._apply_blocks(nnx.merge(graphdef, chunk), x, *riders)
 
-            x = run_pipeline(apply_stage, stacked, x, riders)
+            x = run_pipeline(apply_stage, stacked, x, riders, remat=REMAT_POLICIES[config.remat])
         else:
             x = self._apply_blocks(self.blocks, x, *riders)
         x = self.final_norm(x).astype(config.dtype)
@@ -312,8 +312,10 @@ class TransformerLM(nnx.Module):
         # blocks that neither recomputes nor gathers goes without: remat marks each saved value
         # with a reduce-precision op, which XLA:CPU runs as one more copy (about 3% of the
         # notebook's step); inside the scan, dropping it measured no faster.
+        # A circular pipeline's stage checkpoint applies the policy itself (stage_checkpointed).
         policy = REMAT_POLICIES[config.remat]
-        if policy is not None or config.scan_layers or gathers_weights() or context.active_context() is not None:
+        if not stage_checkpointed() and (policy is not None or config.scan_layers or gathers_weights()
+                                         or context.active_context() is not None):
             apply_block = nnx.remat(apply_block, policy=remat_policy(policy))
         if config.scan_layers:
             return nnx.scan(

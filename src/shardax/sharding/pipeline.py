@@ -115,6 +115,25 @@ def _not_layout_only(primitive: Any, *avals: Any, **params: Any) -> bool:
     return primitive.name not in _LAYOUT_ONLY
 
 
+def _stage_policy(policy: Any) -> Any:
+    """The policy of a circular schedule's stage checkpoint: what the layers' remat ``policy``
+    saves (everything if None), less pure layout ops, the picked chunk and what shardax never saves."""
+    def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
+        return _not_layout_only(primitive) and (policy is None or policy(primitive, *avals, **params))
+
+    return remat_policy(decide, save_custom_vjps=policy is not jax.checkpoint_policies.nothing_saveable)
+
+
+_STAGE_CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_stage_checkpointed", default=False)
+
+
+def stage_checkpointed() -> bool:
+    """Whether the layers being traced run inside a circular schedule's stage checkpoint, which
+    applies their remat policy itself: they should add no checkpoint of their own (nested, the
+    outer one would keep what the inner one recomputes)."""
+    return _STAGE_CHECKPOINTED.get()
+
+
 def _pick(leaf: jax.Array, repeat: jax.Array) -> jax.Array:
     """``leaf[repeat]``: a circular pass's chunk of the stage's layers, as one custom-gradient
     primitive named ``PIPELINE_CHUNK`` inside, so that the stage's remat policy picks it again in
@@ -144,13 +163,16 @@ def _stage_major(leaf: jax.Array, schedule: Schedule) -> jax.Array:
 
 
 def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layers: Any, x: jax.Array,
-                 riders: Any = None) -> jax.Array:
+                 riders: Any = None, *, remat: Any = None) -> jax.Array:
     """``apply_layers(layers, x, riders)`` computed as the active pipeline (see the module docstring).
 
     ``layers`` is a pytree whose leaves have the stacked-layers dimension first; ``x`` is the
     activations of the global batch, ``(B, ...)``; ``riders`` a pytree of other per-row inputs
     (leading dimension B: positions, masks) or None. ``apply_layers(chunk, x, riders)`` applies
     a chunk of the stack (the same pytree, fewer layers) to one microbatch and its riders.
+    ``remat``: the JAX remat policy the layers run under (None: save everything). Under a
+    circular schedule each stage iteration runs under one checkpoint with that policy, and
+    ``apply_layers`` is traced inside ``stage_checkpointed()``.
 
     The batch's data-parallel groups run the pipeline side by side (``jax.vmap`` over the
     groups, partitioned over the batch axes): each group accumulates its own gradients through
@@ -187,7 +209,7 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
         return variable.replace(value)
 
     chunks = jax.tree.map(chunked, layers, is_leaf=lambda node: isinstance(node, nnx.Variable))
-    run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule)
+    run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule, remat)
     if spmd is None:
         return run(chunks, x, riders)
     grouped = lambda leaf: leaf.reshape(groups, rows // groups, *leaf.shape[1:])  # noqa: E731
@@ -196,7 +218,7 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
 
 
 def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str, schedule: Schedule,
-              chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
+              remat: Any, chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
     """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
 
     Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
@@ -224,11 +246,15 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
         else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
             chunk = jax.tree.map(lambda leaf: _pick(leaf, repeat), chunks_of_stage)
         own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
-        with laid_out_already():
-            return apply_layers(chunk, slot, own)
+        token = _STAGE_CHECKPOINTED.set(repeats > 1)
+        try:
+            with laid_out_already():
+                return apply_layers(chunk, slot, own)
+        finally:
+            _STAGE_CHECKPOINTED.reset(token)
 
-    if repeats > 1:
-        stage = jax.checkpoint(stage, policy=remat_policy(_not_layout_only))
+    if repeats > 1:  # one checkpoint per stage iteration, with the layers' remat policy (see _stage_policy)
+        stage = jax.checkpoint(stage, policy=_stage_policy(remat))
 
     # (R, S, ...) -> vmap over S (axis 1); each stage picks its repeat's chunk and its microbatch's riders
     stages_apply = vmap_stages(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
