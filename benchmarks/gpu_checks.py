@@ -140,10 +140,11 @@ def main() -> None:
     if options.only in (None, "plan"):
         result["plan"] = plan_on_this_device((device.memory_stats() or {}).get("bytes_limit"))
     print(json.dumps(result, indent=1))
-    if on_gpu:
+    if on_gpu:  # a part run alone updates its part of the file
         RESULTS.mkdir(exist_ok=True)
-        name = "gpu_checks.json" if options.only is None else f"gpu_checks_{options.only}.json"
-        (RESULTS / name).write_text(json.dumps(result, indent=1) + "\n")
+        path = RESULTS / "gpu_checks.json"
+        earlier = json.loads(path.read_text()) if path.exists() and options.only else {}
+        path.write_text(json.dumps(earlier | result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

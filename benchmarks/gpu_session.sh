@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# What a session with a GPU runs (issue 15), in parts that each fit the device tool's 10-minute call:
+# What a session with a GPU runs (issue 15), in parts that each fit the device tool's 10-minute call
+# (four calls, about 25 minutes of device time with the machine's start):
 #
 #   bash benchmarks/gpu_session.sh mfu       # benchmark 7: MFU, cuDNN attention, top 5 ops of a profile
 #   bash benchmarks/gpu_session.sh vjps      # benchmark 13 on the GPU: custom VJPs vs plain autodiff
-#   bash benchmarks/gpu_session.sh checks    # benchmark 14: cuDNN attention vs XLA, the plan vs a GPU compile
+#   bash benchmarks/gpu_session.sh attention # benchmark 14: cuDNN attention vs XLA in the model
+#   bash benchmarks/gpu_session.sh plan      # benchmark 14: the plan's peak vs the GPU's compile
 #
 # It runs shardax from this checkout (PYTHONPATH=src) with the machine's own JAX, flax and optax,
 # and copies each result to $OUT when that is set (the device tool brings $OUT's files back).
@@ -16,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 case "${1:-}" in
   mfu) "$PYTHON" benchmarks/mfu.py; result=mfu.json ;;
   vjps) "$PYTHON" benchmarks/layer_vjps.py --steps 30; result=layer_vjps_gpu.json ;;
-  checks) "$PYTHON" benchmarks/gpu_checks.py; result=gpu_checks.json ;;
-  *) echo "usage: bash benchmarks/gpu_session.sh mfu|vjps|checks" >&2; exit 2 ;;
+  attention|plan) "$PYTHON" benchmarks/gpu_checks.py --only "$1"; result=gpu_checks.json ;;
+  *) echo "usage: bash benchmarks/gpu_session.sh mfu|vjps|attention|plan" >&2; exit 2 ;;
 esac
 if [ -n "${OUT:-}" ]; then cp "benchmarks/results/$result" "$OUT/"; fi
