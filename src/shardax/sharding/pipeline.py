@@ -118,10 +118,12 @@ def _not_layout_only(primitive: Any, *avals: Any, **params: Any) -> bool:
 def _stage_policy(policy: Any) -> Any:
     """The policy of a circular schedule's stage checkpoint: what the layers' remat ``policy``
     saves (everything if None), less pure layout ops, the picked chunk and what shardax never saves."""
-    def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
-        return _not_layout_only(primitive) and (policy is None or policy(primitive, *avals, **params))
+    layers = remat_policy(policy)
 
-    return remat_policy(decide, save_custom_vjps=policy is not jax.checkpoint_policies.nothing_saveable)
+    def decide(primitive: Any, *avals: Any, **params: Any) -> bool:
+        return _not_layout_only(primitive) and layers(primitive, *avals, **params)
+
+    return decide
 
 
 _STAGE_CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_stage_checkpointed", default=False)
