@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardax import DeviceMeshManager
 from shardax.model_parallel import parallelize
-from shardax.models.transformer import TransformerLM, next_token_loss
+from shardax.models.transformer import TransformerLM, next_token_loss, weighted_next_token_loss
 from small_models import (AnnotatedMLP, assert_trees_close, mse_loss, regression_batches, tiny_transformer_config,
                           token_batches)
 
@@ -130,22 +130,69 @@ def test_initial_values_do_not_depend_on_the_strategy():
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.init(3).params), jax.device_get(sharded.init(3).params))
 
 
-@pytest.mark.parametrize("strategy, mesh_shape", [("fsdp_tp", "data=4,model=2"), ("dp", "data=8")])
-def test_gradient_accumulation_equals_the_full_batch(strategy, mesh_shape):
-    """fsdp_tp accumulates in the sharded program; dp per device, inside shard_map."""
+def uneven_token_batches(kind, steps=2, batch_size=16, length=17, vocab=64, seed=0):
+    """Token rows whose counted predictions differ from row to row: ``padded`` rows end in
+    padding (segment 0) after 2 to 17 tokens, ``packed`` rows hold several documents and then
+    padding; ``plain`` rows all count."""
+    rng = np.random.default_rng(seed)
+    for batch in token_batches(steps, batch_size, length, vocab, seed):
+        if kind == "plain":
+            yield batch
+            continue
+        segments = np.zeros((batch_size, length), np.int32)
+        for row in range(batch_size):
+            used = int(rng.integers(2, length + 1))
+            cuts = np.sort(rng.choice(np.arange(1, used), size=min(2, used - 1), replace=False)) if kind == "packed" else []
+            segments[row, :used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
+        yield {**batch, "segments": segments}
+
+
+def masked_mse(model, batch):
+    """A user's loss over the rows that count (``mask``), reporting how many did."""
+    mask = batch["mask"]
+    errors = ((model(batch["inputs"]) - batch["targets"]) ** 2).mean(-1)
+    count = mask.sum()
+    return (errors * mask).sum() / jax.numpy.maximum(count, 1.0), {"weight": count}
+
+
+def masked_regression_batches(steps=2, batch_size=32):
+    rng = np.random.default_rng(1)
+    for batch in regression_batches(steps, batch_size):
+        yield {**batch, "mask": (rng.random(batch_size) < np.linspace(0.1, 0.9, batch_size)).astype(np.float32)}
+
+
+ACCUMULATION = {  # (model, loss, batches, strategy, mesh)
+    "lm plain": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), weighted_next_token_loss,
+                 lambda: uneven_token_batches("plain", batch_size=32), "fsdp_tp", "data=4,model=2"),
+    "lm packed": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), weighted_next_token_loss,
+                  lambda: uneven_token_batches("packed"), "fsdp_tp", "data=4,model=2"),
+    "lm padded": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), weighted_next_token_loss,
+                  lambda: uneven_token_batches("padded"), "dp", "data=8"),
+    "user weighted loss": (lambda rngs: AnnotatedMLP(rngs), masked_mse, masked_regression_batches, "zero2", "data=4,model=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(ACCUMULATION))
+def test_gradient_accumulation_is_the_same_update_as_the_full_batch(case):
+    """2 and 4 microbatches give the full batch's loss and parameters within 1e-6 relative, also when
+    microbatches count different numbers of tokens (packed or padded rows) or rows (a user's
+    masked loss reporting its weight): each microbatch is weighted by what it counts."""
+    factory, loss_fn, batches, strategy, mesh_shape = ACCUMULATION[case]
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
-    factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
     results = {}
-    for accum in (1, 4):
-        # SGD keeps parameters linear in the gradients, so this compares the gradients tightly
-        # (Adam would amplify rounding on near-zero gradients, see above).
-        parallel = parallelize(factory, optax.sgd(0.5, momentum=0.9), mesh, strategy)
-        state, step = parallel.init(), parallel.train_step(next_token_loss, grad_accum=accum)
+    for accum in (1, 2, 4):
+        # SGD keeps parameters linear in the gradients, so this compares the gradients tightly.
+        parallel = parallelize(factory, optax.sgd(0.5), mesh, strategy)
+        state, step = parallel.init(), parallel.train_step(loss_fn, grad_accum=accum)
         losses = []
-        for batch in token_batches(5, batch_size=32):
+        for batch in batches():
             state, metrics = step(state, parallel.place_batch(batch))
             losses.append(float(metrics["loss"]))
         results[accum] = (losses, jax.device_get(state.params))
-    np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
-    assert results[1][0][-1] < results[1][0][0]
-    assert_trees_close(results[4][1], results[1][1], rtol=1e-5, atol=1e-6)
+        assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+    for accum in (2, 4):
+        np.testing.assert_allclose(results[accum][0], results[1][0], rtol=1e-6)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[accum][1]), jax.tree.leaves(results[1][1])):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            relative = np.linalg.norm(a - b) / np.linalg.norm(b)  # each tensor, as a whole
+            assert relative <= 1e-6, f"grad_accum={accum}: {jax.tree_util.keystr(path)} is {relative:.2g} off"

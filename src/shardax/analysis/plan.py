@@ -22,7 +22,7 @@ from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import parallelize
-from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
+from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
 from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import STRATEGIES, default_mesh, get_strategy
 
@@ -72,7 +72,7 @@ def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1, *
     (``pipeline``: ``microbatches`` and ``pipeline_repeats`` under a pipeline strategy)."""
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
-    step = parallel.train_step(next_token_loss, grad_accum=grad_accum, **pipeline)
+    step = parallel.train_step(weighted_next_token_loss, grad_accum=grad_accum, **pipeline)
     return step.lower(parallel.abstract_state, batch).compile()
 
 

@@ -27,7 +27,7 @@ from shardax.data.prepare import INDEX, prepare
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
 from shardax.data.tokenizer import padded_vocab
 from shardax.errors import UsageError
-from shardax.models.transformer import next_token_loss, token_losses
+from shardax.models.transformer import token_losses, weighted_next_token_loss
 
 
 def global_rows(rows: np.ndarray, sharding: Any) -> jax.Array:
@@ -70,8 +70,8 @@ class ByteText:
 
     @staticmethod
     def eval_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        loss = next_token_loss(model, batch)
-        return loss, {"bits_per_byte": loss / math.log(2)}
+        loss, weight = weighted_next_token_loss(model, batch)
+        return loss, {"bits_per_byte": loss / math.log(2), **weight}
 
     def prompt(self, length: int) -> list[int]:
         return list(bytes(self.corpus.validation[:length]))
@@ -112,7 +112,8 @@ class TokenShards:
         nats = (losses * weights).sum()
         loss = nats / jnp.maximum(weights.sum(), 1.0)
         per_byte = nats / jnp.maximum(batch["target_bytes"].sum().astype(jnp.float32), 1.0)
-        return loss, {"bits_per_token": loss / math.log(2), "bits_per_byte": per_byte / math.log(2)}
+        return loss, {"bits_per_token": loss / math.log(2), "bits_per_byte": per_byte / math.log(2),
+                      "weight": weights.sum()}
 
     def prompt(self, length: int) -> list[int]:
         return [int(t) for t in self.data.validation.read(0, length)]

@@ -22,7 +22,8 @@ from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
-from shardax.models.transformer import TransformerConfig, TransformerLM, attention_implementation, next_token_loss
+from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
+                                        weighted_next_token_loss)
 from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say
@@ -140,8 +141,8 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, next_token_loss, mesh=mesh, strategy=strategy,
-                      grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
+    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=mesh,
+                      strategy=strategy, grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
                       learning_rate=schedule, name="shardax train")
     return trainer, data, run, _changes(record, config, mesh, model)
 

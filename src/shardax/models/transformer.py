@@ -377,3 +377,14 @@ def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Ar
     if "segments" not in batch:
         return losses.mean()
     return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+
+
+def weighted_next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+    """``next_token_loss`` and, as ``"weight"``, how many predictions it is the mean of: the
+    loss ``shardax train`` trains on, so that microbatches of packed or padded rows, which count
+    different numbers of tokens, accumulate to the whole batch's update."""
+    losses, weights = token_losses(model, batch)
+    if "segments" not in batch:
+        return losses.mean(), {"weight": jnp.asarray(losses.size, jnp.float32)}
+    count = weights.sum()
+    return (losses * weights).sum() / jnp.maximum(count, 1.0), {"weight": count}

@@ -26,7 +26,7 @@ from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.sharding.compute import gather_for_compute
-from shardax.step.loss import LossFn, split_loss
+from shardax.step.loss import WEIGHT, LossFn, split_loss, weighted_mean
 from shardax.step.microbatches import split_microbatches
 from shardax.step.state import TrainState
 
@@ -61,7 +61,9 @@ def build_train_step(
     the loss is traced, so layers that read their weights through ``for_compute`` gather (and
     reduce-scatter) them one layer at a time. The metrics
     are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
-    mean over the global batch (and over microbatches), and ``skipped_steps``.
+    mean over the global batch, and ``skipped_steps``. With ``grad_accum`` microbatches, each
+    counts by the ``"weight"`` its loss reports (equally when none): sums divided once by the
+    total weight, which is the whole batch's mean however its tokens fall.
 
     A step whose loss or gradient norm is NaN or infinite changes nothing but ``step`` and
     ``skipped`` (its update, optimizer state and model state are dropped in the program, so
@@ -79,35 +81,47 @@ def build_train_step(
             return value
         return gather_for_compute(value, compute, gradient)
 
-    def forward(params: Any, rest: Any, batch: Any) -> tuple[jax.Array, tuple[Metrics, Any]]:
+    def forward(params: Any, rest: Any, batch: Any, weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
+        """The loss to differentiate: the mean, or with ``weighted`` the mean times its weight (a
+        sum), and the metrics (times the weight too) with the weight itself and the new state."""
         params = jax.tree.map(for_compute, params, compute_shardings, gradient_shardings, param_shardings)
         model = _model(graphdef, params, rest, training=True)
         with layer_layout():
-            loss, metrics = split_loss(loss_fn(model, batch))
+            loss, metrics, weight = split_loss(loss_fn(model, batch))
+        if weighted:
+            weight = jnp.ones((), jnp.float32) if weight is None else weight
+            loss, metrics = loss * weight, {**{k: v * weight for k, v in metrics.items()}, WEIGHT: weight}
         return loss, (metrics, nnx.split(model, nnx.Param, ...)[2])
-
-    grad_fn = jax.value_and_grad(forward, has_aux=True)
 
     def gradients(params: Any, rest: Any, batch: Any) -> tuple[Metrics, Any, Any]:
         if grad_accum == 1:
-            (loss, (metrics, rest)), grads = grad_fn(params, rest, batch)
+            (loss, (metrics, rest)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, batch, False)
             return {"loss": loss, **metrics}, grads, rest
+
+        # Each microbatch adds its loss times its weight (its token count, or 1 when the loss
+        # reports none) and the gradient of that; the sums are divided once by the total weight,
+        # so the update is the whole batch's even when microbatches count different numbers of
+        # tokens. Sums are float32, the gradient sum laid out like the gradients.
+        grad_fn = jax.value_and_grad(functools.partial(forward, weighted=True), has_aux=True)
 
         def accumulate(carry: tuple[Metrics, Any, Any], micro: Any) -> tuple[tuple[Metrics, Any, Any], None]:
             sums, grad_sum, rest = carry
             micro = jax.lax.with_sharding_constraint(micro, batch_sharding)
             (loss, (metrics, rest)), grads = grad_fn(params, rest, micro)
             sums = jax.tree.map(jnp.add, sums, {"loss": loss, **metrics})
-            return (sums, jax.tree.map(jnp.add, grad_sum, grads), rest), None
+            grad_sum = jax.tree.map(lambda total, g: total + g.astype(jnp.float32), grad_sum, grads)
+            return (sums, jax.lax.with_sharding_constraint(grad_sum, gradient_shardings), rest), None
 
         micro = split_microbatches(batch, grad_accum)
         first = jax.tree.map(lambda leaf: leaf[0], micro)
         shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0])
-        sums = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), {"loss": shapes[0], **shapes[1][0]})
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        sums = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), {"loss": shapes[0], **shapes[1][0]})
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.lax.with_sharding_constraint(zeros, gradient_shardings)
         (sums, grads, rest), _ = jax.lax.scan(accumulate, (sums, zeros, rest), micro)
-        mean = functools.partial(jax.tree.map, lambda total: total / grad_accum)
-        return mean(sums), mean(grads), rest
+        total = sums.pop(WEIGHT)
+        grads = jax.tree.map(lambda g, p: weighted_mean(g, total).astype(p.dtype), grads, params)
+        return {name: weighted_mean(value, total) for name, value in sums.items()}, grads, rest
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         metrics, grads, rest = gradients(state.params, state.rest, batch)
@@ -138,13 +152,14 @@ def build_eval_step(
     layer_layout: Callable[[], Any] = contextlib.nullcontext,
 ) -> Callable[[TrainState, Any], Metrics]:
     """The un-jitted ``(state, batch) -> metrics``: the model in eval mode (running averages, no
-    dropout); whatever it changes while evaluating is dropped, so the training state never moves."""
+    dropout); whatever it changes while evaluating is dropped, so the training state never moves.
+    A weight the loss reports comes back as ``metrics["weight"]`` (to average batches by)."""
 
     def evaluate(state: TrainState, batch: Any) -> Metrics:
         params = jax.lax.with_sharding_constraint(state.params, compute_shardings)
         model = _model(graphdef, params, state.rest, training=False)
         with layer_layout():
-            loss, metrics = split_loss(loss_fn(model, batch))
-        return {"loss": loss, **metrics}
+            loss, metrics, weight = split_loss(loss_fn(model, batch))
+        return {"loss": loss, **metrics, **({} if weight is None else {WEIGHT: weight})}
 
     return evaluate

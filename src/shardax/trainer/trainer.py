@@ -28,7 +28,7 @@ from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
 from shardax.sharding.place import place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
-from shardax.step.loss import LossFn
+from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.state import TrainState
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
@@ -42,6 +42,8 @@ class Trainer:
         once more to initialise it straight into its shards.
       optimizer: any ``optax.GradientTransformation``.
       loss_fn: ``loss_fn(model, batch) -> loss`` or ``(loss, {"name": scalar})``, means over the batch.
+        A mean over a varying count (tokens that are not padding) reports it as ``"weight"``:
+        gradient accumulation and evaluation then weight by it (the same update as one batch).
         The model is in training mode (``model.train()``); what it updates in ``__call__``
         (BatchNorm statistics, Dropout's RNG counters, your own Variables) is kept.
       mesh: a ``jax.sharding.Mesh``, a shape such as ``"data=4,model=2"``, or ``None`` (every
@@ -111,22 +113,26 @@ class Trainer:
         return place_batch(batch, self.parallel.layout.batch())
 
     def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]:
-        """Metrics of ``data`` (an iterable of batches) in eval mode, averaged over its rows.
+        """Metrics of ``data`` (an iterable of batches) in eval mode, averaged over its rows (over
+        the weight its loss reports, when it reports one: see ``shardax.step.loss``).
 
         Nothing changes: not the state, not the RNG streams, not the batch statistics.
         """
         state = state if state is not None else self.state if self.state is not None else self.init()
         totals: dict[str, float] = {}
-        rows = 0
+        rows, weight = 0, 0.0
         for batch in evaluation_batches(data)():
             placed = self.place(batch)
+            metrics = dict(self.eval_step()(state, placed))
             count = batch_rows(placed)
-            for name, value in self.eval_step()(state, placed).items():
-                totals[name] = totals.get(name, 0.0) + host_float(value) * count
-            rows += count
+            # a loss that reports its weight (tokens that count) is averaged by it, else by rows
+            batch_weight = host_float(metrics.pop(WEIGHT)) if WEIGHT in metrics else float(count)
+            for name, value in metrics.items():
+                totals[name] = totals.get(name, 0.0) + host_float(value) * batch_weight
+            rows, weight = rows + count, weight + batch_weight
         if not rows:
             raise UsageError("eval_data gave no batches; give at least one batch to evaluate on")
-        return {name: total / rows for name, total in totals.items()}
+        return {name: total / weight if weight else 0.0 for name, total in totals.items()}
 
     def model(self, state: TrainState | None = None) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded)."""
