@@ -134,7 +134,7 @@ def test_init_goes_straight_into_shards():
 
     from shardax.model_parallel import _build_state
 
-    init = jax.jit(functools.partial(_build_state, parallel.factory, parallel.tx, 0),
+    init = jax.jit(functools.partial(_build_state, parallel.factory, parallel.tx, 0, parallel.mesh),
                    out_shardings=parallel.state_shardings)
     memory = init.lower().compile().memory_analysis()
     assert memory.output_size_in_bytes == pytest.approx(full / 8, rel=0.02)

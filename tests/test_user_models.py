@@ -45,7 +45,8 @@ def variables(model, kind):
 def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, model_name, grad_accum):
     factory, batches = USER_MODELS[model_name]
     expected, ref_model = reference(model_name, grad_accum)
-    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
+                           loss_fn=classification_loss, example_batch=next(batches(1)))
     state, step = parallel.init(seed=0), parallel.train_step(classification_loss, grad_accum=grad_accum)
     history = []
     for batch in batches(STEPS):
@@ -74,7 +75,8 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
 def test_evaluation_runs_in_eval_mode_and_leaves_the_state_alone(strategy, mesh_shape, model_name):
     factory, batches = USER_MODELS[model_name]
     _, ref_model = reference(model_name, 1)
-    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    parallel = parallelize(factory, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
+                           loss_fn=classification_loss, example_batch=next(batches(1)))
     state, step = parallel.init(seed=0), parallel.train_step(classification_loss, donate=False)
     for batch in batches(STEPS):
         state, _ = step(state, parallel.place_batch(batch))

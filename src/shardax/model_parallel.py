@@ -18,27 +18,32 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
+from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
 from shardax.sharding.compute import compute_layout
 from shardax.sharding.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, context_parallel
 from shardax.sharding.pipeline import Schedule, pipelined
+from shardax.sharding.derive import Derived, derive_tensor_parallel
 from shardax.sharding.layout import Layout
-from shardax.sharding.place import place_batch
+from shardax.sharding.paths import path_to_str
+from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.strategies import Strategy, get_strategy
 from shardax.step.train import build_eval_step, build_train_step
-from shardax.step.loss import LossFn
+from shardax.step.loss import LossFn, split_loss
 from shardax.step.state import TrainState
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
-def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    # Flax would otherwise place annotated variables itself, eagerly, with its own rules.
-    with nnx.use_eager_sharding(False):
+def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+    # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
+    # the mesh, so that a model's own sharding constraints resolve while it is built.
+    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     zero = jax.numpy.zeros((), jax.numpy.int32)
@@ -73,7 +78,7 @@ class ParallelModel:
 
     def init(self, seed: int = 0) -> TrainState:
         """Initialise straight into shards: each device computes only what it holds."""
-        build = functools.partial(_build_state, self.factory, self.tx, seed)
+        build = functools.partial(_build_state, self.factory, self.tx, seed, self.mesh)
         return jax.jit(build, out_shardings=self.state_shardings)()
 
     def place_batch(self, batch: Any) -> Any:
@@ -162,7 +167,9 @@ class ParallelModel:
 
     @contextlib.contextmanager
     def _layer_layout(self, schedule: Schedule | None = None, context: str | None = None) -> Iterator[None]:
-        with compute_layout(self.mesh, self.strategy), contextlib.ExitStack() as stack:
+        # The model runs under the mesh: its own constraints (bare PartitionSpecs) resolve there.
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), compute_layout(self.mesh, self.strategy), \
+                contextlib.ExitStack() as stack:
             if schedule is not None:
                 stack.enter_context(pipelined(self.mesh, self.strategy.pipeline_axis, schedule,
                                               self.strategy.batch_axes))
@@ -178,14 +185,39 @@ class ParallelModel:
 
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh,
-                strategy: str | Strategy = "dp") -> ParallelModel:
-    """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only."""
+                strategy: str | Strategy = "dp", *, axis_names: AxisNames = None, loss_fn: LossFn | None = None,
+                example_batch: Any = None) -> ParallelModel:
+    """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only.
+
+    Args:
+      axis_names: for a model annotated with its own mesh axis names (weights declared with
+        ``("fsdp", "tp")``, activations constrained to ``P("fsdp", None, "tp")``), which of
+        shardax's mesh axes each plays, e.g. ``{"fsdp": "data", "tp": "model"}`` or
+        ``"fsdp=data,tp=model"`` (``shardax.sharding.axis_names``). The layout's mesh is then
+        ``mesh`` under those names.
+      loss_fn, example_batch: the loss and one batch (arrays, or ``jax.ShapeDtypeStruct``s of the
+        global batch). Under ``tp``, ``fsdp_tp`` and ``pp_tp`` the weights that carry no logical
+        names are split as Megatron would, read off ``loss_fn``'s program on that batch
+        (``shardax.sharding.derive``): attention heads, MLP hidden and conv channels between
+        the weights that produce and consume them, vocabularies of embeddings and output heads.
+
+    A strategy whose tensor axis would split no weight at all is refused here: the devices of
+    each group on that axis would only repeat each other's work. ``layout.notes()`` lists every
+    weight left whole on it, and why.
+    """
+    mapping = parse_axis_names(axis_names)
     strategy = get_strategy(strategy)
     strategy.check_mesh(mesh)
+    mesh, strategy = named_mesh(mesh, mapping), named_strategy(strategy, mapping)
     with nnx.use_eager_sharding(False):
         graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
-    abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0))
-    layout = Layout.create(abstract.params, mesh, strategy)
+    abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh))
+    derived = None
+    tensor = strategy.tensor_axis(mesh)
+    if tensor is not None and loss_fn is not None and example_batch is not None:
+        derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
+    layout = Layout.create(abstract.params, mesh, strategy, derived)
+    _check_tensor_axis(layout, tensor)
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=layout.params(abstract.params),
@@ -194,6 +226,39 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
     return ParallelModel(factory, tx, graphdef, layout, abstract, shardings)
+
+
+def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any, mesh: Mesh,
+            tensor: str) -> Derived:
+    """Megatron's split of the model's unannotated weights over ``tensor``, read off ``loss_fn``'s
+    program on ``example_batch`` (traced on shapes only, in training mode, under the mesh)."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract.params)
+    paths = [path_to_str(keypath) for keypath, _ in leaves]
+    treedef = jax.tree.structure(abstract.params)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
+        x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)), example_batch)
+
+    def loss(params: dict[str, Any], rest: Any, batch: Any) -> Any:
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(params.values())), rest, copy=True)
+        model.train()
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return split_loss(loss_fn(model, batch))[0]
+
+    return derive_tensor_parallel(loss, dict(zip(paths, (leaf for _, leaf in leaves))), abstract.rest, batch,
+                                  mesh.shape[tensor])
+
+
+def _check_tensor_axis(layout: Layout, tensor: str | None) -> None:
+    """Refuse a tensor axis that would split nothing: its devices would repeat each other's work."""
+    if tensor is None or any(tensor in spec_axes(entry) for leaf in layout.leaves.values() for entry in leaf.spec):
+        return
+    reasons = layout.whole_on_tensor_axis()
+    first = next(iter(reasons), "the model has no parameters")
+    raise UsageError(
+        f"strategy {layout.strategy.name!r} splits no weight of this model over {tensor}={layout.mesh.shape[tensor]}, "
+        f"so its {tensor} devices would repeat each other's work ({first}); use fsdp or dp on this mesh's devices, "
+        f"annotate the weights, or give loss_fn and example_batch so shardax reads the split off the model"
+    )
 
 
 def reshard(tree: Any, target: Any) -> Any:

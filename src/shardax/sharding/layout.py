@@ -15,8 +15,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.sharding.derive import Derived
 from shardax.sharding.paths import path_to_str
-from shardax.sharding.rules import logical_axes_of
+from shardax.sharding.place import spec_axes
+from shardax.errors import UsageError
+from shardax.mesh import describe_mesh
+from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of
 from shardax.sharding.strategies import Strategy, get_strategy
 
 
@@ -32,29 +36,67 @@ class LeafLayout:
     compute_spec: PartitionSpec
     optimizer_spec: PartitionSpec
     notes: tuple[str, ...] = ()
+    whole: str | None = None  # why it stays whole on the strategy's tensor axis (None: split there, or no such axis)
 
 
 def _is_variable(node: Any) -> bool:
     return isinstance(node, nnx.Variable)
 
 
-def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy | str) -> dict[str, LeafLayout]:
-    """``{path: LeafLayout}`` for every parameter of an (abstract or concrete) state."""
+def check_names(params: Any, mesh: Mesh, strategy: Strategy) -> None:
+    """Every axis name the parameters are annotated with has a rule or is a mesh axis; else one
+    line listing the names the model uses and how to map them."""
+    used = sorted({name for node in jax.tree.leaves(params, is_leaf=_is_variable) if _is_variable(node)
+                   for name in (logical_axes_of(node) or ()) if name is not None})
+    known = {name for name, _ in strategy.param_rules} | set(mesh.axis_names)
+    unknown = [name for name in used if name not in known]
+    if unknown:
+        example = ", ".join(f"{name!r}: {axis!r}" for name, axis in zip(unknown, ("data", "model", "replica")))
+        raise UsageError(
+            f"the model's parameters are annotated with axis names {used}; {unknown} are neither shardax's "
+            f"logical axes {list(LOGICAL_AXES[1:])} nor axes of the mesh {describe_mesh(mesh)}: say which mesh "
+            f"axis (data, model, replica) each plays with axis_names={{{example}}}"
+        )
+
+
+def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy | str,
+                 derived: Derived | None = None) -> dict[str, LeafLayout]:
+    """``{path: LeafLayout}`` for every parameter of an (abstract or concrete) state.
+
+    ``derived``: tensor parallelism read off the model's program, for parameters that carry no
+    logical names (``shardax.sharding.derive``). Under a strategy that splits weights over a
+    tensor axis, each parameter left whole on it says why in ``LeafLayout.whole``."""
     strategy = get_strategy(strategy)
     strategy.check_mesh(mesh)
+    check_names(params, mesh, strategy)
+    tensor = strategy.tensor_axis(mesh)
     layouts = {}
     for keypath, node in jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_variable):
         path = path_to_str(keypath)
         value = node.get_value() if _is_variable(node) else node
         shape = tuple(np.shape(value))
-        logical = logical_axes_of(node) if _is_variable(node) else None
+        annotated = logical_axes_of(node) if _is_variable(node) else None
+        logical = annotated if annotated is not None else derived.logical.get(path) if derived else None
         spec, notes = strategy.param_spec(logical, shape, mesh, f"parameter {path!r}")
+        whole = None
+        if tensor is not None and shape and not any(tensor in spec_axes(entry) for entry in spec):
+            whole = _why_whole(path, annotated, logical, derived, tensor)
         layouts[path] = LeafLayout(
             path=path, shape=shape, dtype=getattr(value, "dtype", None), logical=logical, spec=spec,
             compute_spec=strategy.compute_spec(spec),
-            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh, logical), notes=tuple(notes),
+            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh, logical), notes=tuple(notes), whole=whole,
         )
     return layouts
+
+
+def _why_whole(path: str, annotated: Any, logical: Any, derived: Derived | None, tensor: str) -> str:
+    if annotated is not None:
+        return f"annotated {tuple(annotated)}: none of these names is split over {tensor} here"
+    if derived is None:
+        return "no logical names, and no example batch to read its split from (parallelize(..., loss_fn, example_batch))"
+    if logical is not None:
+        return "its split did not divide"
+    return derived.whole.get(path, "not used by the loss")
 
 
 def _shardings(tree: Any, mesh: Mesh, spec_of: Any) -> Any:
@@ -82,9 +124,9 @@ class Layout:
     leaves: dict[str, LeafLayout]
 
     @classmethod
-    def create(cls, params: Any, mesh: Mesh, strategy: Strategy | str) -> "Layout":
+    def create(cls, params: Any, mesh: Mesh, strategy: Strategy | str, derived: Derived | None = None) -> "Layout":
         strategy = get_strategy(strategy)
-        return cls(mesh=mesh, strategy=strategy, leaves=leaf_layouts(params, mesh, strategy))
+        return cls(mesh=mesh, strategy=strategy, leaves=leaf_layouts(params, mesh, strategy, derived))
 
     def _param_spec(self, attribute: str) -> Any:
         def spec_of(path: str, leaf: Any) -> PartitionSpec:
@@ -131,5 +173,20 @@ class Layout:
         return NamedSharding(self.mesh, self.strategy.batch_spec(self.mesh))
 
     def notes(self) -> list[str]:
-        """One line per parameter that fell back (a dimension that did not divide)."""
-        return [f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in self.leaves.values() if leaf.notes]
+        """One line per parameter that fell back (a dimension that did not divide), and one per
+        parameter that stays whole on the strategy's tensor axis, with why."""
+        tensor = self.strategy.tensor_axis(self.mesh)
+        return ([f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in self.leaves.values() if leaf.notes]
+                + [f"{leaf.path}: whole on {tensor}: {leaf.whole}" for leaf in self.leaves.values() if leaf.whole])
+
+    def whole_on_tensor_axis(self) -> dict[str, list[str]]:
+        """``{reason: [path patterns]}`` of the parameters left whole on the tensor axis, layer
+        numbers folded into ``*`` (``layers/*/input_layernorm/weight``)."""
+        grouped: dict[str, list[str]] = {}
+        for leaf in self.leaves.values():
+            if leaf.whole:
+                pattern = "/".join("*" if part.isdigit() else part for part in leaf.path.split("/"))
+                patterns = grouped.setdefault(leaf.whole, [])
+                if pattern not in patterns:
+                    patterns.append(pattern)
+        return grouped

@@ -67,6 +67,15 @@ class Strategy:
                 f"{describe_mesh(mesh)}; use e.g. --mesh {example}"
             )
 
+    def tensor_axis(self, mesh: Mesh) -> str | None:
+        """The mesh axis this strategy splits weights' hidden dimensions over (Megatron's ``model``),
+        if the mesh has it with more than one device."""
+        for name, target in self.param_rules:
+            if name == "mlp":
+                axes = [a for a in spec_axes(target) if mesh.shape.get(a, 1) > 1]
+                return axes[0] if axes else None
+        return None
+
     def param_spec(
         self, logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, where: str
     ) -> tuple[PartitionSpec, list[str]]:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
+from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
@@ -60,19 +61,28 @@ class Trainer:
       eval_loss_fn: what evaluation computes, in eval mode; defaults to ``loss_fn``.
       learning_rate: the optimizer's schedule (or constant), only to log ``lr``.
       name: the title of what is printed (``shardax train`` for the LM).
+      axis_names: for a model annotated with mesh axis names of its own (``("fsdp", "tp")`` on its
+        weights, ``P("fsdp", None, "tp")`` on activations), which shardax mesh axis each name
+        plays: ``{"fsdp": "data", "tp": "model"}`` or ``"fsdp=data,tp=model"`` (a YAML mapping
+        works too). The model then runs on the mesh under its own names.
+      example_batch: one batch (or its ``jax.ShapeDtypeStruct``s); under ``tp``, ``fsdp_tp`` and
+        ``pp_tp`` the weights without logical names are split as Megatron would, read off what
+        ``loss_fn`` computes on it (see ``parallelize``).
     """
 
     def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                  mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
                  microbatches: int | None = None, pipeline_repeats: int = 1, context_attention: str = "all-gather",
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
-                 learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax") -> None:
+                 learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
+                 axis_names: AxisNames = None, example_batch: Any = None) -> None:
         strategy = get_strategy(strategy)
         if not isinstance(mesh, Mesh):
             mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
         if grad_accum < 1:
             raise UsageError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
-        self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy)
+        self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy, axis_names=axis_names,
+                                                   loss_fn=loss_fn, example_batch=example_batch)
         self.pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats,
                          "context_attention": context_attention}
         self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
@@ -160,7 +170,12 @@ class Trainer:
                    else "keys and values passed round a ring")
             lines.append(f"context: each sequence split {shards} ways over context, zig-zag order ({2 * shards} chunks, "
                          f"each device two), {how}")
-        return lines + [f"  replicated or moved: {note}" for note in self.parallel.layout.notes()[:5]]
+        layout = self.parallel.layout
+        fallbacks = [f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in layout.leaves.values() if leaf.notes]
+        tensor = self.strategy.tensor_axis(self.mesh)
+        whole = [f"  whole on {tensor}: {', '.join(paths)}: {reason}"
+                 for reason, paths in layout.whole_on_tensor_axis().items()]
+        return lines + [f"  replicated or moved: {note}" for note in fallbacks[:5]] + whole
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
             log_every: int = 10, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
