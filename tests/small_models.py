@@ -54,7 +54,7 @@ def train_transformer(config, mesh, strategy, *, steps=20, batch_size=32, lr=3e-
     return losses, state, parallel
 
 
-def assert_trained_like(losses, state, reference, parallel, share=0.99):
+def assert_trained_like(losses, state, reference, parallel, share=0.98):
     """A run of 20 AdamW steps against one device's (``reference``: its losses and state).
 
     - losses within 1e-5 relative, and falling;

@@ -111,6 +111,9 @@ CASES = [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
     (["--metrics", "{root}/empty"], "is a directory; give a file name"),
+    # refused by the first step's trace, before the metrics file or a checkpoint is written
+    (["--mesh", "data=2,context=4", "--seq-len", "30", "--metrics", "{root}/new.jsonl", "--checkpoint-dir",
+      "{root}/new"], "of 30 tokens does not cut into 8 equal chunks"),
     (["--metrics", "/proc/shardax/m.jsonl"], "cannot be written"),
 ]
 

@@ -32,6 +32,7 @@ from shardax.sharding.derive import Derived, derive_tensor_parallel
 from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
+from shardax.sharding.rules import logical_axes_of
 from shardax.sharding.strategies import Strategy, get_strategy
 from shardax.step.train import build_eval_step, build_train_step
 from shardax.step.loss import LossFn, split_loss
@@ -214,10 +215,11 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
     abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh))
     derived = None
     tensor = strategy.tensor_axis(mesh)
-    if tensor is not None and loss_fn is not None and example_batch is not None:
+    if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
     _check_tensor_axis(layout, tensor)
+    _check_pipeline_axis(layout)
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=layout.params(abstract.params),
@@ -226,6 +228,11 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
     return ParallelModel(factory, tx, graphdef, layout, abstract, shardings)
+
+
+def _all_annotated(params: Any) -> bool:
+    variables = jax.tree.leaves(params, is_leaf=lambda node: isinstance(node, nnx.Variable))
+    return all(isinstance(v, nnx.Variable) and logical_axes_of(v) is not None for v in variables)
 
 
 def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any, mesh: Mesh,
@@ -246,6 +253,16 @@ def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, examp
 
     return derive_tensor_parallel(loss, dict(zip(paths, (leaf for _, leaf in leaves))), abstract.rest, batch,
                                   mesh.shape[tensor])
+
+
+def _check_pipeline_axis(layout: Layout) -> None:
+    """Refuse a pipeline for a model with no stack of layers to cut into stages."""
+    axis = layout.strategy.pipeline_axis
+    if axis is None or any("layers" in (leaf.logical or ()) for leaf in layout.leaves.values()):
+        return
+    raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, and this "
+                     "model has none (no parameter with a leading 'layers' axis, as TransformerLM's scanned blocks "
+                     "have), so every stage would repeat the same work; use dp, fsdp, tp or fsdp_tp")
 
 
 def _check_tensor_axis(layout: Layout, tensor: str | None) -> None:

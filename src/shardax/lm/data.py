@@ -44,6 +44,8 @@ def _unigram_nats(tokens: np.ndarray, vocab: int) -> float:
 class ByteText:
     """Text files read into memory; every byte a token (vocabulary 256), random windows."""
 
+    batch_keys = ("tokens",)  # what each batch holds: (batch, seq_len + 1) int32 arrays
+
     tokenizer_fingerprint = None
 
     def __init__(self, paths: list[str] | None, seq_len: int) -> None:
@@ -82,6 +84,8 @@ class ByteText:
 
 class TokenShards:
     """Shards written by ``shardax prepare``, packed into windows and read lazily."""
+
+    batch_keys = ("tokens", "segments", "positions")
 
     def __init__(self, root: Path) -> None:
         self.data = PreparedData(root)

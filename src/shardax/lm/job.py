@@ -12,6 +12,8 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
@@ -141,9 +143,10 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
+    example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=mesh,
                       strategy=strategy, grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
-                      learning_rate=schedule, name="shardax train")
+                      learning_rate=schedule, name="shardax train", example_batch=example)
     return trainer, data, run, _changes(record, config, mesh, model)
 
 

@@ -65,9 +65,11 @@ class Trainer:
         weights, ``P("fsdp", None, "tp")`` on activations), which shardax mesh axis each name
         plays: ``{"fsdp": "data", "tp": "model"}`` or ``"fsdp=data,tp=model"`` (a YAML mapping
         works too). The model then runs on the mesh under its own names.
-      example_batch: one batch (or its ``jax.ShapeDtypeStruct``s); under ``tp``, ``fsdp_tp`` and
-        ``pp_tp`` the weights without logical names are split as Megatron would, read off what
-        ``loss_fn`` computes on it (see ``parallelize``).
+      example_batch: one batch (or its ``jax.ShapeDtypeStruct``s of the global batch). The steps
+        are traced on it here, so that what the first step would refuse is refused before
+        anything runs or is written (``check_step``); and under ``tp``, ``fsdp_tp`` and ``pp_tp``
+        the weights without logical names are split as Megatron would, read off what ``loss_fn``
+        computes on it (see ``parallelize``).
     """
 
     def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
@@ -92,6 +94,18 @@ class Trainer:
         self.learning_rate = learning_rate
         self.state: TrainState | None = None
         self._steps: dict[str, Callable] = {}
+        if example_batch is not None:
+            self.check_step(example_batch)
+
+    def check_step(self, example_batch: Any) -> None:
+        """Trace the train and eval steps on ``example_batch``'s shapes (no compile, no FLOP), so
+        that whatever the first step would refuse (a batch that does not split, a sequence that
+        does not cut into a context axis's chunks, a model a pipeline cannot stage) is refused now,
+        before a run writes anything."""
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
+            x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), sharding=self.parallel.layout.batch()),
+            example_batch)
+        jax.eval_shape(self.train_step(), self.parallel.abstract_state, batch)  # eval batches may hold more keys
 
     @property
     def mesh(self) -> Mesh:
