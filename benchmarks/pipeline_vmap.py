@@ -35,7 +35,7 @@ def measure(variant: str) -> dict:
     import optax
     from flax import nnx
 
-    import shardax.sharding.pipeline as pipeline
+    import shardax.runtime.pipeline as pipeline
     from shardax import DeviceMeshManager, parallelize
     from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 

@@ -54,11 +54,15 @@ def exported_for_cuda(monkeypatch):
         pytest.skip("this JAX's cuDNN lowering has other probes")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    from shardax import blocks
     from shardax.models import transformer
 
-    on_this_machine = transformer.attention_implementation
+    on_this_machine, kernel_here = transformer.attention_implementation, blocks.attention_kernel
     monkeypatch.setattr(transformer, "attention_implementation",
                         lambda config, platform=None: on_this_machine(config, "gpu"))
+    monkeypatch.setattr(blocks, "attention_kernel",
+                        lambda implementation, dtype, head_dim, platform=None: kernel_here(implementation, dtype,
+                                                                                            head_dim, "gpu"))
     kernels = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
 
     def run(step, *args):

@@ -18,7 +18,8 @@ from shardax.analysis.theory import theoretical_collective_bytes
 from shardax.errors import UsageError
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
-from shardax.sharding.context import _allowed, attention, context_parallel, zigzag_order
+from shardax.blocks import split_sequences
+from shardax.runtime.context import ContextLayout, _allowed, attention, zigzag_order
 from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, train_transformer
 
 pytestmark = pytest.mark.xdist_group("test_context")
@@ -92,9 +93,9 @@ def test_attention_and_its_gradients_equal_full_attention(variant, mesh_shape, h
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     def split(q, k, v):
-        with context_parallel(mesh, variant, ("data",), heads):
-            out = attention(q[:, order], k[:, order], v[:, order], positions[:, order],
-                            None if segments is None else segments[:, order])
+        out = attention(q[:, order], k[:, order], v[:, order], positions[:, order],
+                        None if segments is None else segments[:, order],
+                        layout=ContextLayout.create(mesh, variant, ("data",), heads))
         return jnp.zeros_like(out).at[:, order].set(out)
 
     expected, actual = full(q, k, v), jax.jit(split)(q, k, v)
@@ -109,7 +110,7 @@ def test_attention_and_its_gradients_equal_full_attention(variant, mesh_shape, h
 def test_ring_cut_into_blocks_smaller_than_a_chunk_still_equals_full_attention(monkeypatch):
     """A share is cut into blocks of at most RING_BLOCK tokens (512) so that no block's scores
     grow with the sequence; with 4-token blocks each 16-token share is 4 blocks."""
-    import shardax.sharding.context as context
+    import shardax.runtime.context as context
 
     monkeypatch.setattr(context, "RING_BLOCK", 4)
     assert context._parts(16) == 4
@@ -127,8 +128,9 @@ def test_packed_per_token_losses_equal_one_device():
     graphdef, state = nnx.split(model)
     for variant in ("all-gather", "ring"):
         def losses(state, batch):
-            with context_parallel(mesh_of("data=2,context=4"), variant):
-                return token_losses(nnx.merge(graphdef, state), batch)
+            split = nnx.merge(graphdef, state)
+            split_sequences(split, ContextLayout.create(mesh_of("data=2,context=4"), variant))
+            return token_losses(split, batch)
 
         actual, weights = jax.jit(losses)(state, batch)
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
@@ -271,10 +273,8 @@ def test_bad_context_settings_are_one_line_errors():
         parallelize(factory, optax.adamw(1e-3), mesh_of("stage=2,context=4"), "pp").train_step(next_token_loss)
     # a model of the user's with no context attention: every device of context would repeat the work
     mlp = parallelize(lambda rngs: MLP(rngs), optax.adamw(1e-3), mesh_of("data=2,context=4"), "dp")
-    step = mlp.train_step(mse_loss)
-    batch = {"inputs": np.ones((8, 16), np.float32), "targets": np.ones((8, 4), np.float32)}
-    with pytest.raises(UsageError, match="this model ran none"):
-        step(mlp.init(), mlp.place_batch(batch))
+    with pytest.raises(UsageError, match="attend through shardax.blocks.Attention, and this model has none"):
+        mlp.train_step(mse_loss)
 
 
 

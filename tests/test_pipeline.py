@@ -14,7 +14,7 @@ from shardax.analysis.collectives import find_collectives
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM, next_token_loss
-from shardax.sharding.pipeline import Schedule
+from shardax.runtime.pipeline import Schedule
 from small_models import (assert_trained_like, assert_trees_close, tiny_transformer_config, token_batches,
                           train_transformer)
 
@@ -174,13 +174,12 @@ def test_layers_that_do_not_split_into_stages_are_refused_with_the_nearest_count
 
 
 def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
-    from small_models import AnnotatedMLP, mse_loss, regression_batches
+    from small_models import AnnotatedMLP, mse_loss
 
-    parallel = parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
-                           DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
-    step = parallel.train_step(mse_loss)
-    with pytest.raises(UsageError, match="this model ran none, so every stage would repeat the same work"):
-        step(parallel.init(), parallel.place_batch(next(regression_batches(1))))
+    # Refused when the layout is read, before any state is built or a step is compiled.
+    with pytest.raises(UsageError, match="cuts a stack of layers into stages over 'stage', and this model has none"):
+        parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
+                    DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
     with pytest.raises(UsageError, match="microbatches/pipeline repeats are for pipeline strategies; 'fsdp'"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"),
                     "fsdp").train_step(mse_loss, microbatches=4)

@@ -76,8 +76,8 @@ def test_round_trip_between_strategies_is_bit_exact(source, target):
 def test_between_meshes_each_device_gets_its_own_piece(source, target):
     original = trained_state(source)
     moved = reshard(original, parallel_for(target))
-    full = np.asarray(jax.device_get(original.params["blocks"]["mlp_in"][...]))
-    kernel = moved.params["blocks"]["mlp_in"][...]
+    full = np.asarray(jax.device_get(original.params["blocks"]["layers"]["mlp_in"][...]))
+    kernel = moved.params["blocks"]["layers"]["mlp_in"][...]
     devices = {shard.device for shard in kernel.addressable_shards}
     assert devices == set(parallel_for(target).mesh.devices.flat)
     for shard in kernel.addressable_shards:

@@ -50,8 +50,8 @@ def test_bfloat16_compute_keeps_float32_parameters():
 
 def test_layers_are_stacked_for_scan_and_annotated():
     model = TransformerLM(tiny_transformer_config(n_layers=3), rngs=nnx.Rngs(0))
-    assert model.blocks.qkv.shape == (3, 32, 3, 4, 8)
-    assert model.blocks.qkv.get_metadata()["out_sharding"] == ("layers", "embed", None, "heads", "kv")
+    assert model.blocks.layers.qkv.shape == (3, 32, 3, 4, 8)
+    assert model.blocks.layers.qkv.get_metadata()["out_sharding"] == ("layers", "embed", None, "heads", "kv")
     for _, variable in nnx.iter_graph(model):
         if isinstance(variable, nnx.Param):
             assert variable.get_metadata().get("out_sharding"), "every parameter carries logical axes"
@@ -61,20 +61,20 @@ def test_layers_are_stacked_for_scan_and_annotated():
 def test_a_loop_of_blocks_computes_what_the_scan_does(remat):
     scanned = TransformerLM(tiny_transformer_config(remat=remat), rngs=nnx.Rngs(0))
     looped = TransformerLM(tiny_transformer_config(remat=remat, scan_layers=False), rngs=nnx.Rngs(1))
-    assert len(looped.blocks) == 2 and looped.blocks[0].qkv.shape == scanned.blocks.qkv.shape[1:]
-    assert looped.blocks[1].qkv.get_metadata()["out_sharding"] == ("embed", None, "heads", "kv")  # no "layers"
+    assert len(looped.blocks.layers) == 2 and looped.blocks.layers[0].qkv.shape == scanned.blocks.layers.qkv.shape[1:]
+    assert looped.blocks.layers[1].qkv.get_metadata()["out_sharding"] == ("embed", None, "heads", "kv")  # no "layers"
     stacked = {path: variable for path, variable in nnx.iter_graph(scanned) if isinstance(variable, nnx.Param)}
     for path, variable in nnx.iter_graph(looped):  # the scan's weights, layer by layer
         if isinstance(variable, nnx.Param):
-            if path[0] == "blocks":
-                variable[...] = stacked[("blocks", *path[2:])][...][path[1]]
+            if path[0] == "blocks":  # ("blocks", "layers", i, ...) -> ("blocks", "layers", ...)[i]
+                variable[...] = stacked[("blocks", "layers", *path[3:])][...][path[2]]
             else:
                 variable[...] = stacked[path][...]
     (loss, grads), (loop_loss, loop_grads) = (nnx.value_and_grad(next_token_loss)(m, {"tokens": TOKENS})
                                               for m in (scanned, looped))
     np.testing.assert_allclose(float(loop_loss), float(loss), rtol=1e-6)
     for i in range(2):
-        pairs = zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(loop_grads["blocks"][i]), strict=True)
+        pairs = zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(loop_grads["blocks"]["layers"][i]), strict=True)
         for stacked_grad, layer_grad in pairs:
             np.testing.assert_allclose(np.asarray(stacked_grad)[i], np.asarray(layer_grad), rtol=1e-4, atol=1e-6)
 

@@ -157,6 +157,66 @@ def test_pipelines_refuse_a_model_without_a_stack_of_layers_when_laid_out():
 
 
 def test_a_context_axis_the_model_cannot_use_is_refused_by_the_trainer_before_fit():
-    with pytest.raises(UsageError, match=r"'context' mesh axis splits sequences for models whose attention"):
+    with pytest.raises(UsageError, match=r"'context' mesh axis splits sequences for models that attend through "
+                                         r"shardax.blocks.Attention, and this model has none"):
         Trainer(ZOO["gemma"], optax.sgd(0.1), lm_loss, mesh="data=2,context=4", strategy="dp",
                 example_batch=next(lm_batches(1)))
+
+
+# The README's own Llama-style model, built from shardax.blocks (LayerStack, Attention), run as
+# the README shows it: under the pipelines and a context axis it must train like plain NNX.
+def readme_blocks_model():
+    from test_readme import snippet
+
+    code = snippet("Pipeline and context parallelism for your own model").split("def loss_fn", 1)[0]
+    namespace = {}
+    exec(code.replace('jax.config.update("jax_num_cpu_devices", 8)', ""), namespace)  # noqa: S102
+    return namespace["Llama"]
+
+
+BLOCK_CASES = [("pp", "stage=2,data=4", "all-gather"), ("pp_tp", "stage=2,data=2,model=2", "all-gather"),
+               ("pp_fsdp", "stage=2,data=4", "all-gather"), ("dp", "data=2,context=4", "all-gather"),
+               ("fsdp_tp", "data=2,context=2,model=2", "ring")]
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, variant", BLOCK_CASES, ids=[f"{s}-{m}-{v}" for s, m, v in BLOCK_CASES])
+def test_a_model_built_from_the_blocks_trains_like_plain_nnx_under_pipelines_and_context(strategy, mesh_shape,
+                                                                                         variant):
+    llama = readme_blocks_model()
+    if "blocks" not in _REFERENCE:
+        _REFERENCE["blocks"] = plain_nnx_run(llama, optax.adamw(1e-2), lm_loss, lm_batches(STEPS))
+    expected, ref_model = _REFERENCE["blocks"]
+    parallel = parallelize(llama, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
+                           loss_fn=lm_loss, example_batch=next(lm_batches(1)))
+    if "model" in mesh_shape:  # the projections split over model, read off the program; the norms stay whole
+        split = {path for path, leaf in parallel.layout.leaves.items() if "model" in str(leaf.spec)}
+        assert split == {f"layers/layers/{name}/kernel" for name in
+                         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")} | {
+                             "embed/embedding", "lm_head/kernel"}, split
+    if "stage" in mesh_shape:
+        assert parallel.layout.leaves["layers/layers/q_proj/kernel"].spec[0] == "stage"
+    state, step = parallel.init(seed=0), parallel.train_step(lm_loss, context_attention=variant)
+    losses = []
+    for batch in lm_batches(STEPS):
+        state, metrics = step(state, parallel.place_batch(batch))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, [e["loss"] for e in expected], rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)),
+                            jax.tree.leaves(jax.device_get(nnx.state(ref_model, nnx.Param)))):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b) + 1e-4, jax.tree_util.keystr(path)
+    assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+def test_a_loop_of_layers_is_refused_under_a_pipeline_and_named():
+    from shardax.blocks import LayerStack
+
+    class Looped(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = LayerStack(lambda rngs: nnx.Linear(8, 8, rngs=rngs), 4, rngs=rngs, scan=False)
+
+        def __call__(self, x):
+            return self.layers(x)
+
+    with pytest.raises(UsageError, match=r"LayerStack 'layers' runs its layers in a Python loop \(scan=False"):
+        parallelize(Looped, optax.sgd(0.1), DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")

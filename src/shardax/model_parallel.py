@@ -23,16 +23,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.errors import UsageError
+from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
+from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
-from shardax.sharding.compute import compute_layout
-from shardax.sharding.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, context_parallel
-from shardax.sharding.pipeline import Schedule, pipelined
+from shardax.sharding.compute import compute_layout, layer_specs
 from shardax.sharding.derive import Derived, derive_tensor_parallel
 from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
-from shardax.sharding.rules import logical_axes_of
+from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy, get_strategy
 from shardax.step.train import build_eval_step, build_train_step
 from shardax.step.loss import LossFn, split_loss
@@ -102,18 +103,19 @@ class ParallelModel:
         Under a pipeline strategy, ``microbatches`` (default: the number of stages) flow
         through the stages, ``pipeline_repeats`` times round for a circular schedule.
         On a mesh with a ``context`` axis, sequences are split over it and attention gathers
-        the rest by ``context_attention``: ``all-gather`` or ``ring`` (``shardax.sharding.context``).
+        the rest by ``context_attention``: ``all-gather`` or ``ring`` (``shardax.runtime.context``).
         """
         params = self.abstract_state.params
+        graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
+                                   self.context_attention(context_attention))
         step = build_train_step(
-            self.graphdef, self.tx, loss_fn,
+            graphdef, self.tx, loss_fn,
             param_shardings=self.state_shardings.params,
             compute_shardings=self.layout.compute(params),
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
             grad_accum=grad_accum,
-            layer_layout=functools.partial(self._layer_layout, self.schedule(microbatches, pipeline_repeats),
-                                           self.context_attention(context_attention)),
+            layer_layout=self._layer_layout,
             nonfinite=nonfinite,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -128,10 +130,10 @@ class ParallelModel:
                   context_attention: str = "all-gather") -> Callable[[TrainState, Any], dict]:
         """A compiled ``(state, batch) -> metrics`` in eval mode (``model.eval()``: running
         averages, no dropout), with the train step's layouts; the state is left as it was."""
-        evaluate = build_eval_step(self.graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
-                                   layer_layout=functools.partial(self._layer_layout,
-                                                                  self.schedule(microbatches, pipeline_repeats),
-                                                                  self.context_attention(context_attention)))
+        graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
+                                   self.context_attention(context_attention))
+        evaluate = build_eval_step(graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
+                                   layer_layout=self._layer_layout)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
 
@@ -164,20 +166,45 @@ class ParallelModel:
         if self.strategy.pipeline_axis is not None:
             raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis does not combine with pipeline strategies yet; use "
                              f"dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from --mesh")
+        if not blocks_of(self._abstract_model(), Attention):
+            raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis splits sequences for models that attend through "
+                             "shardax.blocks.Attention, and this model has none, so every device of "
+                             f"{CONTEXT_AXIS} would repeat the same work; drop {CONTEXT_AXIS} from the mesh, or "
+                             "attend with shardax.blocks.Attention")
         return variant
 
-    @contextlib.contextmanager
-    def _layer_layout(self, schedule: Schedule | None = None, context: str | None = None) -> Iterator[None]:
-        # The model runs under the mesh: its own constraints (bare PartitionSpecs) resolve there.
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), compute_layout(self.mesh, self.strategy), \
-                contextlib.ExitStack() as stack:
+    def _abstract_model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.abstract_state.params, self.abstract_state.rest)
+
+    def configured(self, schedule: Schedule | None = None, context: str | None = None) -> nnx.GraphDef:
+        """The model's structure with its blocks told how this step runs: each ``LayerStack``
+        its pipeline (with every stacked parameter's storage, compute and gradient specs) and
+        sequence split, each ``Attention`` its sequence split. Nothing is read from ambient state."""
+        model = self._abstract_model()
+        sequence = None
+        if context is not None:
+            heads = dict(self.strategy.param_rules).get("heads")
+            sequence = ContextLayout.create(self.mesh, context, self.strategy.batch_axes,
+                                            tuple(spec_axes(heads)) if heads else ())
+        split_sequences(model, sequence)
+        for path, stack in blocks_of(model, LayerStack):
+            pipeline = None
             if schedule is not None:
-                stack.enter_context(pipelined(self.mesh, self.strategy.pipeline_axis, schedule,
-                                              self.strategy.batch_axes))
-            if context is not None:
-                heads = dict(self.strategy.param_rules).get("heads")
-                heads = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
-                stack.enter_context(context_parallel(self.mesh, context, self.strategy.batch_axes, heads))
+                prefix = f"{path}/layers/"
+                specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
+                                                                      f"parameter {leaf.path!r}"))
+                              for leaf in self.layout.leaves.values() if leaf.path.startswith(prefix))
+                pipeline = PipelineRun(self.mesh, self.strategy.pipeline_axis, schedule, self.strategy.batch_axes,
+                                       specs)
+            stack.plan = StackPlan(pipeline=pipeline, sequence=sequence,
+                                   gathers_weights=bool(self.strategy.gather_axes))
+        return nnx.split(model, nnx.Param, ...)[0]
+
+    @contextlib.contextmanager
+    def _layer_layout(self) -> Iterator[None]:
+        # The model runs under the mesh: its own constraints (bare PartitionSpecs) resolve there,
+        # and layers that read their weights through ``for_compute`` gather them one at a time.
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), compute_layout(self.mesh, self.strategy):
             yield
 
     def merge(self, state: TrainState) -> nnx.Module:
@@ -219,7 +246,7 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
     _check_tensor_axis(layout, tensor)
-    _check_pipeline_axis(layout)
+    _check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=layout.params(abstract.params),
@@ -232,7 +259,7 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
 
 def _all_annotated(params: Any) -> bool:
     variables = jax.tree.leaves(params, is_leaf=lambda node: isinstance(node, nnx.Variable))
-    return all(isinstance(v, nnx.Variable) and logical_axes_of(v) is not None for v in variables)
+    return all(isinstance(v, nnx.Variable) and not unannotated(logical_axes_of(v)) for v in variables)
 
 
 def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any, mesh: Mesh,
@@ -255,14 +282,21 @@ def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, examp
                                   mesh.shape[tensor])
 
 
-def _check_pipeline_axis(layout: Layout) -> None:
+def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
     """Refuse a pipeline for a model with no stack of layers to cut into stages."""
     axis = layout.strategy.pipeline_axis
-    if axis is None or any("layers" in (leaf.logical or ()) for leaf in layout.leaves.values()):
+    if axis is None:
         return
+    stacks = blocks_of(model, LayerStack)
+    if any(stack.scan for _, stack in stacks):
+        return
+    if stacks:
+        raise UsageError(f"strategy {layout.strategy.name!r} cuts the stacked layers into stages over {axis!r}, and "
+                         f"this model's LayerStack {stacks[0][0]!r} runs its layers in a Python loop (scan=False; "
+                         "shardax train: --no-scan-layers), which has no stack: use scan=True (drop --no-scan-layers)")
     raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, and this "
-                     "model has none (no parameter with a leading 'layers' axis, as TransformerLM's scanned blocks "
-                     "have), so every stage would repeat the same work; use dp, fsdp, tp or fsdp_tp")
+                     "model has none (no shardax.blocks.LayerStack), so every stage would repeat the same work; build "
+                     "the repeated layers with LayerStack, or use dp, fsdp, tp or fsdp_tp")
 
 
 def _check_tensor_axis(layout: Layout, tensor: str | None) -> None:

@@ -24,8 +24,8 @@ original = layouts["dp"].init(seed=3)
 state = original
 for name in ("fsdp", "fsdp_tp", "fsdp", "dp"):
     state = reshard(state, layouts[name])
-    kernel = state.params["blocks"]["mlp_in"][...]
-    assert kernel.sharding == layouts[name].state_shardings.params["blocks"]["mlp_in"].get_value()
+    kernel = state.params["blocks"]["layers"]["mlp_in"][...]
+    assert kernel.sharding == layouts[name].state_shardings.params["blocks"]["layers"]["mlp_in"].get_value()
     assert {shard.device.process_index for shard in kernel.addressable_shards} == {process}
 
 

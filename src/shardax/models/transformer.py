@@ -1,9 +1,11 @@
 """A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
 
 Pre-norm blocks (causal self-attention, GELU MLP with biases), learned or rotary positions, a
-tied or untied output head. By default the blocks are created with ``nnx.vmap`` and applied
-with ``nnx.scan``, so their parameters carry a leading ``layers`` axis and compile time does not
-grow with depth; ``scan_layers=False`` keeps one module per block, applied in a Python loop.
+tied or untied output head. Built from shardax's public blocks only (``shardax.blocks``): the
+blocks are a ``LayerStack`` (stacked and scanned, so their parameters carry a leading
+``layers`` axis and compile time does not grow with depth; ``scan_layers=False`` keeps one
+module per block in a Python loop) and each attends through ``Attention``, which is what
+pipeline and context parallelism act on.
 Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
 precision); ``remat`` chooses what the backward pass recomputes.
 """
@@ -18,18 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardax.blocks import REMAT_POLICIES, Attention, LayerStack, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
-from shardax.sharding.compute import for_compute, gathers_weights, remat_policy
-from shardax.sharding import context
-from shardax.sharding.pipeline import active_pipeline, run_pipeline, stage_checkpointed
+from shardax.runtime import context
+from shardax.sharding.compute import for_compute
 
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION = ("auto", "xla", "cudnn")
 
@@ -206,12 +202,11 @@ class Block(nnx.Module):
         self.mlp_in_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (f,), ("mlp",))
         self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
         self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
+        self.attention = Attention(implementation=config.attention)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None, same_document: jax.Array | None = None,
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segments: jax.Array | None = None) -> jax.Array:  # (B, T, D)
-        """``same_document``: (B, 1, T, T) or None, whom each token may see besides the causal
-        mask. Under context parallelism the mask comes from ``positions`` and ``segments``
-        (B, T) instead (see ``shardax.sharding.context``)."""
+        """``positions`` and ``segments`` (B, T) or None: see ``TransformerLM.__call__``."""
         dtype = self.config.dtype
         y = self.attn_norm(x).astype(dtype)
         qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
@@ -219,12 +214,7 @@ class Block(nnx.Module):
         if self.config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
             q, k = rotary(q, positions), rotary(k, positions)
-        kernel = attention_implementation(self.config)[0]
-        if context.active_context() is not None:
-            attended = context.attention(q, k, v, positions, segments, implementation=kernel)
-        else:
-            attended = jax.nn.dot_product_attention(  # (B, T, N, H)
-                q, k, v, mask=same_document, is_causal=True, implementation=kernel)
+        attended = self.attention(q, k, v, positions=positions, segments=segments)  # (B, T, N, H)
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
         hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
@@ -249,16 +239,8 @@ class TransformerLM(nnx.Module):
         if not config.tie_embeddings:
             self.head = _param(rngs, (d, config.vocab_size), ("embed", "vocab"))
 
-        if not config.scan_layers:
-            self.blocks = nnx.List([Block(config, rngs) for _ in range(config.n_layers)])
-            return
-
-        @nnx.split_rngs(splits=config.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(config, rngs)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = LayerStack(lambda rngs: Block(config, rngs), config.n_layers, rngs=rngs,
+                                 scan=config.scan_layers, remat=config.remat)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -274,57 +256,12 @@ class TransformerLM(nnx.Module):
         if config.positions == "learned":
             table = for_compute(self.position)
             x = x + (table[:length] if positions is None else jnp.take(table, positions, axis=0))
-        split = context.active_context()
-        if split is not None:  # the sequence split over devices: the mask comes from positions and segments
-            split.check_length(length)
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
-            x = split.split_sequence(x)
-            riders = (positions, None, segments)
-        else:
-            same_document = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-            riders = (positions, same_document, None)
-        if active_pipeline() is not None and not config.scan_layers:
-            raise UsageError("a pipeline strategy splits the stacked layers into stages; blocks in a Python loop "
-                             "(--no-scan-layers) have no stack: drop --no-scan-layers")
-        if active_pipeline() is not None:
-            graphdef, stacked = nnx.split(self.blocks)
-
-            def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:
-                return self._apply_blocks(nnx.merge(graphdef, chunk), x, *riders)
-
-            x = run_pipeline(apply_stage, stacked, x, riders, remat=REMAT_POLICIES[config.remat])
-        else:
-            x = self._apply_blocks(self.blocks, x, *riders)
+        if self.blocks.plan.sequence is not None and positions is None:  # the mask comes from positions
+            positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
+        x = self.blocks(x, positions, segments)
         x = self.final_norm(x).astype(config.dtype)
         head = embedding.T if config.tie_embeddings else for_compute(self.head)
         return (x @ head.astype(config.dtype)).astype(jnp.float32)
-
-    def _apply_blocks(self, blocks: Any, x: jax.Array, positions: jax.Array | None,
-                      same_document: jax.Array | None, segments: jax.Array | None = None) -> jax.Array:
-        """``x`` through ``blocks``: a stack (scanned) or a list (a Python loop)."""
-        config = self.config
-
-        def apply_block(x: jax.Array, block: Block) -> jax.Array:
-            return block(x, positions, same_document, segments)
-
-        # Under remat, which with "none" saves everything but FSDP's gathered weights. A loop of
-        # blocks that neither recomputes nor gathers goes without: remat marks each saved value
-        # with a reduce-precision op, which XLA:CPU runs as one more copy (about 3% of the
-        # notebook's step); inside the scan, dropping it measured no faster.
-        # A circular pipeline's stage checkpoint applies the policy itself (stage_checkpointed).
-        policy = REMAT_POLICIES[config.remat]
-        if not stage_checkpointed() and (policy is not None or config.scan_layers or gathers_weights()
-                                         or context.active_context() is not None):
-            apply_block = nnx.remat(apply_block, policy=remat_policy(policy))
-        if config.scan_layers:
-            return nnx.scan(
-                apply_block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )(x, blocks)
-        for block in blocks:
-            x = apply_block(x, block)
-        return x
 
 
 def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -335,7 +272,7 @@ def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax
     opens it, and its last token predicts the one that closes it (which opens the next)."""
     tokens = batch["tokens"]
     segments, positions = batch.get("segments"), batch.get("positions")
-    split = context.active_context()
+    split = sequence_split(model)
     if split is not None:
         return _zigzag_token_losses(model, tokens, segments, positions, split)
     if segments is None:

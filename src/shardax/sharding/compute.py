@@ -88,12 +88,6 @@ def laid_out_already() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
-def gathers_weights() -> bool:
-    """Whether the step being traced gathers weights for compute (an FSDP-like strategy)."""
-    active = _ACTIVE.get()
-    return active is not None and bool(active[1].gather_axes)
-
-
 def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding,
                        dtype: Any = None) -> jax.Array:
     """``value`` constrained to ``compute`` (and cast to ``dtype``); its cotangent constrained

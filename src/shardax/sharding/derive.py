@@ -357,7 +357,7 @@ class _Walker:
         """A scanned value: its leading dimension is the steps (never split), the rest the body's."""
         if self.kind_of(outer) and not isinstance(inner, jcore.Literal):
             self.kind[inner] = self.kind_of(outer)
-        self.classes.mark(outer, 0, "cut")
+        self.classes.mark(outer, 0, "stacked")
         for dim in range(_rank(inner)):
             self.classes.tie(outer, dim + 1, inner, dim)
 
@@ -457,6 +457,8 @@ def _verdicts(classes: _Classes, model_size: int) -> tuple[dict[Node, str], dict
             reasons[root] = "it is a dimension of the batch's inputs or targets"
         elif unknown:
             reasons[root] = f"it passes through {', '.join(unknown)}, which shardax does not follow"
+        elif "stacked" in marks:
+            reasons[root] = "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
         elif "cut" in marks:
             reasons[root] = "it is sliced, concatenated, strided or windowed (a conv's spatial extent)"
         elif "produced" in marks and "consumed" in marks and "reduced" in marks:

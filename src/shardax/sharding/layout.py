@@ -20,7 +20,7 @@ from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
-from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of
+from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy, get_strategy
 
 
@@ -76,7 +76,12 @@ def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy | str,
         value = node.get_value() if _is_variable(node) else node
         shape = tuple(np.shape(value))
         annotated = logical_axes_of(node) if _is_variable(node) else None
-        logical = annotated if annotated is not None else derived.logical.get(path) if derived else None
+        logical = annotated
+        if unannotated(annotated):  # nothing (or only a stack's leading layers): read the rest off the program
+            found = derived.logical.get(path) if derived else None
+            if found is not None:
+                logical = found if annotated is None else ("layers", *found[1:])
+            annotated = None
         spec, notes = strategy.param_spec(logical, shape, mesh, f"parameter {path!r}")
         whole = None
         if tensor is not None and shape and not any(tensor in spec_axes(entry) for entry in spec):
@@ -94,7 +99,7 @@ def _why_whole(path: str, annotated: Any, logical: Any, derived: Derived | None,
         return f"annotated {tuple(annotated)}: none of these names is split over {tensor} here"
     if derived is None:
         return "no logical names, and no example batch to read its split from (parallelize(..., loss_fn, example_batch))"
-    if logical is not None:
+    if derived.logical.get(path) is not None:
         return "its split did not divide"
     return derived.whole.get(path, "not used by the loss")
 

@@ -43,7 +43,7 @@ class Strategy:
       required_axes: mesh axes that must exist for the strategy to mean anything.
       pipeline_axis: if set, the stacked layers (logical ``layers``) are split over this axis
         into pipeline stages, and a model's stack runs as a pipeline of microbatches over it
-        (``shardax.sharding.pipeline``).
+        (``shardax.runtime.pipeline``).
       description: one line for tables and ``--help``.
     """
 

@@ -182,8 +182,12 @@ class Trainer:
             shards = self.mesh.shape["context"]
             how = ("keys and values all-gathered" if self.context_attention == "all-gather"
                    else "keys and values passed round a ring")
-            lines.append(f"context: each sequence split {shards} ways over context, zig-zag order ({2 * shards} chunks, "
-                         f"each device two), {how}")
+            # shardax's LM losses feed the model its tokens in zig-zag order (token_losses); another
+            # loss feeds them in order, and each device holds one contiguous share
+            order = (f"zig-zag order ({2 * shards} chunks, each device two)"
+                     if getattr(self.loss_fn, "__module__", None) == "shardax.models.transformer"
+                     else "in order (one contiguous share each)")
+            lines.append(f"context: each sequence split {shards} ways over context, {order}, {how}")
         layout = self.parallel.layout
         fallbacks = [f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in layout.leaves.values() if leaf.notes]
         tensor = self.strategy.tensor_axis(self.mesh)

@@ -24,12 +24,9 @@ exactly two of the four at every hop but its own.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -52,7 +49,15 @@ class ContextLayout:
     variant: str
     batch_axes: tuple[str, ...]
     heads_axes: tuple[str, ...] = ()  # where attention heads are split (tensor parallelism)
-    runs: list[int] = dataclasses.field(default_factory=list, compare=False)
+
+    @classmethod
+    def create(cls, mesh: Mesh, variant: str = "all-gather", batch_axes: tuple[str, ...] = ("data",),
+               heads_axes: tuple[str, ...] = (), axis: str = AXIS) -> "ContextLayout":
+        """Sequences split over ``axis``; rows over ``batch_axes`` and attention heads over
+        ``heads_axes`` (those the mesh has)."""
+        if variant not in VARIANTS:
+            raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(VARIANTS)}")
+        return cls(mesh, axis, variant, tuple(batch_axes), tuple(a for a in heads_axes if a in mesh.shape))
 
     @property
     def shards(self) -> int:
@@ -79,49 +84,19 @@ class ContextLayout:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-_ACTIVE: contextvars.ContextVar[ContextLayout | None] = contextvars.ContextVar("shardax_context", default=None)
-
-
-@contextlib.contextmanager
-def context_parallel(mesh: Mesh, variant: str = "all-gather", batch_axes: tuple[str, ...] = ("data",),
-                     heads_axes: tuple[str, ...] = (), axis: str = AXIS) -> Iterator[None]:
-    """Within this context (while a step is traced), sequences are split over ``axis``; rows
-    over ``batch_axes`` and attention heads over ``heads_axes`` (those the mesh has)."""
-    if variant not in VARIANTS:
-        raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(VARIANTS)}")
-    heads_axes = tuple(a for a in heads_axes if a in mesh.shape)
-    layout = ContextLayout(mesh, axis, variant, tuple(batch_axes), heads_axes)
-    token = _ACTIVE.set(layout)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-    if not layout.runs:
-        raise UsageError(f"a {axis!r} mesh axis splits sequences for models whose attention runs through "
-                         "shardax's context attention (TransformerLM); this model ran none, so every device of "
-                         f"{axis} would repeat the same work; drop {axis} from the mesh")
-
-
-def active_context() -> ContextLayout | None:
-    """The sequence split of the step being traced, if any."""
-    return _ACTIVE.get()
-
-
 def zigzag_order(length: int, shards: int) -> np.ndarray:
     """The permutation of ``range(length)`` that gives share i chunks i and 2C-1-i of 2C chunks."""
     chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None,
-              implementation: str | None = None) -> jax.Array:
-    """Causal attention over a sequence split by the active ``ContextLayout``.
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None, *,
+              layout: ContextLayout, implementation: str | None = None) -> jax.Array:
+    """Causal attention over a sequence split by ``layout``.
 
     ``q``, ``k``, ``v``: (B, T, N, H) global arrays; ``positions`` (B, T): each token's place in
     its document; ``segments`` (B, T) or None: its document. A query attends to the keys of its
     own document at positions up to its own."""
-    layout = active_context()
-    layout.runs.append(1)
     shards = layout.shards
     if q.shape[1] % shards:
         layout.check_length(q.shape[1])

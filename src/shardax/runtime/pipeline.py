@@ -18,12 +18,10 @@ last stage comes back to stage 0 for the next chunk, which needs M >= S.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.sharding.compute import PIPELINE_CHUNK, compute_spec_of, for_compute, laid_out_already, remat_policy
+from shardax.sharding.compute import PIPELINE_CHUNK, gather_for_compute, laid_out_already, remat_policy
+from shardax.sharding.paths import path_to_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,29 +74,24 @@ class Schedule:
                              f"that divides {layers}")
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None] = (
-    contextvars.ContextVar("shardax_pipeline", default=None))
+Specs = tuple[PartitionSpec, PartitionSpec, PartitionSpec]  # storage, compute, gradient
 
 
-@contextlib.contextmanager
-def pipelined(mesh: Mesh, axis: str, schedule: Schedule, batch_axes: tuple[str, ...]) -> Iterator[None]:
-    """Within this context (while a step is traced), stacked layers run as a pipeline over
-    ``axis``. A model that never ran a pipeline in it (no stacked layers) is refused on exit."""
-    runs: list[int] = []
-    token = _ACTIVE.set((mesh, axis, schedule, batch_axes, runs))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-    if not runs:
-        raise UsageError(f"a pipeline over {axis!r} needs a model whose layers are stacked and run through "
-                         "shardax's pipeline (TransformerLM with scanned layers); this model ran none, so every "
-                         "stage would repeat the same work; use a strategy without a pipeline (dp, fsdp, tp, ...)")
+@dataclasses.dataclass(frozen=True)
+class PipelineRun:
+    """How one stack of layers runs as a pipeline: over ``axis`` of ``mesh`` by ``schedule``,
+    each stage's rows over ``batch_axes``. ``specs``: for each stacked parameter (its path
+    within the stack), its storage, compute and gradient specs, so that each stage lays out its
+    layers once, before the loop."""
 
+    mesh: Mesh
+    axis: str
+    schedule: Schedule
+    batch_axes: tuple[str, ...]
+    specs: tuple[tuple[str, Specs], ...] = ()
 
-def active_pipeline() -> tuple[Mesh, str, Schedule, tuple[str, ...], list[int]] | None:
-    """The pipeline the step being traced runs its stacked layers as, if any."""
-    return _ACTIVE.get()
+    def specs_of(self, path: str) -> Specs | None:
+        return dict(self.specs).get(path)
 
 
 # How the stages' layers are applied side by side: ``jax.vmap`` over the stacked arrays.
@@ -124,16 +118,6 @@ def _stage_policy(policy: Any) -> Any:
         return _not_layout_only(primitive) and layers(primitive, *avals, **params)
 
     return decide
-
-
-_STAGE_CHECKPOINTED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardax_stage_checkpointed", default=False)
-
-
-def stage_checkpointed() -> bool:
-    """Whether the layers being traced run inside a circular schedule's stage checkpoint, which
-    applies their remat policy itself: they should add no checkpoint of their own (nested, the
-    outer one would keep what the inner one recomputes)."""
-    return _STAGE_CHECKPOINTED.get()
 
 
 def _pick(leaf: jax.Array, repeat: jax.Array) -> jax.Array:
@@ -165,24 +149,24 @@ def _stage_major(leaf: jax.Array, schedule: Schedule) -> jax.Array:
 
 
 def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layers: Any, x: jax.Array,
-                 riders: Any = None, *, remat: Any = None) -> jax.Array:
-    """``apply_layers(layers, x, riders)`` computed as the active pipeline (see the module docstring).
+                 riders: Any = None, *, run: PipelineRun, remat: Any = None) -> jax.Array:
+    """``apply_layers(layers, x, riders)`` computed as the pipeline ``run`` (see the module docstring).
 
     ``layers`` is a pytree whose leaves have the stacked-layers dimension first; ``x`` is the
     activations of the global batch, ``(B, ...)``; ``riders`` a pytree of other per-row inputs
     (leading dimension B: positions, masks) or None. ``apply_layers(chunk, x, riders)`` applies
     a chunk of the stack (the same pytree, fewer layers) to one microbatch and its riders.
     ``remat``: the JAX remat policy the layers run under (None: save everything). Under a
-    circular schedule each stage iteration runs under one checkpoint with that policy, and
-    ``apply_layers`` is traced inside ``stage_checkpointed()``.
+    circular schedule (``run.schedule.repeats > 1``) each stage iteration runs under one
+    checkpoint with that policy, so ``apply_layers`` should add none of its own (nested, the
+    outer one would keep what the inner one recomputes).
 
     The batch's data-parallel groups run the pipeline side by side (``jax.vmap`` over the
     groups, partitioned over the batch axes): each group accumulates its own gradients through
     the iterations, and they are summed across groups once, after the loop, instead of at
     every iteration."""
-    mesh, axis, schedule, batch_axes, runs = _ACTIVE.get()
+    mesh, axis, schedule, batch_axes = run.mesh, run.axis, run.schedule, run.batch_axes
     schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
-    runs.append(1)
     batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
     groups = math.prod(mesh.shape[a] for a in batch)
     rows = x.shape[0]
@@ -192,7 +176,7 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
                          f"{groups * schedule.microbatches}")
     spmd = (batch if len(batch) > 1 else batch[0]) if batch else None
 
-    def chunked(variable: nnx.Variable) -> nnx.Variable:
+    def chunked(keypath: Any, variable: nnx.Variable) -> nnx.Variable:
         # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
         # here (and its gradients are reduce-scattered once, after the loop), not at every
         # iteration. Then cut into (repeats, stages, layers per chunk), stages over the axis (a
@@ -200,9 +184,15 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
         # groups copied once per group, each copy on its group's devices (no data moves): the
         # gradient of each copy accumulates locally through the iterations, and the copy's
         # transpose sums them once, after the loop.
-        spec = compute_spec_of(variable)
-        rest = tuple(spec)[1:] if spec is not None else ()
-        value = _stage_major(for_compute(variable), schedule)
+        value = variable[...]
+        specs = run.specs_of(path_to_str(keypath))
+        rest: tuple[Any, ...] = ()
+        if specs is not None:
+            storage, compute, gradient = specs
+            rest = tuple(compute)[1:]
+            if compute != storage or gradient != storage:
+                value = gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
+        value = _stage_major(value, schedule)
         value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(None, axis, None, *rest)))
         if spmd is not None:
             value = jnp.broadcast_to(value, (groups, *value.shape))
@@ -210,7 +200,7 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
                 value, NamedSharding(mesh, PartitionSpec(spmd, None, axis, None, *rest)))
         return variable.replace(value)
 
-    chunks = jax.tree.map(chunked, layers, is_leaf=lambda node: isinstance(node, nnx.Variable))
+    chunks = jax.tree_util.tree_map_with_path(chunked, layers, is_leaf=lambda node: isinstance(node, nnx.Variable))
     run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule, remat)
     if spmd is None:
         return run(chunks, x, riders)
@@ -248,12 +238,8 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
         else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
             chunk = jax.tree.map(lambda leaf: _pick(leaf, repeat), chunks_of_stage)
         own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
-        token = _STAGE_CHECKPOINTED.set(repeats > 1)
-        try:
-            with laid_out_already():
-                return apply_layers(chunk, slot, own)
-        finally:
-            _STAGE_CHECKPOINTED.reset(token)
+        with laid_out_already():
+            return apply_layers(chunk, slot, own)
 
     if repeats > 1:  # one checkpoint per stage iteration, with the layers' remat policy (see _stage_policy)
         stage = jax.checkpoint(stage, policy=_stage_policy(remat))

@@ -1,0 +1,220 @@
+"""Two public blocks that let any model run under pipeline and context parallelism.
+
+- ``LayerStack(make_layer, count, rngs=...)``: ``count`` copies of a layer, their parameters
+  stacked (a leading ``layers`` dimension) and applied one after another with ``nnx.scan``
+  (or, with ``scan=False``, a Python loop), under the remat policy it is given. It is the unit
+  a pipeline cuts into stages: under ``pp``, ``pp_fsdp`` and ``pp_tp`` its layers are split
+  over the ``stage`` axis and the batch flows through them in microbatches.
+- ``Attention(implementation=...)``: causal self-attention of projected queries, keys and
+  values, with segment ids for packed documents and positions. It picks the fused kernel
+  where it applies; on a mesh with a ``context`` axis it attends across a sequence split over
+  devices (all-gather or ring).
+
+Neither reads ambient state. ``parallelize`` tells them how the step runs by setting their
+``plan`` (a ``StackPlan``) and ``sequence`` (a ``ContextLayout``) on the copy of the model
+the step traces; outside it they are plain NNX modules that compute the same thing on one
+device. shardax's own ``TransformerLM`` is built from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.errors import UsageError
+from shardax.layers import metadata_only
+from shardax.runtime import context
+from shardax.runtime.context import ContextLayout
+from shardax.runtime.pipeline import PipelineRun, run_pipeline
+from shardax.sharding.compute import remat_policy
+from shardax.sharding.rules import logical_axes_of
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+    """How a ``LayerStack`` runs in the step being traced (set by ``parallelize``).
+
+    pipeline: cut into stages and run as this pipeline (None: one device group runs every layer).
+    sequence: the activations' sequence dimension is split over devices like this.
+    gathers_weights: the strategy gathers weights for compute (FSDP), so a loop of layers runs
+      under remat even with ``remat="none"``, which then keeps every value but the gathered weights.
+    """
+
+    pipeline: PipelineRun | None = None
+    sequence: ContextLayout | None = None
+    gathers_weights: bool = False
+
+
+class LayerStack(nnx.Module):
+    """``count`` layers made by ``make_layer(rngs)``, applied in order: ``stack(x, *riders)``.
+
+    Each layer is called as ``layer(x, *riders)`` and returns the next ``x`` (same shape and
+    dtype). ``riders`` are per-row inputs every layer sees unchanged, each with the batch as
+    its leading dimension (positions, segment ids), or None.
+
+    Args:
+      scan: stack the parameters (a leading ``layers`` dimension, one compiled layer whatever
+        the depth) and apply them with ``nnx.scan``; False keeps one module per layer in a
+        Python loop (no pipeline then: there is no stack to cut).
+      remat: what the backward pass recomputes: a key of ``REMAT_POLICIES``.
+
+    A stacked parameter that carries no logical names gets ``("layers", None, ...)``, so that
+    strategies know its leading dimension is the layers (tensor parallelism still reads the
+    rest off the model's program).
+    """
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs,
+                 scan: bool = True, remat: str = "none") -> None:
+        if remat not in REMAT_POLICIES:
+            raise UsageError(f"remat={remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        if count < 1:
+            raise UsageError(f"LayerStack of {count} layers; give at least 1")
+        self.count, self.scan, self.remat = count, scan, remat
+        self.plan = StackPlan()
+        with metadata_only():
+            if not scan:
+                self.layers = nnx.List([make_layer(rngs) for _ in range(count)])
+                return
+
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_layers(rngs: nnx.Rngs) -> nnx.Module:
+                return make_layer(rngs)
+
+            self.layers = make_layers(rngs)
+        for _, node in nnx.iter_graph(self.layers):
+            if isinstance(node, nnx.Param) and logical_axes_of(node) is None and node[...].ndim:
+                node.set_metadata(out_sharding=("layers",) + (None,) * (node[...].ndim - 1))
+
+    def __call__(self, x: jax.Array, *riders: Any) -> jax.Array:
+        plan = self.plan
+        if plan.sequence is not None:  # each device computes its share of the sequence
+            plan.sequence.check_length(x.shape[1])
+            x = plan.sequence.split_sequence(x)
+        if plan.pipeline is None:
+            return self._apply(self.layers, x, riders)
+        graphdef, stacked = nnx.split(self.layers)
+        # a circular schedule checkpoints each stage iteration with this policy itself
+        inside_checkpoint = plan.pipeline.schedule.repeats > 1
+
+        def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:
+            return self._apply(nnx.merge(graphdef, chunk), x, riders, checkpointed=inside_checkpoint)
+
+        return run_pipeline(apply_stage, stacked, x, riders, run=plan.pipeline, remat=REMAT_POLICIES[self.remat])
+
+    def _apply(self, layers: Any, x: jax.Array, riders: Any, *, checkpointed: bool = False) -> jax.Array:
+        """``x`` through ``layers``: a stack (scanned) or a list (a Python loop)."""
+
+        def apply_layer(x: jax.Array, layer: nnx.Module) -> jax.Array:
+            return layer(x, *riders)
+
+        # Under remat, which with "none" saves everything but FSDP's gathered weights. A loop of
+        # layers that neither recomputes nor gathers goes without: remat marks each saved value
+        # with a reduce-precision op, which XLA:CPU runs as one more copy (about 3% of the
+        # notebook's step); inside the scan, dropping it measured no faster.
+        policy = REMAT_POLICIES[self.remat]
+        if not checkpointed and (policy is not None or self.scan or self.plan.gathers_weights
+                                 or self.plan.sequence is not None):
+            apply_layer = nnx.remat(apply_layer, policy=remat_policy(policy))
+        if self.scan:
+            return nnx.scan(apply_layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                            transform_metadata={nnx.PARTITION_NAME: "layers"})(x, layers)
+        for layer in layers:
+            x = apply_layer(x, layer)
+        return x
+
+
+def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None) -> tuple[str, str]:
+    """The kernel attention runs with (``"xla"`` or ``"cudnn"``) and why.
+
+    cuDNN's fused kernel needs a GPU, 16-bit inputs and a head dimension that is a multiple of
+    8 and at most 256; ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
+    if implementation not in IMPLEMENTATIONS:
+        raise UsageError(f"attention implementation {implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}")
+    platform = platform or jax.devices()[0].platform
+    problems = []
+    if platform != "gpu":
+        problems.append(f"it needs a GPU (this is {platform})")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        problems.append(f"it needs bfloat16 or float16 inputs (these are {jnp.dtype(dtype).name})")
+    if head_dim % 8 or head_dim > 256:
+        problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {head_dim})")
+    if implementation == "xla":
+        return "xla", "asked for"
+    if not problems:
+        return "cudnn", "fused cuDNN kernel"
+    if implementation == "cudnn":
+        raise UsageError(f"attention implementation 'cudnn': {'; '.join(problems)}; use 'auto' or 'xla'")
+    return "xla", "cuDNN does not apply: " + "; ".join(problems)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
+              segments: jax.Array | None = None, implementation: str = "auto",
+              sequence: ContextLayout | None = None) -> jax.Array:
+    """Causal self-attention: ``q`` (B, T, N, H), ``k`` and ``v`` (B, T, K, H) with K dividing N
+    (grouped-query attention) -> (B, T, N, H).
+
+    ``segments`` (B, T): packed documents numbered from 1; a token sees only earlier tokens of
+    its own document. ``positions`` (B, T): each token's place (default ``0..T-1``); with a
+    ``sequence`` split over devices the mask is made from positions and segments, so any order
+    of the tokens is correct (``shardax.runtime.context``)."""
+    kernel = attention_kernel(implementation, q.dtype, q.shape[-1])[0]
+    if sequence is None:
+        mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=kernel)
+    if k.shape[2] != q.shape[2]:  # the context runtime attends head by head
+        k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    return context.attention(q, k, v, positions, segments, layout=sequence, implementation=kernel)
+
+
+class Attention(nnx.Module):
+    """``attention`` as a module, so that ``parallelize`` can tell it how sequences are split
+    (its ``sequence``). It holds no parameters: the model keeps its own projections."""
+
+    def __init__(self, *, implementation: str = "auto") -> None:
+        if implementation not in IMPLEMENTATIONS:
+            raise UsageError(f"Attention(implementation={implementation!r}); use one of {', '.join(IMPLEMENTATIONS)}")
+        self.implementation = implementation
+        self.sequence: ContextLayout | None = None
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
+                 segments: jax.Array | None = None) -> jax.Array:
+        return attention(q, k, v, positions=positions, segments=segments, implementation=self.implementation,
+                         sequence=self.sequence)
+
+
+def blocks_of(model: Any, kind: type) -> list[tuple[str, Any]]:
+    """``[(path, block)]`` of every ``kind`` (``LayerStack`` or ``Attention``) in ``model``."""
+    return [("/".join(str(part) for part in path), node) for path, node in nnx.iter_graph(model)
+            if isinstance(node, kind)]
+
+
+def split_sequences(model: Any, layout: ContextLayout | None) -> None:
+    """Tell ``model``'s blocks (in place) that sequences are split over devices by ``layout``
+    (None: not split). ``parallelize`` does this on the copy its step traces; call it yourself
+    to run a model's forward pass with a split sequence outside a step."""
+    for _, block in blocks_of(model, Attention):
+        block.sequence = layout
+    for _, stack in blocks_of(model, LayerStack):
+        stack.plan = dataclasses.replace(stack.plan, sequence=layout)
+
+
+def sequence_split(model: Any) -> ContextLayout | None:
+    """How the step ``model`` runs in splits sequences over devices (None: it does not); a loss
+    that reorders tokens for balance (the LM's zig-zag order) reads it here."""
+    return next((block.sequence for _, block in blocks_of(model, Attention) if block.sequence is not None), None)
