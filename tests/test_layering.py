@@ -3,7 +3,8 @@
     errors, mesh, distributed,    the usage error; devices and processes
     launch
     sharding                      rules, strategies, layouts, placement, report
-    layers, models, data          what users and we train, and the LM's data
+    runtime                       what runs inside a step: the pipeline, context attention
+    layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
     model_parallel, data_parallel parallelize(), reshard(); the seed contract
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
@@ -19,7 +20,8 @@ import shardax
 LAYERS = [
     {"errors", "mesh", "distributed", "launch"},
     {"sharding"},
-    {"layers", "models", "data"},
+    {"runtime"},
+    {"layers", "blocks", "models", "data"},
     {"step"},
     {"model_parallel", "data_parallel"},
     {"trainer"},

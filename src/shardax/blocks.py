@@ -30,8 +30,11 @@ from shardax.errors import UsageError
 from shardax.layers import metadata_only
 from shardax.runtime import context
 from shardax.runtime.context import ContextLayout
-from shardax.runtime.pipeline import PipelineRun, run_pipeline
-from shardax.sharding.compute import remat_policy
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.runtime.pipeline import PipelineRun, Specs, run_pipeline
+from shardax.sharding.compute import gather_for_compute, remat_policy
+from shardax.sharding.paths import path_to_str
 from shardax.sharding.rules import logical_axes_of
 
 REMAT_POLICIES = {
@@ -49,13 +52,29 @@ class StackPlan:
 
     pipeline: cut into stages and run as this pipeline (None: one device group runs every layer).
     sequence: the activations' sequence dimension is split over devices like this.
+    mesh, specs: each stacked parameter's (path within the stack) storage, compute and gradient
+      specs on ``mesh``. A scanned stack lays out each layer's weights for compute inside the
+      scan (FSDP: the all-gather of just this layer, and the reduce-scatter of its gradient).
     gathers_weights: the strategy gathers weights for compute (FSDP), so a loop of layers runs
       under remat even with ``remat="none"``, which then keeps every value but the gathered weights.
     """
 
     pipeline: PipelineRun | None = None
     sequence: ContextLayout | None = None
+    mesh: Mesh | None = None
+    specs: tuple[tuple[str, Specs], ...] = ()
     gathers_weights: bool = False
+
+    def one_layer(self, path: str) -> tuple[NamedSharding, NamedSharding] | None:
+        """Compute and gradient shardings of one layer of the stacked parameter at ``path`` (the
+        leading ``layers`` dimension gone), or None where it is used as it is stored."""
+        specs = dict(self.specs).get(path)
+        if specs is None or self.mesh is None:
+            return None
+        storage, compute, gradient = (PartitionSpec(*tuple(spec)[1:]) for spec in specs)
+        if compute == storage and gradient == storage:
+            return None
+        return NamedSharding(self.mesh, compute), NamedSharding(self.mesh, gradient)
 
 
 class LayerStack(nnx.Module):
@@ -110,16 +129,25 @@ class LayerStack(nnx.Module):
         # a circular schedule checkpoints each stage iteration with this policy itself
         inside_checkpoint = plan.pipeline.schedule.repeats > 1
 
-        def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:
-            return self._apply(nnx.merge(graphdef, chunk), x, riders, checkpointed=inside_checkpoint)
+        def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:  # laid out by the pipeline
+            return self._apply(nnx.merge(graphdef, chunk), x, riders, checkpointed=inside_checkpoint, lay_out=False)
 
         return run_pipeline(apply_stage, stacked, x, riders, run=plan.pipeline, remat=REMAT_POLICIES[self.remat])
 
-    def _apply(self, layers: Any, x: jax.Array, riders: Any, *, checkpointed: bool = False) -> jax.Array:
+    def _apply(self, layers: Any, x: jax.Array, riders: Any, *, checkpointed: bool = False,
+               lay_out: bool = True) -> jax.Array:
         """``x`` through ``layers``: a stack (scanned) or a list (a Python loop)."""
+        lay_out = lay_out and self.scan and any(self.plan.one_layer(path) for path, _ in self.plan.specs)
 
         def apply_layer(x: jax.Array, layer: nnx.Module) -> jax.Array:
-            return layer(x, *riders)
+            if not lay_out:
+                return layer(x, *riders)
+            graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+            laid_out = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
+                self._for_compute, params, is_leaf=lambda node: isinstance(node, nnx.Variable)), rest)
+            x = laid_out(x, *riders)
+            nnx.update(layer, nnx.split(laid_out, nnx.Param, ...)[2])  # what the layer changed besides weights
+            return x
 
         # Under remat, which with "none" saves everything but FSDP's gathered weights. A loop of
         # layers that neither recomputes nor gathers goes without: remat marks each saved value
@@ -135,6 +163,14 @@ class LayerStack(nnx.Module):
         for layer in layers:
             x = apply_layer(x, layer)
         return x
+
+
+    def _for_compute(self, keypath: Any, variable: nnx.Variable) -> nnx.Variable:
+        """One layer's weight laid out for compute (see ``StackPlan.one_layer``)."""
+        shardings = self.plan.one_layer(path_to_str(keypath))
+        if shardings is None:
+            return variable
+        return variable.replace(gather_for_compute(variable[...], *shardings))
 
 
 def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None) -> tuple[str, str]:

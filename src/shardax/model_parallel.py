@@ -28,7 +28,7 @@ from shardax.errors import UsageError
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
-from shardax.sharding.compute import compute_layout, layer_specs
+from shardax.sharding.compute import layer_specs
 from shardax.sharding.derive import Derived, derive_tensor_parallel
 from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
@@ -188,23 +188,23 @@ class ParallelModel:
                                             tuple(spec_axes(heads)) if heads else ())
         split_sequences(model, sequence)
         for path, stack in blocks_of(model, LayerStack):
+            prefix = f"{path}/layers/"
+            specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
+                                                                  f"parameter {leaf.path!r}"))
+                          for leaf in self.layout.leaves.values()
+                          if leaf.path.startswith(prefix) and leaf.logical and leaf.logical[0] == "layers")
             pipeline = None
             if schedule is not None:
-                prefix = f"{path}/layers/"
-                specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
-                                                                      f"parameter {leaf.path!r}"))
-                              for leaf in self.layout.leaves.values() if leaf.path.startswith(prefix))
                 pipeline = PipelineRun(self.mesh, self.strategy.pipeline_axis, schedule, self.strategy.batch_axes,
                                        specs)
-            stack.plan = StackPlan(pipeline=pipeline, sequence=sequence,
+            stack.plan = StackPlan(pipeline=pipeline, sequence=sequence, mesh=self.mesh, specs=specs,
                                    gathers_weights=bool(self.strategy.gather_axes))
         return nnx.split(model, nnx.Param, ...)[0]
 
     @contextlib.contextmanager
     def _layer_layout(self) -> Iterator[None]:
-        # The model runs under the mesh: its own constraints (bare PartitionSpecs) resolve there,
-        # and layers that read their weights through ``for_compute`` gather them one at a time.
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), compute_layout(self.mesh, self.strategy):
+        # The model runs under the mesh: its own constraints (bare PartitionSpecs) resolve there.
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
             yield
 
     def merge(self, state: TrainState) -> nnx.Module:

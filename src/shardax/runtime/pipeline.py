@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.sharding.compute import PIPELINE_CHUNK, gather_for_compute, laid_out_already, remat_policy
+from shardax.sharding.compute import PIPELINE_CHUNK, gather_for_compute, remat_policy
 from shardax.sharding.paths import path_to_str
 
 
@@ -238,8 +238,7 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
         else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
             chunk = jax.tree.map(lambda leaf: _pick(leaf, repeat), chunks_of_stage)
         own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
-        with laid_out_already():
-            return apply_layers(chunk, slot, own)
+        return apply_layers(chunk, slot, own)  # its weights laid out already, once, before the loop
 
     if repeats > 1:  # one checkpoint per stage iteration, with the layers' remat policy (see _stage_policy)
         stage = jax.checkpoint(stage, policy=_stage_policy(remat))

@@ -1,17 +1,14 @@
 """Parameters as layers use them: gathered for compute, their gradients sent to the storage layout.
 
-Inside a scanned stack of layers the step cannot constrain one layer's weights at a time; the
-layer has to. ``for_compute(param)`` does it: it reads the parameter, constrains it to the
-strategy's compute layout (for FSDP, the all-gather of just this layer), and makes its
-gradient take the strategy's gradient layout (the reduce-scatter of just this layer). Outside
-a ``compute_layout`` context it is a plain read, so models stay usable on their own.
+``gather_for_compute`` constrains a value to its compute layout (for FSDP, an all-gather) and
+its gradient to the gradient layout (a reduce-scatter), in one custom gradient. The step does
+this for the weights outside any stack; ``shardax.blocks.LayerStack`` does it for one layer of
+its stack at a time, inside the scan, from the specs ``parallelize`` hands it. Nothing here
+reads ambient state: ``for_compute(param, dtype)`` only casts.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -19,7 +16,6 @@ from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.sharding.rules import logical_axes_of
 
 # Values that remat policies must never save, by checkpoint name: FSDP's gathered weights (the
 # backward pass gathers each layer again instead of keeping every layer's full weights alive:
@@ -64,30 +60,6 @@ def remat_policy(policy: Any = None, *, save_custom_vjps: bool | None = None) ->
 
     return decide
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, Any] | None] = contextvars.ContextVar("shardax_compute", default=None)
-
-
-@contextlib.contextmanager
-def compute_layout(mesh: Mesh, strategy: Any) -> Iterator[None]:
-    """Within this context (while a step is traced), ``for_compute`` applies ``strategy`` on ``mesh``."""
-    token = _ACTIVE.set((mesh, strategy))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-@contextlib.contextmanager
-def laid_out_already() -> Iterator[None]:
-    """Within this context ``for_compute`` is a plain read: the weights were laid out for compute
-    beforehand (a pipeline gathers its stage's weights once, before its loop)."""
-    token = _ACTIVE.set(None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 def gather_for_compute(value: jax.Array, compute: NamedSharding, gradient: NamedSharding,
                        dtype: Any = None) -> jax.Array:
     """``value`` constrained to ``compute`` (and cast to ``dtype``); its cotangent constrained
@@ -124,29 +96,11 @@ def layer_specs(strategy: Any, logical: tuple[str | None, ...] | None, shape: tu
     return spec, strategy.compute_spec(spec), gradient
 
 
-def compute_spec_of(param: nnx.Variable) -> PartitionSpec | None:
-    """The layout ``for_compute`` gives ``param`` under the active strategy (None outside one)."""
-    active = _ACTIVE.get()
-    logical = logical_axes_of(param)
-    if active is None or logical is None or len(logical) != param[...].ndim:
-        return None
-    mesh, strategy = active
-    return layer_specs(strategy, logical, param[...].shape, mesh, f"parameter {logical}")[1]
-
-
 def for_compute(param: nnx.Variable, dtype: Any = None) -> jax.Array:
-    """The value of ``param`` laid out for compute under the active strategy (see module doc),
-    cast to ``dtype`` when given."""
+    """The value of ``param`` as a layer computes with it: cast to ``dtype`` when given (its
+    gradient cast back; see ``cast_for_compute``). Where it lives while computing is laid out
+    before the layer runs (by the step, or per layer by ``shardax.blocks.LayerStack``)."""
     value = param[...]
-    active = _ACTIVE.get()
-    logical = logical_axes_of(param)
-    if active is not None and logical is not None and len(logical) == value.ndim:
-        mesh, strategy = active
-        storage, compute, gradient = layer_specs(strategy, logical, value.shape, mesh, f"parameter {logical}")
-        if compute != storage or gradient != storage:
-            return gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient), dtype)
-        # Nothing to gather or scatter (dp, zero1, tp): the weight is used where it is stored and
-        # its gradient stays in that layout, so no constraint (and no custom gradient) is needed.
     return value if dtype is None or value.dtype == dtype else cast_for_compute(value, dtype)
 
 

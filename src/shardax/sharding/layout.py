@@ -148,7 +148,7 @@ class Layout:
         """Shardings of the parameters while computing (FSDP axes gathered).
 
         Stacked layers (a ``layers`` logical axis) keep their storage layout here: gathering a
-        whole stack up front would hold every layer at once; ``for_compute`` gathers them one
+        whole stack up front would hold every layer at once; ``LayerStack`` gathers them one
         layer at a time inside the scan instead.
         """
         def spec_of(path: str, leaf: Any) -> PartitionSpec:

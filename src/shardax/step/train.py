@@ -57,9 +57,9 @@ def build_train_step(
     """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
 
     Parameters stored by ``param_shardings`` are constrained to ``compute_shardings`` for the
-    forward pass, their gradients to ``gradient_shardings``. ``layer_layout()`` is entered while
-    the loss is traced, so layers that read their weights through ``for_compute`` gather (and
-    reduce-scatter) them one layer at a time. The metrics
+    forward pass, their gradients to ``gradient_shardings`` (a stack of layers keeps its storage
+    layout here and lays out one layer at a time itself). ``layer_layout()`` is entered while
+    the loss is traced (the mesh the model's own constraints resolve on). The metrics
     are ``loss``, ``grad_norm`` and whatever ``loss_fn`` returned beside the loss, each the
     mean over the global batch, and ``skipped_steps``. With ``grad_accum`` microbatches, each
     counts by the ``"weight"`` its loss reports (equally when none): sums divided once by the
