@@ -163,6 +163,21 @@ def test_a_context_axis_the_model_cannot_use_is_refused_by_the_trainer_before_fi
                 example_batch=next(lm_batches(1)))
 
 
+@pytest.mark.parametrize("rows, length, error", [
+    (16, 15, r"a sequence of 14 tokens does not cut into 8 equal chunks \(context=4"),
+    (5, 17, r"batch leaf 'tokens': dimension 0 has size 5, which does not divide over mesh axis 'data'")])
+def test_what_the_first_step_would_refuse_is_refused_by_fit_before_anything_is_written(tmp_path, rows, length,
+                                                                                       error):
+    """No example_batch: fit traces the step on the data's first batch before it opens the metrics
+    file or makes the checkpoint directory."""
+    tokens = np.zeros((rows, length), np.int32)
+    trainer = Trainer(readme_blocks_model(), optax.sgd(0.1), lm_loss, mesh="data=2,context=4", strategy="dp")
+    with pytest.raises(UsageError, match=error):
+        trainer.fit(lambda step: {"tokens": tokens}, steps=2, metrics=str(tmp_path / "run/metrics.jsonl"),
+                    checkpoint_dir=str(tmp_path / "run/ckpt"))
+    assert not (tmp_path / "run").exists()
+
+
 # The README's own Llama-style model, built from shardax.blocks (LayerStack, Attention), run as
 # the README shows it: under the pipelines and a context axis it must train like plain NNX.
 def readme_blocks_model():

@@ -129,6 +129,26 @@ def place_batch(batch: Any, sharding: Sharding) -> Any:
     return map_with_path(place, batch)
 
 
+def abstract_batch(batch: Any, sharding: NamedSharding) -> Any:
+    """``batch`` as ``jax.ShapeDtypeStruct``s of the global batch laid out by ``sharding``, each
+    checked as ``place_batch`` would (a one-line error for rows that do not split). Arrays are
+    this process's rows, as ``place_batch`` takes them; ``ShapeDtypeStruct``s are global already."""
+    mesh = sharding.mesh
+
+    def shape_of(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
+        dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+        shape = tuple(np.shape(leaf))
+        spec = _fit_to_rank(sharding.spec, len(shape)) if shape else PartitionSpec()
+        leaf_sharding = NamedSharding(mesh, spec)
+        if shape and jax.process_count() > 1 and not isinstance(leaf, jax.ShapeDtypeStruct):
+            shape = global_shape_of_local(shape, leaf_sharding)
+        if shape:
+            _check_batch_leaf(shape, spec, mesh, f"batch leaf {path!r}")
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=leaf_sharding)
+
+    return map_with_path(shape_of, batch)
+
+
 def _check_batch_leaf(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh, where: str) -> None:
     size = axes_size(mesh, spec[0]) if len(spec) else 1
     multiple = -(-shape[0] // size) * size if size else shape[0]

@@ -49,6 +49,11 @@ class BatchSource:
         """The next batch, or ``None`` when the data has run out."""
         raise NotImplementedError
 
+    def first_batch(self) -> Any | None:
+        """A batch to check the step's shapes on, read without moving the position (None where
+        that cannot be done: a one-pass iterator, a Grain iterator whose state is checkpointed)."""
+        return None
+
     def record(self) -> dict[str, Any]:
         """The position, as JSON for the checkpoint's record."""
         return {"kind": self.kind, "batches_read": self.batches_read}
@@ -81,6 +86,11 @@ class IterableSource(BatchSource):
         self.batches_read += batch is not None
         return batch
 
+    def first_batch(self) -> Any | None:
+        if iter(self.data) is self.data:  # one pass: reading it would lose the batch
+            return None
+        return next(iter(self.data), None)
+
     def resume(self, record: dict[str, Any], step: int) -> None:
         super().resume(record, step)
         if self.batches_read and iter(self.data) is self.data:
@@ -103,6 +113,9 @@ class StepSource(BatchSource):
         batch = self.data(self.batches_read)
         self.batches_read += batch is not None
         return batch
+
+    def first_batch(self) -> Any | None:
+        return self.data(self.batches_read)
 
 
 class GrainSource(BatchSource):

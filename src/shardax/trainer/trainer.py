@@ -26,7 +26,7 @@ from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
 from shardax.sharding.axis_names import AxisNames
-from shardax.sharding.place import place_batch
+from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
 from shardax.step.loss import WEIGHT, LossFn
@@ -94,6 +94,7 @@ class Trainer:
         self.learning_rate = learning_rate
         self.state: TrainState | None = None
         self._steps: dict[str, Callable] = {}
+        self.checked = False  # whether the train step was traced on a batch's shapes (check_step)
         if example_batch is not None:
             self.check_step(example_batch)
 
@@ -102,10 +103,9 @@ class Trainer:
         that whatever the first step would refuse (a batch that does not split, a sequence that
         does not cut into a context axis's chunks, a model a pipeline cannot stage) is refused now,
         before a run writes anything."""
-        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
-            x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), sharding=self.parallel.layout.batch()),
-            example_batch)
+        batch = abstract_batch(example_batch, self.parallel.layout.batch())
         jax.eval_shape(self.train_step(), self.parallel.abstract_state, batch)  # eval batches may hold more keys
+        self.checked = True
 
     @property
     def mesh(self) -> Mesh:
@@ -240,6 +240,8 @@ class Trainer:
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if on_nonfinite not in ("stop", "skip"):
             raise UsageError(f"on_nonfinite={on_nonfinite!r}; use 'stop' or 'skip'")
+        if not self.checked and (example := source.first_batch()) is not None:
+            self.check_step(example)  # what the first step would refuse, refused before anything is written
         run = Run.start(self, source, checkpoint_dir=checkpoint_dir, resume=resume, keep_checkpoints=keep_checkpoints,
                         metrics=metrics, tensorboard=tensorboard, steps=steps, record=record,
                         on_nonfinite=on_nonfinite)
