@@ -1,37 +1,13 @@
-"""Tensor parallelism read off what a model computes: Megatron's layout for weights nobody annotated.
-
-The loss is traced once on abstract values (``jax.make_jaxpr``: no FLOP is spent) and every
-dimension of every value in the program is tied to the dimensions it must share a layout with:
-an element-wise op ties its operands' dimensions to its result's, a matrix product ties the
-contracted dimension of one operand to the other's and the free ones to its result, a reshape
-ties a merged dimension to its major part, and so on through nested calls, remat, scans and
-branches. What ends up tied together is one *dimension class*. A class is the hidden
-dimension of a Megatron pair when a weight's matrix product *produces* it from an activation
-(the column half: attention heads, MLP hidden, conv channels), a later weight *consumes* it by
-contracting it with an activation (the row half), and nothing in between reduces over it or
-cuts it (no norm, softmax, slice or concatenation): then both weights split it over ``model``
-and the activations between them stay split with no communication. A class a weight produces
-or looks rows up in (an embedding) that no weight consumes is an output head's or embedding's
-vocabulary, split over ``model`` as well. Each weight takes ``model`` on at most one
-dimension, the largest classes first; every other weight stays whole, with the reason.
-
-Grouped-query attention repeats each key/value head for several query heads; when the kv
-heads do not divide over ``model`` the keys and values stay whole (each device computes all
-of them) while the query heads and the output projection split.
-"""
+"""The walk over a jaxpr: each primitive ties its operands' dimensions to its results' and marks
+their roles (produced or consumed by a weight, reduced over, cut, an input's)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
-import jax
 from jax.extend import core as jcore
 
-Node = tuple[Any, int]  # (jaxpr variable, dimension)
+from shardax.sharding.derive.dimensions import DimensionClasses, fits, rank, shape_of
 
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
                "argmin", "reduce_xor"}
@@ -42,72 +18,10 @@ _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
 _FRESH = {"iota", "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform"}
 
 
-class _Classes:
-    """Union-find over (variable, dimension), with flags on each dimension."""
-
-    def __init__(self) -> None:
-        self.parent: dict[Node, Node] = {}
-        self.flags: dict[Node, set[str]] = defaultdict(set)
-        self.sizes: dict[Node, int] = {}
-        self.soft: list[tuple[Node, Node]] = []  # ties cut again when they would stop a split
-        self.fresh: set[Node] = set()  # dimensions a broadcast made (a repeat's copies)
-
-    def node(self, var: Any, dim: int) -> Node | None:
-        shape = getattr(getattr(var, "aval", None), "shape", None)
-        if shape is None or isinstance(var, jcore.Literal) or shape[dim] == 1:
-            return None
-        node = (var, dim)
-        self.sizes.setdefault(node, shape[dim])
-        self.parent.setdefault(node, node)
-        return node
-
-    def find(self, node: Node) -> Node:
-        while self.parent[node] != node:
-            self.parent[node] = self.parent[self.parent[node]]
-            node = self.parent[node]
-        return node
-
-    def tie(self, a: Any, da: int, b: Any, db: int) -> None:
-        na, nb = self.node(a, da), self.node(b, db)
-        if na is not None and nb is not None and self.sizes[na] == self.sizes[nb]:
-            self.parent[self.find(na)] = self.find(nb)
-        elif na is not None and nb is not None:
-            self.mark(a, da, "cut")
-            self.mark(b, db, "cut")
-
-    def join(self, a: Node | None, b: Node | None) -> None:
-        """One class for ``a`` and ``b`` whatever their sizes (a merged dimension and its major part)."""
-        if a is not None and b is not None:
-            self.parent[self.find(a)] = self.find(b)
-
-    def mark(self, var: Any, dim: int, flag: str) -> None:
-        node = self.node(var, dim)
-        if node is not None:
-            self.flags[node].add(flag)
-
-    def mark_all(self, var: Any, flag: str) -> None:
-        for dim in range(_rank(var)):
-            self.mark(var, dim, flag)
-
-
-def _rank(var: Any) -> int:
-    return len(getattr(getattr(var, "aval", None), "shape", ()) or ())
-
-
-def _fits(operand: Any, out: Any) -> bool:
-    """An element-wise operand: a scalar, or ``out``'s shape with some sizes 1 (broadcast)."""
-    shape, target = _shape(operand), _shape(out)
-    return not shape or (len(shape) == len(target) and all(a in (b, 1) for a, b in zip(shape, target)))
-
-
-def _shape(var: Any) -> tuple[int, ...]:
-    return tuple(getattr(getattr(var, "aval", None), "shape", ()) or ())
-
-
-class _Walker:
+class Walker:
     """Walks a jaxpr, tying dimensions and marking roles; ``kind`` says what each value is made of."""
 
-    def __init__(self, classes: _Classes) -> None:
+    def __init__(self, classes: DimensionClasses) -> None:
         self.classes = classes
         self.kind: dict[Any, str] = {}  # "act" (depends on the batch) or "weight" (on parameters only)
 
@@ -128,8 +42,8 @@ class _Walker:
         for o, i in zip(outer, inner):
             if self.kind_of(o) and not isinstance(i, jcore.Literal):
                 self.kind[i] = self.kind_of(o)
-            if _shape(o) == _shape(i):
-                for dim in range(_rank(o)):
+            if shape_of(o) == shape_of(i):
+                for dim in range(rank(o)):
                     self.classes.tie(o, dim, i, dim)
 
     def call(self, eqn: Any, closed: Any) -> None:
@@ -155,7 +69,7 @@ class _Walker:
             self.classes.mark(ins[0], params["axis"], "reduced")
         elif name in _FRESH:
             pass
-        elif all(_shape(o) == _shape(outs[0]) for o in outs) and all(_fits(i, outs[0]) for i in ins):
+        elif all(shape_of(o) == shape_of(outs[0]) for o in outs) and all(fits(i, outs[0]) for i in ins):
             self.elementwise(ins, outs)
         else:  # unknown: nothing through it may be split
             for var in (*ins, *outs):
@@ -163,12 +77,12 @@ class _Walker:
 
     def elementwise(self, ins: list[Any], outs: list[Any]) -> None:
         for var in (*ins, *outs[1:]):
-            if _rank(var) == _rank(outs[0]):  # equal sizes, or 1 (broadcast: never tied)
-                for dim in range(_rank(var)):
+            if rank(var) == rank(outs[0]):  # equal sizes, or 1 (broadcast: never tied)
+                for dim in range(rank(var)):
                     self.classes.tie(var, dim, outs[0], dim)
 
     def reduce(self, operand: Any, out: Any, axes: tuple[int, ...]) -> None:
-        kept = [d for d in range(_rank(operand)) if d not in axes]
+        kept = [d for d in range(rank(operand)) if d not in axes]
         for d_out, d_in in enumerate(kept):
             self.classes.tie(operand, d_in, out, d_out)
         for dim in axes:
@@ -179,7 +93,7 @@ class _Walker:
         mapped = params["broadcast_dimensions"]
         for d_in, d_out in enumerate(mapped):
             self.classes.tie(ins[0], d_in, outs[0], d_out)
-        for dim in range(_rank(outs[0])):
+        for dim in range(rank(outs[0])):
             node = self.classes.node(outs[0], dim)
             if dim not in mapped and node is not None:
                 self.classes.fresh.add(node)
@@ -189,17 +103,17 @@ class _Walker:
             self.classes.tie(ins[0], d_in, outs[0], d_out)
 
     def _squeeze(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        kept = [d for d in range(_rank(ins[0])) if d not in params["dimensions"]]
+        kept = [d for d in range(rank(ins[0])) if d not in params["dimensions"]]
         for d_out, d_in in enumerate(kept):
             self.classes.tie(ins[0], d_in, outs[0], d_out)
 
     def _expand_dims(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        kept = [d for d in range(_rank(outs[0])) if d not in params["dimensions"]]
+        kept = [d for d in range(rank(outs[0])) if d not in params["dimensions"]]
         for d_in, d_out in enumerate(kept):
             self.classes.tie(ins[0], d_in, outs[0], d_out)
 
     def _reshape(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        source, target = _shape(ins[0]), _shape(outs[0])
+        source, target = shape_of(ins[0]), shape_of(outs[0])
         for group_in, group_out in _reshape_groups(source, target):
             big_in = [d for d in group_in if source[d] > 1]
             big_out = [d for d in group_out if target[d] > 1]
@@ -233,8 +147,8 @@ class _Walker:
         for i, (a, b) in enumerate(zip(lhs_batch, rhs_batch)):
             self.classes.tie(lhs, a, out, i)
             self.classes.tie(rhs, b, out, i)
-        free_lhs = [d for d in range(_rank(lhs)) if d not in lhs_contract and d not in lhs_batch]
-        free_rhs = [d for d in range(_rank(rhs)) if d not in rhs_contract and d not in rhs_batch]
+        free_lhs = [d for d in range(rank(lhs)) if d not in lhs_contract and d not in lhs_batch]
+        free_rhs = [d for d in range(rank(rhs)) if d not in rhs_contract and d not in rhs_batch]
         for i, d in enumerate(free_lhs + free_rhs):
             self.classes.tie(*(((lhs, d) if i < len(free_lhs) else (rhs, d)) + (out, len(lhs_batch) + i)))
         self._roles(lhs, rhs, lhs_contract, free_lhs, lhs_batch)
@@ -271,14 +185,14 @@ class _Walker:
         operand, indices, out = ins[0], ins[1], outs[0]
         numbers, sizes = params["dimension_numbers"], params["slice_sizes"]
         skipped = set(numbers.collapsed_slice_dims) | set(numbers.operand_batching_dims)
-        kept = [d for d in range(_rank(operand)) if d not in skipped]
+        kept = [d for d in range(rank(operand)) if d not in skipped]
         for d_in, d_out in zip(kept, numbers.offset_dims):
-            if sizes[d_in] == _shape(operand)[d_in]:
+            if sizes[d_in] == shape_of(operand)[d_in]:
                 self.classes.tie(operand, d_in, out, d_out)
             else:
                 self.classes.mark(operand, d_in, "cut")
-        batch_out = [d for d in range(_rank(out)) if d not in numbers.offset_dims]
-        for d_out, d_index in zip(batch_out, range(_rank(indices) - 1)):
+        batch_out = [d for d in range(rank(out)) if d not in numbers.offset_dims]
+        for d_out, d_index in zip(batch_out, range(rank(indices) - 1)):
             self.classes.tie(indices, d_index, out, d_out)
         for d_op, d_index in zip(numbers.operand_batching_dims, numbers.start_indices_batching_dims):
             self.classes.tie(operand, d_op, indices, d_index)
@@ -287,9 +201,9 @@ class _Walker:
             self.classes.mark(operand, dim, "lookup" if lookup else "reduced")
 
     def _slice(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        strides = params.get("strides") or (1,) * _rank(ins[0])
-        for dim, size in enumerate(_shape(outs[0])):
-            if size == _shape(ins[0])[dim] and strides[dim] == 1:
+        strides = params.get("strides") or (1,) * rank(ins[0])
+        for dim, size in enumerate(shape_of(outs[0])):
+            if size == shape_of(ins[0])[dim] and strides[dim] == 1:
                 self.classes.tie(ins[0], dim, outs[0], dim)
             else:
                 self.classes.mark(ins[0], dim, "cut")
@@ -298,9 +212,9 @@ class _Walker:
         self._slice(ins[:1], outs, {})
 
     def _dynamic_update_slice(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        for dim, size in enumerate(_shape(ins[0])):
+        for dim, size in enumerate(shape_of(ins[0])):
             self.classes.tie(ins[0], dim, outs[0], dim)
-            if _shape(ins[1])[dim] == size:
+            if shape_of(ins[1])[dim] == size:
                 self.classes.tie(ins[1], dim, outs[0], dim)
             else:
                 self.classes.mark(ins[0], dim, "cut")
@@ -308,7 +222,7 @@ class _Walker:
     def _concatenate(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         axis = params["dimension"]
         for var in ins:
-            for dim in range(_rank(var)):
+            for dim in range(rank(var)):
                 if dim == axis:
                     self.classes.mark(var, dim, "cut")
                 else:
@@ -325,7 +239,7 @@ class _Walker:
 
     def _split(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         for out in outs:
-            for dim in range(_rank(out)):
+            for dim in range(rank(out)):
                 if dim == params["axis"]:
                     self.classes.mark(out, dim, "cut")
                 else:
@@ -358,7 +272,7 @@ class _Walker:
         if self.kind_of(outer) and not isinstance(inner, jcore.Literal):
             self.kind[inner] = self.kind_of(outer)
         self.classes.mark(outer, 0, "stacked")
-        for dim in range(_rank(inner)):
+        for dim in range(rank(inner)):
             self.classes.tie(outer, dim + 1, inner, dim)
 
     def _cond(self, ins: list[Any], outs: list[Any], params: dict) -> None:
@@ -402,119 +316,3 @@ def _reshape_groups(source: tuple[int, ...], target: tuple[int, ...]) -> list[tu
                 break
         groups.append((group_in, group_out))
     return groups
-
-
-@dataclasses.dataclass(frozen=True)
-class Derived:
-    """What tensor parallelism read off the program: per parameter path, a logical name for the
-    dimension that splits over ``model`` (``"heads"``, ``"mlp"`` or ``"vocab"``) and ``None`` for
-    the others; and, for every parameter that stays whole, why."""
-
-    logical: dict[str, tuple[str | None, ...]]
-    whole: dict[str, str]
-
-
-def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], params: dict[str, Any], rest: Any,
-                           batch: Any, model_size: int) -> Derived:
-    """Megatron's split of ``params`` (``{path: abstract array}``) over a ``model`` axis of
-    ``model_size`` devices, from ``jax.make_jaxpr(loss_of_params)(params, rest, batch)``."""
-    closed = jax.make_jaxpr(loss_of_params)(params, rest, batch)
-    jaxpr = closed.jaxpr
-    classes = _Classes()
-    walker = _Walker(classes)
-    count_params = len(jax.tree.leaves(params))
-    count_rest = len(jax.tree.leaves(rest))
-    param_vars = jaxpr.invars[:count_params]
-    for var in param_vars:
-        walker.kind[var] = "weight"
-    for var in jaxpr.invars[count_params + count_rest:]:
-        walker.kind[var] = "act"
-        classes.mark_all(var, "input")
-    walker.walk(jaxpr)
-    return _decide(classes, dict(zip(params, param_vars)), model_size)
-
-
-def _verdicts(classes: _Classes, model_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
-    """Per class root: the logical name it splits as, or why it cannot."""
-    for whole, major in classes.soft:  # tie merged dimensions to their major part where it divides
-        if whole is None or major is None:
-            continue
-        merged = {classes.find(whole), classes.find(major)}
-        members = [n for n in classes.parent if classes.find(n) in merged]
-        if all(classes.sizes[n] % model_size == 0 for n in members):
-            classes.join(whole, major)
-    flags: dict[Node, set[str]] = defaultdict(set)
-    sizes: dict[Node, set[int]] = defaultdict(set)
-    for node in classes.parent:
-        root = classes.find(node)
-        flags[root] |= classes.flags[node]
-        sizes[root].add(classes.sizes[node])
-    names, reasons = {}, {}
-    for root, marks in flags.items():
-        bad = sorted(size for size in sizes[root] if size % model_size)
-        unknown = sorted(m.split(":", 1)[1] for m in marks if m.startswith("unknown:"))
-        if "input" in marks:
-            reasons[root] = "it is a dimension of the batch's inputs or targets"
-        elif unknown:
-            reasons[root] = f"it passes through {', '.join(unknown)}, which shardax does not follow"
-        elif "stacked" in marks:
-            reasons[root] = "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
-        elif "cut" in marks:
-            reasons[root] = "it is sliced, concatenated, strided or windowed (a conv's spatial extent)"
-        elif "produced" in marks and "consumed" in marks and "reduced" in marks:
-            reasons[root] = "the model width: normalised or reduced over between the weights that share it"
-        elif "produced" in marks and "consumed" in marks and not bad:
-            names[root] = "heads" if "attention" in marks else "mlp"
-        elif ("produced" in marks or "lookup" in marks) and "consumed" not in marks and not bad:
-            names[root] = "vocab"
-        elif bad:
-            reasons[root] = f"sizes {bad} are not multiples of model={model_size}"
-        elif "reduced" in marks:
-            reasons[root] = "reduced over between activations (attention's head_dim, a softmax)"
-        else:
-            reasons[root] = "no weight produces it and a later one consumes it"
-    return names, reasons
-
-
-def _decide(classes: _Classes, param_vars: dict[str, Any], model_size: int) -> Derived:
-    names, reasons = _verdicts(classes, model_size)
-    dims_of: dict[str, list[Node | None]] = {
-        path: [classes.find(n) if (n := classes.node(var, d)) is not None else None for d in range(_rank(var))]
-        for path, var in param_vars.items()
-    }
-    members: dict[Node, list[tuple[str, int]]] = defaultdict(list)
-    for path, roots in dims_of.items():
-        for dim, root in enumerate(roots):
-            if root in names:
-                members[root].append((path, dim))
-
-    def weight_bytes(root: Node) -> int:
-        return sum(math.prod(_shape(param_vars[path])) for path, _ in members[root])
-
-    taken: dict[str, int] = {}
-    chosen: list[Node] = []
-    for root in sorted(members, key=weight_bytes, reverse=True):
-        paths = [path for path, _ in members[root]]
-        if len(set(paths)) < len(paths):
-            reasons[root] = "two dimensions of one weight are this same dimension"
-        elif any(path in taken for path in paths):
-            other = next(path for path in paths if path in taken)
-            reasons[root] = f"{other} shares it and already splits on another dimension"
-        else:
-            chosen.append(root)
-            taken.update({path: dim for path, dim in members[root]})
-    logical, whole = {}, {}
-    for path, roots in dims_of.items():
-        if path in taken:
-            root = roots[taken[path]]
-            logical[path] = tuple(names[root] if d == taken[path] else None for d in range(len(roots)))
-            continue
-        why = []
-        for dim, root in enumerate(roots):
-            size = _shape(param_vars[path])[dim]
-            if root is None:
-                why.append(f"{size}: size 1")
-            else:
-                why.append(f"{size}: {reasons.get(root) or 'taken by a larger weight'}")
-        whole[path] = "; ".join(why) if why else "a scalar"
-    return Derived(logical, whole)

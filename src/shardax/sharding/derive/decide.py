@@ -1,0 +1,131 @@
+"""From dimension classes to a layout: which class splits over ``model`` as what, and why every
+other weight stays whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from shardax.sharding.derive.dimensions import DimensionClasses, Node, rank, shape_of
+from shardax.sharding.derive.walk import Walker
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """What tensor parallelism read off the program: per parameter path, a logical name for the
+    dimension that splits over ``model`` (``"heads"``, ``"mlp"`` or ``"vocab"``) and ``None`` for
+    the others; and, for every parameter that stays whole, why."""
+
+    logical: dict[str, tuple[str | None, ...]]
+    whole: dict[str, str]
+
+
+def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], params: dict[str, Any], rest: Any,
+                           batch: Any, model_size: int) -> Derived:
+    """Megatron's split of ``params`` (``{path: abstract array}``) over a ``model`` axis of
+    ``model_size`` devices, from ``jax.make_jaxpr(loss_of_params)(params, rest, batch)``."""
+    closed = jax.make_jaxpr(loss_of_params)(params, rest, batch)
+    jaxpr = closed.jaxpr
+    classes = DimensionClasses()
+    walker = Walker(classes)
+    count_params = len(jax.tree.leaves(params))
+    count_rest = len(jax.tree.leaves(rest))
+    param_vars = jaxpr.invars[:count_params]
+    for var in param_vars:
+        walker.kind[var] = "weight"
+    for var in jaxpr.invars[count_params + count_rest:]:
+        walker.kind[var] = "act"
+        classes.mark_all(var, "input")
+    walker.walk(jaxpr)
+    return _decide(classes, dict(zip(params, param_vars)), model_size)
+
+
+def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
+    """Per class root: the logical name it splits as, or why it cannot."""
+    for whole, major in classes.soft:  # tie merged dimensions to their major part where it divides
+        if whole is None or major is None:
+            continue
+        merged = {classes.find(whole), classes.find(major)}
+        members = [n for n in classes.parent if classes.find(n) in merged]
+        if all(classes.sizes[n] % model_size == 0 for n in members):
+            classes.join(whole, major)
+    flags: dict[Node, set[str]] = defaultdict(set)
+    sizes: dict[Node, set[int]] = defaultdict(set)
+    for node in classes.parent:
+        root = classes.find(node)
+        flags[root] |= classes.flags[node]
+        sizes[root].add(classes.sizes[node])
+    names, reasons = {}, {}
+    for root, marks in flags.items():
+        bad = sorted(size for size in sizes[root] if size % model_size)
+        unknown = sorted(m.split(":", 1)[1] for m in marks if m.startswith("unknown:"))
+        if "input" in marks:
+            reasons[root] = "it is a dimension of the batch's inputs or targets"
+        elif unknown:
+            reasons[root] = f"it passes through {', '.join(unknown)}, which shardax does not follow"
+        elif "stacked" in marks:
+            reasons[root] = "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
+        elif "cut" in marks:
+            reasons[root] = "it is sliced, concatenated, strided or windowed (a conv's spatial extent)"
+        elif "produced" in marks and "consumed" in marks and "reduced" in marks:
+            reasons[root] = "the model width: normalised or reduced over between the weights that share it"
+        elif "produced" in marks and "consumed" in marks and not bad:
+            names[root] = "heads" if "attention" in marks else "mlp"
+        elif ("produced" in marks or "lookup" in marks) and "consumed" not in marks and not bad:
+            names[root] = "vocab"
+        elif bad:
+            reasons[root] = f"sizes {bad} are not multiples of model={model_size}"
+        elif "reduced" in marks:
+            reasons[root] = "reduced over between activations (attention's head_dim, a softmax)"
+        else:
+            reasons[root] = "no weight produces it and a later one consumes it"
+    return names, reasons
+
+
+def _decide(classes: DimensionClasses, param_vars: dict[str, Any], model_size: int) -> Derived:
+    names, reasons = _verdicts(classes, model_size)
+    dims_of: dict[str, list[Node | None]] = {
+        path: [classes.find(n) if (n := classes.node(var, d)) is not None else None for d in range(rank(var))]
+        for path, var in param_vars.items()
+    }
+    members: dict[Node, list[tuple[str, int]]] = defaultdict(list)
+    for path, roots in dims_of.items():
+        for dim, root in enumerate(roots):
+            if root in names:
+                members[root].append((path, dim))
+
+    def weight_bytes(root: Node) -> int:
+        return sum(math.prod(shape_of(param_vars[path])) for path, _ in members[root])
+
+    taken: dict[str, int] = {}
+    chosen: list[Node] = []
+    for root in sorted(members, key=weight_bytes, reverse=True):
+        paths = [path for path, _ in members[root]]
+        if len(set(paths)) < len(paths):
+            reasons[root] = "two dimensions of one weight are this same dimension"
+        elif any(path in taken for path in paths):
+            other = next(path for path in paths if path in taken)
+            reasons[root] = f"{other} shares it and already splits on another dimension"
+        else:
+            chosen.append(root)
+            taken.update({path: dim for path, dim in members[root]})
+    logical, whole = {}, {}
+    for path, roots in dims_of.items():
+        if path in taken:
+            root = roots[taken[path]]
+            logical[path] = tuple(names[root] if d == taken[path] else None for d in range(len(roots)))
+            continue
+        why = []
+        for dim, root in enumerate(roots):
+            size = shape_of(param_vars[path])[dim]
+            if root is None:
+                why.append(f"{size}: size 1")
+            else:
+                why.append(f"{size}: {reasons.get(root) or 'taken by a larger weight'}")
+        whole[path] = "; ".join(why) if why else "a scalar"
+    return Derived(logical, whole)
