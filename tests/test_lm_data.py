@@ -271,6 +271,22 @@ def test_prepare_refuses_to_replace_shards_of_another_tokenizer(corpus, tmp_path
     assert Path(tmp_path / "mine").exists()
 
 
+def test_a_killed_prepare_is_built_again_and_an_edited_index_is_one_line(corpus, tmp_path):
+    root, _ = corpus
+    left = tmp_path / "killed"
+    (left / ".building").mkdir(parents=True)  # what a prepare killed mid-way leaves
+    (left / ".building" / "train-00000.bin").write_bytes(b"half")
+    done = prepare([root], left, show_progress=False)
+    assert not (left / ".building").exists() and PreparedData(done.root).train is not None
+    index = json.loads((left / "index.json").read_text())
+    del index["dtype"], index["splits"]["validation"]["tokens"]
+    (left / "index.json").write_text(json.dumps(index))
+    with pytest.raises(UsageError) as error:
+        PreparedData(left)
+    assert str(error.value) == (f"{left / 'index.json'} lacks dtype; it was not written whole by shardax prepare: "
+                                f"run shardax prepare again into {left}")
+
+
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_corpus_too_small_for_the_hash_split_still_holds_out_text(count, tmp_path):
     """One document: its last tenth is held out; a few that all hash to training: the last one."""

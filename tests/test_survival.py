@@ -173,6 +173,44 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(h
     jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(straight.state))
 
 
+def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_note(tmp_path, capsys):
+    first = trainer()
+    first.fit(BATCHES, steps=4, log_every=1, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+              metrics=str(tmp_path / "m.jsonl"))
+    text = (tmp_path / "m.jsonl").read_text()
+    (tmp_path / "m.jsonl").write_text(text + '{"step": 5, "lo')  # a crash mid-append
+    capsys.readouterr()
+    trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_dir=str(tmp_path / "ckpt"), resume=True,
+                  metrics=str(tmp_path / "m.jsonl"))
+    assert "its last line was cut off mid-write (15 bytes" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [1, 2, 3, 4, 5, 6]
+    (tmp_path / "m.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(Exception, match=r"m.jsonl line 2 is not a JSON record; move the file aside"):
+        trainer().fit(BATCHES, steps=8, checkpoint_dir=str(tmp_path / "ckpt"), resume=True,
+                      metrics=str(tmp_path / "m.jsonl"))
+
+
+def test_a_damaged_checkpoint_that_cannot_be_set_aside_is_one_line(tmp_path, monkeypatch):
+    """The rename fails as on a read-only filesystem (tests run as root, which chmod does not stop)."""
+    import errno
+    import pathlib
+
+    trainer().fit(BATCHES, steps=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2)
+    damage_largest_file(tmp_path / "ckpt" / "4", "truncated")
+
+    def read_only(self, target):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(pathlib.Path, "rename", read_only)
+    with pytest.raises(Exception) as error:
+        trainer().fit(BATCHES, steps=6, checkpoint_dir=str(tmp_path / "ckpt"), resume=True)
+    assert str(error.value) == (f"checkpoint of step 4 in {tmp_path / 'ckpt'} is damaged and cannot be set aside as "
+                                "4.damaged (Read-only file system); resume from a writable copy of the directory, or "
+                                "remove that step yourself")
+    monkeypatch.undo()
+    assert saved_steps(tmp_path / "ckpt") == [2, 4]
+
+
 def test_no_good_checkpoint_is_a_clear_error_and_nothing_is_loaded(tmp_path):
     trainer().fit(BATCHES, steps=4, checkpoint_every=2, checkpoint_dir=tmp_path, keep_checkpoints=2)
     for step in (2, 4):
@@ -216,6 +254,34 @@ def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpu
 # -- preemption -----------------------------------------------------------------------------------------------
 
 PREEMPTIBLE = (*LM, "--steps", 8, "--checkpoint-every", 100)
+
+
+@pytest.mark.slow
+def test_one_run_writes_a_checkpoint_directory_and_a_dead_runs_lock_is_taken_over(small_corpus, tmp_path):
+    """A second run into a directory a live run writes is refused in one line naming the holder,
+    and writes nothing; once the holder is killed, a new run takes the lock over and says so."""
+    checkpoints = tmp_path / "ckpt"
+    common = ["train", *LM, "--steps", 4, "--data", small_corpus, "--checkpoint-dir", checkpoints]
+    first = subprocess.Popen(stalled(1, 240, "shardax", *common, "--metrics", tmp_path / "first.jsonl"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and first.poll() is None and last_logged_step(tmp_path / "first.jsonl") < 1:
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()[-2000:]
+        for extra in ([], ["--resume"]):
+            second = shardax(*common, "--seed", 5, "--metrics", tmp_path / "second.jsonl", *extra, check=False)
+            assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
+            line = second.stderr.strip().splitlines()[-1]
+            assert f"{checkpoints} is being written by another run (host " in line and f"pid {first.pid}," in line
+            assert not (tmp_path / "second.jsonl").exists()
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    taken = shardax(*common, "--seed", 5, "--metrics", tmp_path / "second.jsonl")
+    assert f"took over the lock of {checkpoints} that a run which is no longer running left" in taken.stdout
+    assert f"pid {first.pid}" in taken.stdout and saved_steps(checkpoints) == [4]
+    assert (checkpoints / ".shardax-lock").read_text() == ""  # let go when the run ended
 
 
 def preempt(command, metrics, at_step, sig, launcher_lines=None):

@@ -234,7 +234,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
             raise UsageError(f"{root} holds shards made with tokenizer {old.get('tokenizer_name')}, not {tokenizer!r}; "
                              "prepare into another directory, or pass --overwrite to replace them")
         reason = _changes(old.get("inputs", []), listing) if old.get("settings") == settings else "settings changed"
-    elif root.exists() and (not root.is_dir() or any(root.iterdir())):
+    elif root.exists() and (not root.is_dir() or any(p.name != ".building" for p in root.iterdir())):
+        # (only the .building/ of a prepare that was killed: cleared below, and built anew)
         raise UsageError(f"{root} exists and is not a prepared data directory (no {INDEX}); choose a new or empty one")
     else:
         reason = "new"

@@ -66,6 +66,20 @@ class TokenStream:
         self.descriptors = []
 
 
+def _check_index(index: Any, path: Path) -> None:
+    """One line naming what a prepared directory's index lacks (an edited or truncated file)."""
+    missing = [key for key in ("tokenizer", "tokenizer_name", "dtype", "eod_id", "splits")
+               if not isinstance(index, dict) or key not in index]
+    if not missing:
+        for split in ("train", "validation"):
+            entry = index["splits"].get(split) if isinstance(index["splits"], dict) else None
+            missing += [f"splits.{split}.{key}" for key in ("shards", "documents", "tokens", "bytes")
+                        if not isinstance(entry, dict) or key not in entry]
+    if missing:
+        raise UsageError(f"{path} lacks {', '.join(missing)}; it was not written whole by shardax prepare: run "
+                         f"shardax prepare again into {path.parent}")
+
+
 class PreparedData:
     """A directory written by ``shardax prepare``: its tokenizer and its two splits."""
 
@@ -74,6 +88,7 @@ class PreparedData:
         index = read_index(self.root) if self.root.is_dir() else None
         if index is None:
             raise UsageError(f"{self.root} holds no prepared data ({INDEX} missing); run shardax prepare first")
+        _check_index(index, self.root / INDEX)
         self.index = index
         self.tokenizer: Tokenizer = from_json((self.root / TOKENIZER).read_text(), str(self.root / TOKENIZER))
         if self.tokenizer.fingerprint != index["tokenizer"]:

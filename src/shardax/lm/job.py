@@ -71,6 +71,7 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
         return None, None, {}
     checkpointer = Checkpointer(config.checkpoint_dir)
     try:
+        checkpointer.lock.check_free()  # another run writing it: say so first
         step = checkpointer.latest_step()
         if not config.resume:
             if step is not None:

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 
 from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
+from shardax.trainer.lock import DirectoryLock
 from shardax.trainer.manifest import damage, seal
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class Checkpointer:
         if keep < 1:
             raise UsageError(f"keep={keep}: keep at least 1 checkpoint")
         self._saving: int | None = None
+        self.lock = DirectoryLock(self.directory)
         _quiet_failed_writers()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
@@ -148,7 +150,8 @@ class Checkpointer:
                              "give a directory you can write to") from None
 
     def make_writable(self) -> None:
-        """Create the directory and check that files can be written there (before training starts)."""
+        """Create the directory, check that files can be written there and take its lock (before
+        training starts): one run writes a checkpoint directory at a time."""
         probe = self.directory / f".shardax-write-test-{jax.process_index()}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -157,6 +160,11 @@ class Checkpointer:
         except OSError as error:
             raise UsageError(f"checkpoint directory {self.directory} is not writable ({error.strerror}); "
                              "give a directory you can write to") from None
+        self.hold()
+
+    def hold(self) -> None:
+        """Take the directory's lock for this run (``shardax.trainer.lock``); a live holder is refused."""
+        self.lock.acquire()
 
     def _seal_committing(self) -> None:
         """orbax's commit step (primary process, all processes' files written): seal before the rename."""
@@ -192,7 +200,16 @@ class Checkpointer:
             while target.exists():
                 target = target.with_name(target.name + "~")
             if jax.process_index() == 0:
-                source.rename(target)
+                try:
+                    source.rename(target)
+                except OSError as error:
+                    raise UsageError(f"checkpoint of step {step} in {self.directory} is damaged and cannot be set "
+                                     f"aside as {target.name} ({error.strerror}); resume from a writable copy of the "
+                                     "directory, or remove that step yourself") from None
+        if jax.process_count() > 1:  # every process sees the renames before it reads the steps again
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("shardax: damaged checkpoints set aside")
         self.manager.reload()
 
     def save(self, step: int, state: Any, record: dict[str, Any], data: Any = None) -> None:
@@ -200,6 +217,7 @@ class Checkpointer:
 
         ``data``: extra orbax args for the data position (a Grain iterator's state), saved now.
         """
+        self.hold()
         items = {"state": ocp.args.StandardSave(flatten_state(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
@@ -270,9 +288,12 @@ class Checkpointer:
             self.manager.wait_until_finished()
 
     def close(self) -> None:
-        with self._writing(None):
-            self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            with self._writing(None):
+                self.manager.wait_until_finished()
+            self.manager.close()
+        finally:
+            self.lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

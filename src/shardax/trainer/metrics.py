@@ -24,20 +24,41 @@ class MetricsLog:
     def __init__(self, path: str | Path | None, *, resume_from: int | None = None) -> None:
         self.path = Path(path) if path else None
         self.records: list[dict[str, Any]] = []
+        self.note: str | None = None  # what was repaired on resume, said in the run's header
         if self.path is None:
             return
         if self.path.is_dir():
             raise UsageError(f"metrics file {self.path} is a directory; "
                              f"give a file name such as {self.path / 'metrics.jsonl'}")
         if resume_from is not None and self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [record for record in kept if record.get("step", 0) <= resume_from]
+            self.records = [record for record in self._read() if record.get("step", 0) <= resume_from]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("".join(json.dumps(record) + "\n" for record in self.records))
         except OSError as error:
             raise UsageError(f"metrics file {self.path} cannot be written ({error.strerror}); "
                              "give a path you can write to") from None
+
+    def _read(self) -> list[dict[str, Any]]:
+        """The records so far. A last line cut off mid-write (a crash while appending) is dropped,
+        with a note; a damaged line before it is refused in one line."""
+        assert self.path is not None
+        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a record")
+            except ValueError:
+                if number == len(lines):
+                    self.note = (f"metrics file {self.path}: its last line was cut off mid-write ({len(line)} bytes, "
+                                 "from a run that stopped while appending); dropped it")
+                    break
+                raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the file aside "
+                                 "or give another --metrics") from None
+            records.append(record)
+        return records
 
     def write(self, record: dict[str, Any]) -> None:
         clean = finite_or_none(record)
@@ -90,6 +111,27 @@ class TensorBoardLog:
             raise UsageError(f"tensorboard directory {directory} cannot be created ({error.strerror}); "
                              "give a directory you can write to") from None
         self.writer = SummaryWriter(str(directory))
+
+    def _read(self) -> list[dict[str, Any]]:
+        """The records so far. A last line cut off mid-write (a crash while appending) is dropped,
+        with a note; a damaged line before it is refused in one line."""
+        assert self.path is not None
+        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError("not a record")
+            except ValueError:
+                if number == len(lines):
+                    self.note = (f"metrics file {self.path}: its last line was cut off mid-write ({len(line)} bytes, "
+                                 "from a run that stopped while appending); dropped it")
+                    break
+                raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the file aside "
+                                 "or give another --metrics") from None
+            records.append(record)
+        return records
 
     def write(self, record: dict[str, Any]) -> None:
         for key, value in finite_or_none(record).items():

@@ -101,6 +101,8 @@ class Run:
         if resume:
             if checkpointer is None:
                 raise UsageError("resume=True needs checkpoint_dir (where the run's checkpoints are)")
+            if checkpointer.directory.is_dir():
+                checkpointer.hold()  # before anything is read, set aside or written
             notes += _restore(trainer, checkpointer, source)
         elif checkpointer is not None and checkpointer.latest_step() is not None:
             raise UsageError(f"checkpoint directory {checkpointer.directory} already holds checkpoints (latest step "
@@ -109,14 +111,22 @@ class Run:
             trainer.init()
         if checkpointer is not None:
             checkpointer.make_writable()
+            if checkpointer.lock.took_over:
+                dead = checkpointer.lock.took_over
+                notes.append(f"took over the lock of {checkpointer.directory} that a run which is no longer running "
+                             f"left (host {dead.get('host', '?')}, pid {dead.get('pid', '?')}, since "
+                             f"{dead.get('since', '?')})")
         start = int(jax.device_get(trainer.state.step))
         if steps is not None and start >= steps:
             raise UsageError(f"the state is at step {start} and steps is {steps}; raise steps to train further")
         first = jax.process_index() == 0
+        metrics_log = MetricsLog(metrics if first else None, resume_from=start if resume else None)
+        if metrics_log.note:
+            notes.append(metrics_log.note)
         return cls(
             trainer=trainer, source=source, start_step=start,
             display=RunDisplay(steps, start, title=trainer.name),
-            metrics=MetricsLog(metrics if first else None, resume_from=start if resume else None),
+            metrics=metrics_log,
             tensorboard=TensorBoardLog(tensorboard) if tensorboard and first else None,
             checkpointer=checkpointer, record=dict(record or {}), notes=notes,
         )
