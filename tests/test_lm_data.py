@@ -139,6 +139,12 @@ def test_the_stream_reads_across_shards_without_loading_them(tmp_path):
     assert stream.length == 36
     for start, count in ((0, 36), (8, 5), (10, 1), (9, 20), (30, 10)):
         np.testing.assert_array_equal(stream.read(start, count), np.arange(start, min(start + count, 36)))
+    narrow = TokenStream(tmp_path, shards, "uint16", vocab_size=30)  # ids 30..35 lie beyond its vocabulary
+    np.testing.assert_array_equal(narrow.read(0, 30), np.arange(30))
+    with pytest.raises(UsageError) as error:
+        narrow.read(25, 10)
+    assert str(error.value) == (f"{tmp_path / 'train-00002.tokens'} holds token id 30 at token 19, beyond the "
+                                f"tokenizer's 30 ids: the shard is damaged; run shardax prepare again into {tmp_path}")
 
 
 def test_packed_windows_number_documents_and_restart_positions():
@@ -278,6 +284,12 @@ def test_a_killed_prepare_is_built_again_and_an_edited_index_is_one_line(corpus,
     (left / ".building" / "train-00000.bin").write_bytes(b"half")
     done = prepare([root], left, show_progress=False)
     assert not (left / ".building").exists() and PreparedData(done.root).train is not None
+    shard = left / f"{done.index['splits']['train']['shards'][0]['name']}.tokens"
+    original = shard.read_bytes()
+    shard.write_bytes(bytes(reversed(original)))  # same size, other bytes
+    with pytest.raises(UsageError, match=re.escape(f"{shard} does not match the checksum its index records")):
+        PreparedData(left)
+    shard.write_bytes(original)
     index = json.loads((left / "index.json").read_text())
     del index["dtype"], index["splits"]["validation"]["tokens"]
     (left / "index.json").write_text(json.dumps(index))

@@ -43,10 +43,17 @@ LM = (*QUICK, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
 
 @pytest.fixture(scope="module")
 def saved_lm_run(small_corpus, tmp_path_factory):
-    """A run of 4 steps with seed 3, checkpointed at 2 and 4."""
+    """A run of 4 steps with seed 3, checkpointed at 2 and 4; --data given relative to the directory
+    it was started in (the resumes below run elsewhere and must read the same data)."""
     folder = tmp_path_factory.mktemp("lm")
-    assert main(list(map(str, ["train", *LM, "--steps", 4, "--seed", 3, "--data", small_corpus, "--checkpoint-every",
-                               2, "--checkpoint-dir", folder / "ckpt", "--metrics", folder / "m.jsonl"]))) == 0
+    here = os.getcwd()
+    os.chdir(small_corpus.parent)
+    try:
+        assert main(list(map(str, ["train", *LM, "--steps", 4, "--seed", 3, "--data", small_corpus.name,
+                                   "--checkpoint-every", 2, "--checkpoint-dir", folder / "ckpt", "--metrics",
+                                   folder / "m.jsonl"]))) == 0
+    finally:
+        os.chdir(here)
     return folder
 
 
@@ -236,16 +243,19 @@ def limit_file_size(limit):
 
 
 @pytest.mark.slow
-def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpus, tmp_path):
+@pytest.mark.parametrize("more, failing", [(("--extend-to", 4), 4), (("--extend-to", 5, "--checkpoint-every", 1), 3)],
+                         ids=["at-the-end", "in-the-background"])
+def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpus, tmp_path, more, failing):
+    """A write that fails in the background is named by its own step, not by the next save's."""
     run = ["train", *LM, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path / "ckpt"]
     shardax(*run)
     before = files_of(tmp_path / "ckpt")
     env = dict(subprocess_env(), JAX_ENABLE_COMPILATION_CACHE="false")
-    failed = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, run), "--resume", "--extend-to", "4"],
+    failed = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, run), "--resume", *map(str, more)],
                             capture_output=True, text=True, timeout=300, env=env, preexec_fn=limit_file_size(4096))
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert failed.stderr.strip().splitlines() == [
-        f"shardax train: error: could not write the checkpoint of step 4 to {tmp_path / 'ckpt'} (File too large); "
+        f"shardax train: error: could not write the checkpoint of step {failing} to {tmp_path / 'ckpt'} (File too large); "
         "the checkpoints already there are intact (steps [2]); free space or choose another checkpoint directory"]
     step_2 = tmp_path / "ckpt" / "2"
     assert files_of(step_2) == {p: v for p, v in before.items() if step_2 in p.parents}

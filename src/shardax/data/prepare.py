@@ -155,6 +155,12 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, fiel
     return counts
 
 
+def shard_digest(path: Path) -> str:
+    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified as it is opened."""
+    with path.open("rb") as file:
+        return hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
 def _shard_files(name: str) -> list[str]:
     return [f"{name}.tokens", f"{name}.docs.npy"]
 
@@ -268,6 +274,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
         if not splits["validation"] or not splits["train"]:
             _hold_out_tail(folder, splits, dtype, chosen.eod_id)
+        for shard in (shard for shards in splits.values() for shard in shards):
+            shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
         (folder / TOKENIZER).write_text(chosen.to_json())
         index = {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
                  "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,

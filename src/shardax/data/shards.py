@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from shardax.data.prepare import INDEX, TOKENIZER, read_index
+from shardax.data.prepare import INDEX, TOKENIZER, read_index, shard_digest
 from shardax.data.tokenizer import Tokenizer, from_json
 from shardax.errors import UsageError
 
@@ -31,9 +31,11 @@ from shardax.errors import UsageError
 class TokenStream:
     """One split's shards as a single read-only sequence of tokens."""
 
-    def __init__(self, root: Path, shards: list[dict[str, Any]], dtype: str) -> None:
+    def __init__(self, root: Path, shards: list[dict[str, Any]], dtype: str, vocab_size: int | None = None) -> None:
         self.dtype = np.dtype(dtype)
+        self.vocab_size = vocab_size
         self.descriptors = []
+        self.paths = []
         for shard in shards:
             path = root / f"{shard['name']}.tokens"
             try:
@@ -43,7 +45,11 @@ class TokenStream:
             if size != shard["tokens"] * self.dtype.itemsize:
                 raise UsageError(f"{path} holds {size} bytes, not the {shard['tokens']} tokens its index lists; "
                                  f"run shardax prepare again into {root}")
+            if "blake2b" in shard and shard_digest(path) != shard["blake2b"]:
+                raise UsageError(f"{path} does not match the checksum its index records (it was changed after "
+                                 f"shardax prepare wrote it); run shardax prepare again into {root}")
             self.descriptors.append(os.open(path, os.O_RDONLY))
+            self.paths.append(path)
         self.starts = np.concatenate([[0], np.cumsum([shard["tokens"] for shard in shards])]).astype(np.int64)
         self.length = int(self.starts[-1])
 
@@ -56,7 +62,14 @@ class TokenStream:
             take = min(end, int(self.starts[shard + 1])) - start
             offset = (start - int(self.starts[shard])) * self.dtype.itemsize
             data = os.pread(self.descriptors[shard], take * self.dtype.itemsize, offset)
-            pieces.append(np.frombuffer(data, self.dtype))
+            piece = np.frombuffer(data, self.dtype)
+            if self.vocab_size is not None and piece.size and int(piece.max()) >= self.vocab_size:
+                at = int(np.argmax(piece >= self.vocab_size))
+                raise UsageError(f"{self.paths[shard]} holds token id {int(piece[at])} at token "
+                                 f"{start - int(self.starts[shard]) + at}, beyond the tokenizer's {self.vocab_size} "
+                                 "ids: the shard is damaged; run shardax prepare again into "
+                                 f"{self.paths[shard].parent}")
+            pieces.append(piece)
             start += take
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
 
@@ -94,8 +107,9 @@ class PreparedData:
         if self.tokenizer.fingerprint != index["tokenizer"]:
             raise UsageError(f"{self.root / TOKENIZER} is not the tokenizer its shards were made with; "
                              f"run shardax prepare again into {self.root}")
-        self.train = TokenStream(self.root, index["splits"]["train"]["shards"], index["dtype"])
-        self.validation = TokenStream(self.root, index["splits"]["validation"]["shards"], index["dtype"])
+        vocab = self.tokenizer.vocab_size
+        self.train = TokenStream(self.root, index["splits"]["train"]["shards"], index["dtype"], vocab)
+        self.validation = TokenStream(self.root, index["splits"]["validation"]["shards"], index["dtype"], vocab)
 
     @property
     def eod_id(self) -> int:

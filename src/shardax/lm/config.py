@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from pathlib import Path
 from typing import Any
 
 from shardax.errors import UsageError
@@ -166,6 +167,8 @@ class Run:
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     """The run ``config`` asks for; with ``saved`` (a checkpoint's run record), the saved run,
     refusing flags that contradict it."""
+    # --data is kept as absolute paths: a resume from another working directory reads the same data
+    config = dataclasses.replace(config, data=_absolute(config.data))
     if saved is not None:
         config = _from_record(config, saved)
     preset = get_preset(config.preset or "tiny")
@@ -187,6 +190,8 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
     updates = {}
     for name in RUN_SETTINGS:
         given, kept = getattr(config, name), saved.get(name)
+        if name == "data":
+            kept = _absolute(kept)
         if given is None:
             updates[name] = kept
         elif name == "steps" and given != kept:
@@ -196,6 +201,10 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
             raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} {_show(kept)}; "
                              f"drop {flag(name)} to resume that run, or start a new run in another --checkpoint-dir")
     return dataclasses.replace(config, **updates)
+
+
+def _absolute(data: list[str] | None) -> list[str] | None:
+    return None if data is None else [str(Path(entry).absolute()) for entry in data]
 
 
 def _show(value: Any) -> str:

@@ -218,6 +218,9 @@ class Checkpointer:
         ``data``: extra orbax args for the data position (a Grain iterator's state), saved now.
         """
         self.hold()
+        if self._saving is not None:  # a failure of the write still under way is that step's, said as such
+            with self._writing(self._saving):
+                self.manager.wait_until_finished()
         items = {"state": ocp.args.StandardSave(flatten_state(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
