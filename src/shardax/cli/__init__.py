@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                 "launch": launch_command}[args.command](args)
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        if "checkpoint" in str(error) and "shardax.trainer.checkpoint" in sys.modules:
+            from shardax.trainer.checkpoint import silence_abandoned_writers
+
+            silence_abandoned_writers()  # a failed checkpoint write is said once, above
         return EXIT_BAD_INPUT
     except NonFiniteError as error:
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)

@@ -118,7 +118,9 @@ def train(args: argparse.Namespace) -> int:
     config = train_config(args)
     _join_cluster(config.devices)
     from shardax.lm.job import run
+    from shardax.trainer.checkpoint import quiet_failed_writers
 
+    quiet_failed_writers()  # this process is the command line's: a failed write is said once
     result = run(config)
     if result.final_val_loss is not None and not result.final_val_loss < result.unigram_loss:
         print(f"warning: validation loss {result.final_val_loss:.4f} is not below the unigram baseline "

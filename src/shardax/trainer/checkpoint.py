@@ -99,26 +99,34 @@ def _write_failure(error: BaseException) -> str | None:
     return None
 
 
-def _quiet_failed_writers() -> None:
+def quiet_failed_writers() -> None:
     """When a write fails, orbax's other writer threads fail again as they wind down ("Event loop
-    is closed", and errors at interpreter exit); the failure itself reaches the caller, once."""
-    if getattr(threading.excepthook, "shardax_quiet", False):
-        return
-    previous = threading.excepthook
+    is closed", from threads and at interpreter exit). The command line installs this filter for
+    the process it owns, so that the failure is said once; the library changes no process-wide
+    state (hooks, logger levels, warning filters) itself."""
+    previous, previous_unraisable = threading.excepthook, sys.unraisablehook
+
+    def closed_loop(error: BaseException | None) -> bool:
+        return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
 
     def hook(args: threading.ExceptHookArgs) -> None:
-        if not (isinstance(args.exc_value, RuntimeError) and "Event loop is closed" in str(args.exc_value)):
+        if not closed_loop(args.exc_value):
             previous(args)
 
-    hook.shardax_quiet = True  # type: ignore[attr-defined]
-    threading.excepthook = hook
-    previous_unraisable = sys.unraisablehook
-
     def unraisable(info: Any) -> None:
-        if not (isinstance(info.exc_value, RuntimeError) and "Event loop is closed" in str(info.exc_value)):
+        if not closed_loop(info.exc_value):
             previous_unraisable(info)
 
-    sys.unraisablehook = unraisable
+    threading.excepthook, sys.unraisablehook = hook, unraisable
+
+
+def silence_abandoned_writers() -> None:
+    """After the command line has said in one line that a write failed: orbax's abandoned writer
+    tasks report it again as they are collected (unawaited coroutines, absl errors at exit)."""
+    sys.unraisablehook = lambda unraisable: None
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")
 
 
 class Checkpointer:
@@ -132,7 +140,6 @@ class Checkpointer:
             raise UsageError(f"keep={keep}: keep at least 1 checkpoint")
         self._saving: int | None = None
         self.lock = DirectoryLock(self.directory)
-        _quiet_failed_writers()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_committing))
@@ -237,11 +244,6 @@ class Checkpointer:
             reason = _write_failure(error)
             if reason is None:
                 raise
-            # orbax's abandoned writer tasks report the same failure again as they are collected
-            sys.unraisablehook = lambda unraisable: None
-            for name in ("absl", "asyncio"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-            warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")
             with contextlib.suppress(Exception):
                 self.manager.close()  # let its writer threads finish now rather than at interpreter exit
             step = self._saving if step is None else step
