@@ -112,27 +112,6 @@ class TensorBoardLog:
                              "give a directory you can write to") from None
         self.writer = SummaryWriter(str(directory))
 
-    def _read(self) -> list[dict[str, Any]]:
-        """The records so far. A last line cut off mid-write (a crash while appending) is dropped,
-        with a note; a damaged line before it is refused in one line."""
-        assert self.path is not None
-        lines = [line for line in self.path.read_text(errors="replace").splitlines() if line.strip()]
-        records = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError("not a record")
-            except ValueError:
-                if number == len(lines):
-                    self.note = (f"metrics file {self.path}: its last line was cut off mid-write ({len(line)} bytes, "
-                                 "from a run that stopped while appending); dropped it")
-                    break
-                raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the file aside "
-                                 "or give another --metrics") from None
-            records.append(record)
-        return records
-
     def write(self, record: dict[str, Any]) -> None:
         for key, value in finite_or_none(record).items():
             if key != "step" and isinstance(value, (int, float)):
