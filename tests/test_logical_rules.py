@@ -168,6 +168,6 @@ def test_sharded_embed_splits_the_vocabulary_under_tp():
 def test_a_stacked_bias_already_split_over_model_says_why_data_cannot_split_it():
     parallel = parallelize(lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), optax.sgd(0.1),
                            DeviceMeshManager().create_device_mesh("data=4,model=2"), "fsdp_tp")
-    assert list(parallel.layout.leaves["blocks/mlp_in_bias"].notes) == [
+    assert list(parallel.layout.leaves["blocks/layers/mlp_in_bias"].notes) == [
         "replicated over data=4, no dimension of (2, 64) can take it: layers=2 is the stacked layers, never split, "
         "mlp=64 is split over model already"]

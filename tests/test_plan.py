@@ -111,7 +111,7 @@ def test_lint_finds_optimizer_state_laid_out_unlike_its_parameter():
     broken = dataclasses.replace(parallel, state_shardings=parallel.state_shardings.replace(opt_state=replicated))
     findings = optimizer_mismatches(broken)
     assert findings and all("but its parameter is" in f for f in findings)
-    assert any("mu/blocks/mlp_in" in f for f in findings)
+    assert any("mu/blocks/layers/mlp_in" in f for f in findings)
 
 
 def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
