@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cli_helpers import QUICK, last_logged_step, read_metrics, sealed, shardax, stalled, subprocess_env
+from shardax.trainer.lock import LOCK_NAME
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 
 STEPS = 8
@@ -80,7 +81,7 @@ def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
 
 def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
     shardax("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", small_corpus, "--checkpoint-dir", tmp_path)
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME}
     result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, check=False)
     assert result.returncode == 2 and "already holds checkpoints (latest step 2); pass --resume" in result.stderr
     result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
@@ -88,4 +89,4 @@ def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
     assert result.returncode == 2 and "--preset notebook contradicts the checkpoint's --preset tiny" in result.stderr
     result = shardax("train", *QUICK, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume", check=False)
     assert result.returncode == 2 and "is complete at step 2; to train it further, pass --extend-to N" in result.stderr
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before

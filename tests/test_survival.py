@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, stalled, subprocess_env
+from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer
 from shardax.cli import main
 from shardax.errors import NonFiniteError
@@ -33,7 +34,8 @@ def trainer():
 
 
 def files_of(folder):
-    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME}  # the lock is taken (and let go) by each run that checks
 
 
 # -- resume restores the run ----------------------------------------------------------------------------------

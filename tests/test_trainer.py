@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer
 from shardax.trainer.checkpoint import saved_steps
 from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
@@ -189,7 +190,7 @@ def test_a_loss_fn_returning_something_else_is_a_clear_error():
 
 def test_checkpoints_are_never_overwritten_and_resume_checks_what_it_reads(tmp_path):
     trainer().fit(BATCHES, steps=2, checkpoint_dir=tmp_path)
-    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME}
     with pytest.raises(ValueError, match="already holds checkpoints \\(latest step 2\\); resume it"):
         trainer().fit(BATCHES, steps=4, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match=r"holds a different model: params.hidden.bias has shape \(40,\) there but \(48,\)"):
@@ -199,7 +200,7 @@ def test_checkpoints_are_never_overwritten_and_resume_checks_what_it_reads(tmp_p
         trainer().fit(lambda step: BATCHES[step], steps=4, checkpoint_dir=tmp_path, resume=True)
     with pytest.raises(ValueError, match="needs data that can be read again from its start"):
         trainer().fit(one_pass(), steps=4, checkpoint_dir=tmp_path, resume=True)
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before
 
 
 class _Wider(DropoutMLP):
