@@ -50,27 +50,33 @@ class DirectoryLock:
         self.directory = directory
         self.path = directory / LOCK_NAME
         self._fd: int | None = None
+        self._agreed = False
         self.took_over: dict[str, Any] | None = None  # the holder a dead run left, if any
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        """Whether this run holds the lock (on every process: process 0 holds the file, and the
+        others were told so)."""
+        return self._agreed
 
     def check_free(self) -> None:
         """Refuse, as ``acquire`` would, while a live run holds the lock; take and keep nothing."""
-        if self.held or not self.path.exists():
+        if self._agreed:
             return
-        self.acquire(claim=False)
+        refusal = self._try(claim=False) if jax.process_index() == 0 and self.path.exists() else None
+        self._settle(refusal)
 
-    def acquire(self, *, claim: bool = True) -> None:
-        if self.held:
+    def acquire(self) -> None:
+        if self._agreed:
             return
-        refusal = None
-        if jax.process_index() == 0:
-            refusal = self._try(claim)
+        refusal = self._try() if jax.process_index() == 0 else None
+        self._settle(refusal)
+        self._agreed = True
+
+    def _settle(self, refusal: str | None) -> None:
+        """Every process of the run learns process 0's answer (a collective: all of them call this)."""
         if not _agree(refusal is None):
-            if refusal is None:
-                self.release()
+            self.release()
             raise UsageError(refusal or f"checkpoint directory {self.directory} is being written by another run "
                              "(process 0 of this run was refused its lock); wait for it, stop it, or choose another "
                              "checkpoint directory")
@@ -109,6 +115,7 @@ class DirectoryLock:
         return None
 
     def release(self) -> None:
+        self._agreed = False
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
