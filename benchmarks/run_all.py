@@ -178,6 +178,18 @@ def table() -> str:
             lines.append(f"| 14. plan's peak, predicted/compiled on the GPU ({gpu['machine']}), dp on one device, presets "
                          f"and held-out shapes | {low:.3f} to {high:.3f} (worst {100 * plan['worst_abs_error']:.1f}%) "
                          f"| XLA:CPU estimate |")
+    integrity = load("checkpoint_integrity")
+    if integrity:
+        for row in integrity["rows"]:
+            two = row["check_over_processes"]
+            lines.append(
+                f"| 15. checkpoint of {row['checkpoint_bytes'] / 1e6:.0f} MB, one process ({integrity['machine']}): "
+                f"`save` blocks; committed after; of which hashing; checking at resume, blocks on "
+                f"{row['check_threads']} threads / whole files on one; over 2 processes / 1 (one thread each) | "
+                f"{1000 * row['save_blocks_s']:.0f} ms; {row['committed_after_s']:.2f} s; "
+                f"{row['sealing_hash_s']:.2f} s; {row['check_shared_blocks_s']:.2f} / "
+                f"{row['check_whole_files_one_thread_s']:.2f} s; {two['2']['wall_s']:.2f} / {two['1']['wall_s']:.2f} s "
+                f"| hashing off the loop; checking shared |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -207,6 +219,7 @@ if __name__ == "__main__":
         run(["benchmarks/lm_data.py"])
         run(["benchmarks/pipeline_vmap.py"])
     run(["benchmarks/layer_vjps.py"])
+    run(["benchmarks/checkpoint_integrity.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])

@@ -1,5 +1,6 @@
 """Many hosts, proven with real processes on 127.0.0.1 (gloo collectives)."""
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import pytest
 from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
+from shardax.trainer.manifest import MANIFEST
 
 # One pytest-xdist worker runs this file: the 1x8 / 2x4 runs are trained once and shared by the tests below.
 pytestmark = pytest.mark.xdist_group("test_multihost")
@@ -54,6 +56,13 @@ def test_two_processes_train_like_one(strategy, small_corpus, tmp_path_factory):
     expected, got = final_arrays(tmp_path / "one", 3), final_arrays(tmp_path / "two", 3)
     for key in expected:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # each process hashed the files it wrote; process 0 the ones written as the checkpoint was committed
+    sealed = json.loads((tmp_path / "two" / "3" / MANIFEST).read_text())["files"]
+    by = {name: entry["by"] for name, entry in sealed.items()}
+    assert {by[name] for name in by if "process_1" in name} == {1}
+    assert {by[name] for name in by if "process_0" in name} == {0}
+    assert {by[name] for name in by if "process_" not in name} == {0}
+    assert not list((tmp_path / "two" / "3").glob("shardax_manifest.process_*"))  # the parts were merged
 
 
 @pytest.mark.slow
@@ -62,12 +71,22 @@ def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path,
     for name in ("one", "two"):  # continue copies: the pair's own files stay as they were
         shutil.copytree(pair / name, tmp_path / name)
         shutil.copy(pair / f"{name}.jsonl", tmp_path / f"{name}.jsonl")
+    # a copy of step 3 as step 5, damaged in a block that only process 1 checks (the processes share the hashing)
+    shutil.copytree(tmp_path / "one" / "3", tmp_path / "one" / "5")
+    units = [(name, k) for name, entry in sorted(json.loads((tmp_path / "one" / "5" / MANIFEST).read_text())["files"]
+                                                 .items()) for k in range(len(entry["blocks"]))]
+    name = max((name for i, (name, k) in enumerate(units) if i % 2 == 1 and k == 0),
+               key=lambda name: (tmp_path / "one" / "5" / name).stat().st_size)
+    damaged = tmp_path / "one" / "5" / name
+    damaged.write_bytes(bytes(damaged.stat().st_size))
     more = (*QUICK, "--extend-to", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
             "--strategy", "fsdp_tp", "--resume")
     into_two = shardax(*LAUNCH_2x4, "train", *more, "--checkpoint-dir", tmp_path / "one",
                        "--metrics", tmp_path / "one.jsonl")
     into_one = shardax("train", *more, "--checkpoint-dir", tmp_path / "two", "--metrics", tmp_path / "two.jsonl")
     assert "resumed from step 3" in into_two.stdout and "resumed from step 3" in into_one.stdout
+    assert f"checkpoint step 5 in {tmp_path / 'one'} is damaged ({name} changed since it was sealed)" in into_two.stdout
+    assert (tmp_path / "one" / "5.damaged").is_dir() and not (tmp_path / "one" / "5").exists()
     step4 = [read_metrics(tmp_path / name)[-1] for name in ("one.jsonl", "two.jsonl")]
     assert [r["step"] for r in step4] == [4, 4]
     np.testing.assert_allclose(step4[0]["loss"], step4[1]["loss"], rtol=1e-5)

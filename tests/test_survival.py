@@ -2,6 +2,8 @@
 checkpoints are detected and passed over, a failed write is one line, preemption checkpoints and
 resumes bit for bit."""
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -21,6 +23,7 @@ from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer
 from shardax.cli import main
 from shardax.errors import NonFiniteError
+from shardax.trainer import manifest
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from user_models import DropoutMLP, classification_loss, on_host, vector_batches
 
@@ -197,6 +200,59 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_note(tmp_path, cap
     with pytest.raises(Exception, match=r"m.jsonl line 2 is not a JSON record; move the file aside"):
         trainer().fit(BATCHES, steps=8, checkpoint_dir=str(tmp_path / "ckpt"), resume=True,
                       metrics=str(tmp_path / "m.jsonl"))
+
+
+def sealed_folder(folder, monkeypatch):
+    """Files as two processes and the committing one leave them, sealed in blocks of 1 KiB."""
+    monkeypatch.setattr(manifest, "BLOCK", 1024)
+    (folder / "state" / "ocdbt.process_1").mkdir(parents=True)
+    (folder / "state" / "ocdbt.process_1" / "data").write_bytes(os.urandom(5000))  # 5 blocks
+    (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp").mkdir()
+    (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp" / "data").write_bytes(os.urandom(3000))
+    (folder / "record").write_text("{}")
+    manifest.seal_part(folder, 1)
+    manifest.seal_part(folder, 0)
+    (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp").rename(folder / "state" / "ocdbt.process_0")
+    manifest.seal(folder, 0)
+    return json.loads((folder / manifest.MANIFEST).read_text())["files"]
+
+
+def test_each_process_seals_what_it_wrote_and_checking_is_shared(tmp_path, monkeypatch):
+    files = sealed_folder(tmp_path, monkeypatch)
+    assert {name: (entry["by"], len(entry["blocks"])) for name, entry in files.items()} == {
+        "record": (0, 1), "state/ocdbt.process_0/data": (0, 3), "state/ocdbt.process_1/data": (1, 5)}
+    assert not list(tmp_path.glob("shardax_manifest.process_*"))  # merged into the manifest
+    assert [manifest.damage(tmp_path, (i, 2)) for i in (0, 1)] == [None, None]
+    target = tmp_path / "state" / "ocdbt.process_1" / "data"
+    data = bytearray(target.read_bytes())
+    data[3 * 1024 + 5] ^= 1  # its 4th block: unit 7 of 0..8 (record, process 0's 3 blocks, then this file's 5)
+    target.write_bytes(bytes(data))
+    alone = [manifest.damage(tmp_path, (i, 2)) for i in (0, 1)]  # each process hashes every other unit
+    assert alone == [None, "state/ocdbt.process_1/data changed since it was sealed"]
+    firsts = []
+    found = [manifest.damage(tmp_path, (i, 2), agree=lambda first: firsts.append(first) or 7) for i in (0, 1)]
+    assert firsts == [-1, 7] and found == ["state/ocdbt.process_1/data changed since it was sealed"] * 2
+
+
+def test_an_intact_checkpoint_is_hashed_once_until_its_files_change(tmp_path, monkeypatch):
+    sealed_folder(tmp_path, monkeypatch)
+    assert manifest.damage(tmp_path) is None
+    monkeypatch.setattr(manifest, "_digest", lambda *args: pytest.fail("hashed again"))
+    assert manifest.damage(tmp_path) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(manifest, "BLOCK", 1024)
+    target = tmp_path / "record"
+    target.write_text("[]")  # the same size, written again
+    assert manifest.damage(tmp_path) == "record changed since it was sealed"
+
+
+def test_a_checkpoint_sealed_before_blocks_is_still_checked(tmp_path):
+    (tmp_path / "a").write_bytes(b"x" * 100)
+    (tmp_path / manifest.MANIFEST).write_text(json.dumps(
+        {"files": {"a": {"bytes": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}}}))
+    assert manifest.damage(tmp_path) is None
+    (tmp_path / "a").write_bytes(b"y" * 100)
+    assert manifest.damage(tmp_path) == "a changed since it was sealed"
 
 
 def test_a_damaged_checkpoint_that_cannot_be_set_aside_is_one_line(tmp_path, monkeypatch):

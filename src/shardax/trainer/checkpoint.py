@@ -22,12 +22,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
 from shardax.trainer.lock import DirectoryLock
-from shardax.trainer.manifest import damage, seal
+from shardax.trainer.manifest import damage, seal, seal_part
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,51 @@ def silence_abandoned_writers() -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")
 
 
+class _SealedPart:
+    """A commit future: the handler's writes, then this process's part of the manifest hashed
+    (in orbax's background writer thread, while training goes on)."""
+
+    def __init__(self, futures: list[Any], checkpoint: Path) -> None:
+        self.futures, self.checkpoint = futures, checkpoint
+
+    def result(self, timeout: float | None = None) -> None:
+        for future in self.futures:
+            future.result(timeout=timeout)
+        seal_part(self.checkpoint, jax.process_index())
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            getattr(future, "cancel", lambda: None)()
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """orbax's handler for the arrays; each process hashes the files it wrote once they are written."""
+
+    async def async_save(self, directory: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        futures = await super().async_save(directory, *args, **kwargs) or []
+        return [_SealedPart(list(futures), Path(getattr(directory, "path", directory)).parent)]
+
+
+@ocp.args.register_with_handler(_StateHandler, for_save=True)
+class _SaveState(ocp.args.StandardSave):
+    """orbax's ``StandardSave``, for the handler that hashes what it wrote."""
+
+
+@ocp.args.register_with_handler(_StateHandler, for_restore=True)
+class _RestoreState(ocp.args.StandardRestore):
+    """orbax's ``StandardRestore``, for the same handler."""
+
+
+def _first_over_processes(first: int) -> int:
+    """The first bad unit any process found (-1: none), on every process (all of them call this)."""
+    if jax.process_count() == 1:
+        return first
+    from jax.experimental import multihost_utils
+
+    found = [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(first))) if v >= 0]
+    return min(found) if found else -1
+
+
 class Checkpointer:
     """Save (asynchronously, sealed on commit) and restore by step, keeping the latest ``keep``."""
 
@@ -143,7 +189,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=False, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal_committing))
-        handlers = {"state": ocp.StandardCheckpointHandler(), "record": ocp.JsonCheckpointHandler()}
+        handlers = {"state": _StateHandler(), "record": ocp.JsonCheckpointHandler()}
         try:  # a Grain iterator's position, one file per process
             import grain
 
@@ -174,10 +220,11 @@ class Checkpointer:
         self.lock.acquire()
 
     def _seal_committing(self) -> None:
-        """orbax's commit step (primary process, all processes' files written): seal before the rename."""
+        """orbax's commit step (primary process, all processes' files written and their parts of the
+        manifest hashed): merge the parts, hash what they leave out, seal before the rename."""
         for directory in self.directory.glob("*.orbax-checkpoint-tmp*"):
             if directory.is_dir():
-                seal(directory)
+                seal(directory, jax.process_index())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -186,10 +233,12 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def latest_good_step(self) -> tuple[int, dict[int, str]]:
-        """The newest checkpoint whose files match their seal, and what is wrong with each newer one."""
+        """The newest checkpoint whose files match their seal, and what is wrong with each newer one
+        (each process hashes an equal share of a checkpoint's blocks; all of them call this)."""
         damaged = {}
+        share = (jax.process_index(), jax.process_count())
         for step in sorted(self.all_steps(), reverse=True):
-            problem = damage(self.directory / str(step))
+            problem = damage(self.directory / str(step), share, agree=_first_over_processes)
             if problem is None:
                 return step, damaged
             damaged[step] = problem
@@ -228,7 +277,7 @@ class Checkpointer:
         if self._saving is not None:  # a failure of the write still under way is that step's, said as such
             with self._writing(self._saving):
                 self.manager.wait_until_finished()
-        items = {"state": ocp.args.StandardSave(flatten_state(state)), "record": ocp.args.JsonSave(record)}
+        items = {"state": _SaveState(flatten_state(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
         with self._writing(step):
@@ -263,7 +312,7 @@ class Checkpointer:
         )
         flat_target = flatten_state(target)
         _check_shapes(self.saved_arrays(step), flat_target, self.directory)
-        items = {"state": ocp.args.StandardRestore(flat_target), "record": ocp.args.JsonRestore()}
+        items = {"state": _RestoreState(flat_target), "record": ocp.args.JsonRestore()}
         if data is not None:
             items["data"] = data
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -282,7 +331,7 @@ class Checkpointer:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = {key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
                   for key, leaf in self.saved_arrays(step).items()}
-        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=_RestoreState(target)))
         return dict(restored["state"])
 
     def record(self, step: int) -> dict[str, Any]:

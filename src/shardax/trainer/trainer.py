@@ -212,8 +212,9 @@ class Trainer:
             iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
           log_every: steps between records (metrics file, progress, ``on_log``).
           checkpoint_dir, checkpoint_every: asynchronous orbax checkpoints every so many steps
-            (0: only at the end) and at the end, each sealed (every file's size and SHA-256) as
-            it is committed; the latest ``keep_checkpoints`` are kept.
+            (0: only at the end) and at the end, each sealed (every file's size and SHA-256
+            digests, hashed by the process that wrote it) as it is committed; the latest
+            ``keep_checkpoints`` are kept.
           resume: continue from the latest good checkpoint in ``checkpoint_dir`` (parameters,
             optimizer, model state, RNG streams and data position, bit for bit). A newer one
             that is damaged (a file missing, truncated or changed) is set aside with a warning.
