@@ -30,8 +30,8 @@ def subprocess_env():
     return env
 
 
-def shardax(*args, timeout=300, check=True):
-    env = subprocess_env()
+def shardax(*args, timeout=300, check=True, env=None):
+    env = dict(subprocess_env(), **(env or {}))
     result = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True, text=True,
                             timeout=timeout, env=env)
     if check:

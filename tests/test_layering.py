@@ -77,3 +77,23 @@ def test_nothing_imports_jax_private_modules():
                      else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
             private += [f"{path.relative_to(PACKAGE)}: {name}" for name in names if name.startswith("jax._src")]
     assert not private, private
+
+
+PROCESS_WIDE = {("os", "_exit"), ("threading", "excepthook"), ("sys", "unraisablehook"), ("sys", "excepthook"),
+                ("warnings", "filterwarnings"), ("warnings", "simplefilter")}
+
+
+def test_only_the_command_line_changes_process_wide_state():
+    """Ending the process, exception hooks, warning filters and logger levels belong to the
+    program that owns the process: the command line may set them, the library never does."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if (node.value.id, node.attr) in PROCESS_WIDE:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr == "setLevel":
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} setLevel")
+    assert found == []

@@ -287,8 +287,9 @@ def test_a_killed_prepare_is_built_again_and_an_edited_index_is_one_line(corpus,
     shard = left / f"{done.index['splits']['train']['shards'][0]['name']}.tokens"
     original = shard.read_bytes()
     shard.write_bytes(bytes(reversed(original)))  # same size, other bytes
+    stream = PreparedData(left).train  # opening reads no shard; the first read checks it
     with pytest.raises(UsageError, match=re.escape(f"{shard} does not match the checksum its index records")):
-        PreparedData(left)
+        stream.read(0, 4)
     shard.write_bytes(original)
     index = json.loads((left / "index.json").read_text())
     del index["dtype"], index["splits"]["validation"]["tokens"]

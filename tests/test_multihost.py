@@ -132,27 +132,54 @@ def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_cor
 
 
 def _join(address, processes, index, timeout):
-    code = ("from shardax.distributed import init_distributed; "
-            f"init_distributed({address!r}, {processes}, {index}, timeout_s={timeout}, cpu_devices=2); print('joined')")
+    """The library's own behaviour, in a program of the user's."""
+    code = ("from shardax.distributed import init_distributed; from shardax.errors import ClusterError\n"
+            "try:\n"
+            f"    init_distributed({address!r}, {processes}, {index}, timeout_s={timeout}, cpu_devices=2)\n"
+            "    print('joined')\n"
+            "except ClusterError as error:\n"
+            "    print('ClusterError:', error)")
     started = time.time()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     return result, time.time() - started
 
 
+def _train_as(address, processes, index, timeout):
+    """``shardax train`` as one process of a cluster that does not form."""
+    env = dict(subprocess_env(), SHARDAX_COORDINATOR_ADDRESS=address, SHARDAX_NUM_PROCESSES=str(processes),
+               SHARDAX_PROCESS_ID=str(index), SHARDAX_JOIN_TIMEOUT_S=str(timeout))
+    started = time.time()
+    result = subprocess.run([sys.executable, "-m", "shardax.cli", "train", *map(str, QUICK), "--steps", "1"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    return result, time.time() - started
+
+
 def test_wrong_coordinator_address_is_a_clear_error_not_a_hang():
-    result, took = _join("127.0.0.1:1", 2, 1, 3)
-    assert result.returncode == 3 and "joined" not in result.stdout
-    assert "process 1 of 2: nothing answered at the coordinator address 127.0.0.1:1 within 3 s" in result.stderr
-    assert took < 60
+    expected = "process 1 of 2: nothing answered at the coordinator address 127.0.0.1:1 within 3 s"
+    result, took = _join("127.0.0.1:1", 2, 1, 3)  # the library raises; the program goes on
+    assert result.returncode == 0 and f"ClusterError: {expected}" in result.stdout and took < 60
+    result, took = _train_as("127.0.0.1:1", 2, 1, 3)
+    assert result.returncode == 3 and result.stderr.strip() == f"shardax train: error: {expected}; check the " \
+        "address and that process 0 runs" and took < 60
 
 
 def test_missing_peer_is_a_clear_error_not_a_hang():
     from shardax.launch import free_port
 
-    result, took = _join(f"127.0.0.1:{free_port()}", 2, 0, 3)
-    assert result.returncode == 3 and "joined" not in result.stdout
-    assert "process 0 of 2: not every process joined the cluster" in result.stderr
-    assert took < 60
+    expected = "shardax: error: process 0 of 2: not every process joined the cluster at "
+    result, took = _train_as(f"127.0.0.1:{free_port()}", 2, 0, 3)  # the command line ends its own process
+    assert result.returncode == 3 and result.stderr.startswith(expected), result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and took < 60
+    result, _ = _join(f"127.0.0.1:{free_port()}", 2, 0, 3)  # the library says it, and leaves the process to JAX
+    assert result.stderr.startswith(expected) and "joined" not in result.stdout and result.returncode != 3
+
+
+def test_a_join_timeout_that_is_not_a_number_is_one_line():
+    result = shardax("train", *QUICK, "--steps", 1, check=False, env={"SHARDAX_NUM_PROCESSES": "2",
+                                                                      "SHARDAX_JOIN_TIMEOUT_S": "soon"})
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "shardax train: error: SHARDAX_JOIN_TIMEOUT_S='soon': give the seconds to wait for the cluster to form, a "
+        "number above 0 (default 300)")
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -2,8 +2,13 @@
 
 ``init_distributed()`` finds out where it runs (explicit arguments, ``SHARDAX_*`` variables,
 SLURM, Open MPI, Kubernetes or a Cloud TPU pod), then joins the cluster. On one process it
-does nothing. JAX aborts the whole process when the coordinator cannot be reached or a peer
-never arrives; a watchdog here ends the wait first, with one line saying what was expected.
+does nothing.
+
+A coordinator that does not answer is a ``ClusterError`` before JAX is called. Once
+``jax.distributed.initialize`` waits for its peers it cannot be interrupted, and JAX aborts the
+whole process when one never arrives; a watchdog says first, in one line, what was expected,
+and hands that line to ``on_timeout`` (the command line's own entry point ends the process
+there, with exit code 3, ``EXIT_CLUSTER``; the library itself never ends a process).
 """
 
 from __future__ import annotations
@@ -15,13 +20,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 
-from shardax.errors import UsageError
+from shardax.errors import ClusterError, UsageError
 
-EXIT_CLUSTER_FAILURE = 3
 DEFAULT_PORT = 8476
 JAX_DETECTS = ("slurm", "openmpi")  # clusters jax.distributed.initialize() finds from their variables alone
 OVERRIDES = ("SHARDAX_COORDINATOR_ADDRESS", "SHARDAX_NUM_PROCESSES", "SHARDAX_PROCESS_ID")
@@ -104,13 +108,13 @@ def _wait_for_coordinator(address: str, deadline: float) -> bool:
     return False
 
 
-def _fail(message: str) -> None:
+def _say(message: str) -> None:
+    """The library's default when joining times out: the line on stderr; JAX's abort follows."""
     print(f"shardax: error: {message}", file=sys.stderr, flush=True)
-    os._exit(EXIT_CLUSTER_FAILURE)
 
 
-def _watchdog(spec: ClusterSpec, timeout_s: float) -> threading.Timer:
-    """Ends the process with a clear line if joining takes longer than ``timeout_s``."""
+def _watchdog(spec: ClusterSpec, timeout_s: float, on_timeout: Callable[[str], None]) -> threading.Timer:
+    """Calls ``on_timeout`` with a clear line if joining takes longer than ``timeout_s``."""
     who = f"process {spec.process_id} of {spec.num_processes}"
     if spec.process_id == 0:
         reason = (f"{who}: not every process joined the cluster at {spec.coordinator_address} within "
@@ -118,7 +122,7 @@ def _watchdog(spec: ClusterSpec, timeout_s: float) -> threading.Timer:
     else:
         reason = (f"{who}: the coordinator at {spec.coordinator_address} accepted the connection but the "
                   f"cluster did not form within {timeout_s:.0f} s; check that every process was started")
-    timer = threading.Timer(timeout_s, _fail, args=(reason,))
+    timer = threading.Timer(timeout_s, on_timeout, args=(reason,))
     timer.daemon = True
     timer.start()
     return timer
@@ -132,16 +136,21 @@ def init_distributed(
     timeout_s: float = 300,
     heartbeat_timeout_s: int = 60,
     cpu_devices: int | None = None,
+    on_timeout: Callable[[str], None] | None = None,
 ) -> ClusterSpec:
     """Join the JAX cluster this process belongs to; a no-op on a single process.
 
     Args:
       coordinator_address: ``host:port`` of process 0; defaults come from the environment.
       num_processes, process_id: this cluster's size and this process's index.
-      timeout_s: how long to wait for the coordinator and every peer before a clear error
-        (the process exits with code 3 rather than hang or abort).
+      timeout_s: how long to wait for the coordinator and every peer before a clear error:
+        a ``ClusterError`` when the coordinator does not answer; when a peer never joins,
+        ``on_timeout`` gets the line saying so (JAX then aborts the process itself).
       heartbeat_timeout_s: how soon JAX notices that a peer died after the cluster formed.
       cpu_devices: on CPU, how many devices this process simulates.
+      on_timeout: called from a watchdog thread with that line while JAX still waits, for
+        a program that owns its process to end it cleanly (``shardax train`` exits with
+        code 3); by default the line is printed on stderr.
     """
     spec = detect_cluster()
     if coordinator_address or num_processes is not None or process_id is not None:
@@ -161,19 +170,20 @@ def init_distributed(
     deadline = time.monotonic() + timeout_s
     if spec.process_id != 0 and spec.source not in JAX_DETECTS and not _wait_for_coordinator(spec.coordinator_address,
                                                                                            deadline):
-        _fail(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the coordinator address "
-              f"{spec.coordinator_address} within {timeout_s:.0f} s; check the address and that process 0 runs")
-    timer = _watchdog(spec, max(deadline - time.monotonic(), 1.0))
+        raise ClusterError(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the coordinator "
+                           f"address {spec.coordinator_address} within {timeout_s:.0f} s; check the address and that "
+                           "process 0 runs")
+    timer = _watchdog(spec, max(deadline - time.monotonic(), 1.0), on_timeout or _say)
     # Where JAX finds this cluster itself (SLURM, Open MPI, a Cloud TPU pod) and nothing overrides
     # it, JAX's own detection decides; shardax adds the watchdog and its clear message.
     found_by_jax = spec.source in JAX_DETECTS and not any(os.environ.get(name) for name in OVERRIDES)
     try:
         if found_by_jax:
-            jax.distributed.initialize(initialization_timeout=int(timeout_s) + 30,
+            jax.distributed.initialize(initialization_timeout=int(timeout_s) + 10,
                                        heartbeat_timeout_seconds=heartbeat_timeout_s)
         else:
             jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
-                                       process_id=spec.process_id, initialization_timeout=int(timeout_s) + 30,
+                                       process_id=spec.process_id, initialization_timeout=int(timeout_s) + 10,
                                        heartbeat_timeout_seconds=heartbeat_timeout_s)
     finally:
         timer.cancel()

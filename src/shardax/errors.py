@@ -14,6 +14,11 @@ class UsageError(ValueError):
     """Something the user gave is wrong; the message says what, what was expected, and the fix."""
 
 
+class ClusterError(RuntimeError):
+    """The JAX cluster could not form (a coordinator that does not answer, a peer that never
+    joined); the message says what was expected. The command line exits with ``EXIT_CLUSTER``."""
+
+
 class NonFiniteError(FloatingPointError):
     """A step's loss or gradient norm was NaN or infinite; its update was not applied."""
 
@@ -33,5 +38,6 @@ class Preempted(SystemExit):
         return self.message
 
 
+EXIT_CLUSTER = 3
 EXIT_NONFINITE = 4
 EXIT_PREEMPTED = 75

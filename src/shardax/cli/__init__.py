@@ -11,8 +11,8 @@ import argparse
 import sys
 from typing import NoReturn
 
-from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted,
-                                UsageError)
+from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError,
+                                NonFiniteError, Preempted, UsageError)
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
 from shardax.cli.prepare import add_prepare_parser, prepare_command
@@ -40,13 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         if "checkpoint" in str(error) and "shardax.trainer.checkpoint" in sys.modules:
-            from shardax.trainer.checkpoint import silence_abandoned_writers
+            from shardax.cli.errors import silence_abandoned_writers
 
             silence_abandoned_writers()  # a failed checkpoint write is said once, above
         return EXIT_BAD_INPUT
     except NonFiniteError as error:
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         return EXIT_NONFINITE
+    except ClusterError as error:
+        print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_CLUSTER
     except Preempted:  # the Trainer printed where the checkpoint is
         return EXIT_PREEMPTED
     except KeyboardInterrupt:

@@ -12,8 +12,55 @@
 
 from __future__ import annotations
 
-from shardax.errors import EXIT_NONFINITE, EXIT_PREEMPTED, NonFiniteError, Preempted, UsageError
+import logging
+import os
+import sys
+import threading
+import warnings
+from typing import Any
+
+from shardax.errors import (EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError, NonFiniteError, Preempted,
+                            UsageError)
 
 EXIT_BAD_INPUT = 2
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_PREEMPTED", "NonFiniteError", "Preempted", "UsageError"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_CLUSTER", "EXIT_NONFINITE", "EXIT_PREEMPTED", "ClusterError", "NonFiniteError",
+           "Preempted", "UsageError", "end_cluster_wait", "quiet_failed_writers", "silence_abandoned_writers"]
+
+
+def end_cluster_wait(message: str) -> None:
+    """The command line owns its process: when the cluster does not form while JAX waits inside
+    ``jax.distributed.initialize`` (which nothing can interrupt, and which would abort with a
+    stack dump), say why in one line and end the process with ``EXIT_CLUSTER``."""
+    print(f"shardax: error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_CLUSTER)
+
+
+def quiet_failed_writers() -> None:
+    """When a checkpoint write fails, orbax's other writer threads fail again as they wind down
+    ("Event loop is closed", from threads and at interpreter exit). The command line installs
+    this filter for the process it owns, so that the failure is said once; the library changes
+    no process-wide state (hooks, logger levels, warning filters) itself."""
+    previous, previous_unraisable = threading.excepthook, sys.unraisablehook
+
+    def closed_loop(error: BaseException | None) -> bool:
+        return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not closed_loop(args.exc_value):
+            previous(args)
+
+    def unraisable(info: Any) -> None:
+        if not closed_loop(info.exc_value):
+            previous_unraisable(info)
+
+    threading.excepthook, sys.unraisablehook = hook, unraisable
+
+
+def silence_abandoned_writers() -> None:
+    """After the command line has said in one line that a write failed: orbax's abandoned writer
+    tasks report it again as they are collected (unawaited coroutines, absl errors at exit)."""
+    sys.unraisablehook = lambda unraisable: None
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")

@@ -106,19 +106,28 @@ def train_config(args: argparse.Namespace):
 
 def _join_cluster(devices: int) -> None:
     """Simulated CPU devices, then the JAX cluster if this process is one of several."""
+    from shardax.cli.errors import end_cluster_wait
     from shardax.distributed import detect_cluster, init_distributed
 
     if detect_cluster().num_processes > 1:
         devices = int(os.environ.get("SHARDAX_DEVICES_PER_PROCESS", devices))
     configure_jax(devices)
-    init_distributed()
+    timeout = os.environ.get("SHARDAX_JOIN_TIMEOUT_S", "300")
+    try:
+        timeout_s = float(timeout)
+    except ValueError:
+        timeout_s = -1.0
+    if not timeout_s > 0:
+        raise UsageError(f"SHARDAX_JOIN_TIMEOUT_S={timeout!r}: give the seconds to wait for the cluster to form, "
+                         "a number above 0 (default 300)")
+    init_distributed(timeout_s=timeout_s, on_timeout=end_cluster_wait)
 
 
 def train(args: argparse.Namespace) -> int:
     config = train_config(args)
     _join_cluster(config.devices)
     from shardax.lm.job import run
-    from shardax.trainer.checkpoint import quiet_failed_writers
+    from shardax.cli.errors import quiet_failed_writers
 
     quiet_failed_writers()  # this process is the command line's: a failed write is said once
     result = run(config)

@@ -156,7 +156,7 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, fiel
 
 
 def shard_digest(path: Path) -> str:
-    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified as it is opened."""
+    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified when the shard is first read."""
     with path.open("rb") as file:
         return hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 

@@ -36,6 +36,7 @@ class TokenStream:
         self.vocab_size = vocab_size
         self.descriptors = []
         self.paths = []
+        self.digests: list[str | None] = []
         for shard in shards:
             path = root / f"{shard['name']}.tokens"
             try:
@@ -45,11 +46,9 @@ class TokenStream:
             if size != shard["tokens"] * self.dtype.itemsize:
                 raise UsageError(f"{path} holds {size} bytes, not the {shard['tokens']} tokens its index lists; "
                                  f"run shardax prepare again into {root}")
-            if "blake2b" in shard and shard_digest(path) != shard["blake2b"]:
-                raise UsageError(f"{path} does not match the checksum its index records (it was changed after "
-                                 f"shardax prepare wrote it); run shardax prepare again into {root}")
             self.descriptors.append(os.open(path, os.O_RDONLY))
             self.paths.append(path)
+            self.digests.append(shard.get("blake2b"))  # checked when the shard is first read
         self.starts = np.concatenate([[0], np.cumsum([shard["tokens"] for shard in shards])]).astype(np.int64)
         self.length = int(self.starts[-1])
 
@@ -61,6 +60,8 @@ class TokenStream:
             shard = int(np.searchsorted(self.starts, start, side="right")) - 1
             take = min(end, int(self.starts[shard + 1])) - start
             offset = (start - int(self.starts[shard])) * self.dtype.itemsize
+            if self.digests[shard] is not None:
+                self._verify(shard)
             data = os.pread(self.descriptors[shard], take * self.dtype.itemsize, offset)
             piece = np.frombuffer(data, self.dtype)
             if self.vocab_size is not None and piece.size and int(piece.max()) >= self.vocab_size:
@@ -72,6 +73,15 @@ class TokenStream:
             pieces.append(piece)
             start += take
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
+
+    def _verify(self, shard: int) -> None:
+        """The shard's checksum against its index, once, when it is first read (a start never
+        reads every shard of a large data set)."""
+        path = self.paths[shard]
+        if shard_digest(path) != self.digests[shard]:
+            raise UsageError(f"{path} does not match the checksum its index records (it was changed after "
+                             f"shardax prepare wrote it); run shardax prepare again into {path.parent}")
+        self.digests[shard] = None
 
     def close(self) -> None:
         for descriptor in self.descriptors:

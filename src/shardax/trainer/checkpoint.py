@@ -13,9 +13,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
-import threading
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,36 +95,6 @@ def _write_failure(error: BaseException) -> str | None:
             return os.strerror(int(code.group(1)))
         error = error.__cause__ or error.__context__
     return None
-
-
-def quiet_failed_writers() -> None:
-    """When a write fails, orbax's other writer threads fail again as they wind down ("Event loop
-    is closed", from threads and at interpreter exit). The command line installs this filter for
-    the process it owns, so that the failure is said once; the library changes no process-wide
-    state (hooks, logger levels, warning filters) itself."""
-    previous, previous_unraisable = threading.excepthook, sys.unraisablehook
-
-    def closed_loop(error: BaseException | None) -> bool:
-        return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if not closed_loop(args.exc_value):
-            previous(args)
-
-    def unraisable(info: Any) -> None:
-        if not closed_loop(info.exc_value):
-            previous_unraisable(info)
-
-    threading.excepthook, sys.unraisablehook = hook, unraisable
-
-
-def silence_abandoned_writers() -> None:
-    """After the command line has said in one line that a write failed: orbax's abandoned writer
-    tasks report it again as they are collected (unawaited coroutines, absl errors at exit)."""
-    sys.unraisablehook = lambda unraisable: None
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    warnings.filterwarnings("ignore", category=RuntimeWarning, message=".*was never awaited")
 
 
 class _SealedPart:
