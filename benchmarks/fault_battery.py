@@ -39,6 +39,10 @@ CACHE = WORK / "jax-cache"
 QUICK = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--sample-bytes", "0", "--eval-every", "0",
          "--log-every", "1"]
 STEPS = 8
+CORPUS = WORK / "corpus"  # the json package's source: a small real text
+BIG_CORPUS = WORK / "big"  # enough text that a BPE prepare takes a few seconds
+BASE = WORK / "base"  # the uninterrupted run, checkpointed every 2 steps
+SHARDS = WORK / "shards"
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -54,12 +58,21 @@ def shardax(*args: object, cwd: Path | None = None, timeout: float = 600, **kwar
                           timeout=timeout, env=kwargs.pop("environ", env()), cwd=cwd, **kwargs)
 
 
-def start(*args: object, stall: tuple[int, float] | None = None) -> subprocess.Popen:
+def start(*args: object, stall: tuple[int, float] | None = None, compiling: bool = False) -> subprocess.Popen:
+    """``shardax`` running; ``compiling``: returns once it has said what it runs and is compiling
+    its step (the compilation cache off, so that the compile takes a while)."""
     command = [sys.executable, "-m", "shardax.cli", *map(str, args)]
     if stall:
         command = [sys.executable, str(ROOT / "tests" / "workers" / "stall.py"), str(stall[0]), str(stall[1]), "shardax",
                    *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env(JAX_ENABLE_COMPILATION_CACHE="false") if compiling else env())
+    if compiling:
+        for line in process.stdout:
+            if line.startswith("run:"):
+                time.sleep(0.5)
+                break
+    return process
 
 
 def logged(metrics: Path) -> int:
@@ -138,7 +151,7 @@ def train_args(case: Path, *extra: object, steps: int | None = STEPS) -> list[ob
     """The battery's run (``steps`` None: ``extra`` says how far, with ``--extend-to``)."""
     length = [] if steps is None else ["--steps", steps]
     return ["train", *QUICK, *length, "--data", CORPUS, "--checkpoint-dir", case / "ckpt",
-            "--metrics", case / "metrics.jsonl", "--checkpoint-every", 2, *extra]
+            "--metrics", case / "metrics.jsonl", "--checkpoint-every", 2, "--keep-checkpoints", 100, *extra]
 
 
 def resume_to_the_end(case: Path) -> str | None:
@@ -166,11 +179,9 @@ def case(name: str):
 
 def kill_after(step: int, how: str = "step"):
     def run(folder: Path) -> tuple[str | None, int]:
-        process = start(*train_args(folder), stall=(step, 60) if how == "step" else None)
+        process = start(*train_args(folder), stall=(step, 60) if how == "step" else None, compiling=how == "compile")
         if how == "step":
             wait_for(lambda: logged(folder / "metrics.jsonl") >= step, process)
-        elif how == "compile":
-            time.sleep(3)
         elif how == "writing":
             wait_for(lambda: any((folder / "ckpt").glob("*.orbax-checkpoint-tmp*")), process, 300)
         elif how == "sealing":
@@ -264,11 +275,10 @@ case("--checkpoint-dir cannot be created")(bad_directory(lambda f: Path("/proc/s
 
 def signal_case(number: int, when: str):
     def run(folder: Path) -> tuple[str | None, int]:
-        process = start(*train_args(folder), stall=(3, 60) if when in ("step", "thrice") else None)
+        process = start(*train_args(folder), stall=(3, 60) if when in ("step", "thrice") else None,
+                        compiling=when == "compile")
         if when in ("step", "thrice"):
             wait_for(lambda: logged(folder / "metrics.jsonl") >= 3, process)
-        elif when == "compile":
-            time.sleep(4)
         elif when == "writing":
             wait_for(lambda: any((folder / "ckpt").glob("*.orbax-checkpoint-tmp*")), process)
         for _ in range(3 if when == "thrice" else 1):
@@ -315,7 +325,9 @@ def stale_lock(folder: Path) -> tuple[str | None, int]:
     process.kill()
     process.communicate()
     before = committed(folder / "ckpt")
-    result = shardax(*train_args(folder, "--resume"))
+    if not before:
+        (folder / "metrics.jsonl").unlink(missing_ok=True)
+    result = shardax(*train_args(folder, *(["--resume"] if before else [])))
     problem = None if result.returncode == 0 else result.stderr[-600:]
     if problem is None and "took over" not in result.stdout + result.stderr:
         problem = "the new run did not say it took the dead run's lock over"
@@ -443,6 +455,57 @@ def launch_killed(folder: Path) -> tuple[str | None, int]:
 case("kill -9 a worker under shardax launch")(launch_killed)
 
 
+def damaged_under_launch(folder: Path) -> tuple[str | None, int]:
+    """Two processes resume a directory whose latest checkpoint has one bit flipped."""
+    shutil.copytree(BASE / "ckpt", folder / "ckpt")
+    shutil.copy(BASE / "metrics.jsonl", folder / "metrics.jsonl")
+    before = committed(folder / "ckpt")
+    flip(largest(folder / "ckpt" / str(STEPS)))
+    result = shardax("launch", "-n", 2, "--devices-per-process", 4, "--", "shardax",
+                     *train_args(folder, "--resume", "--extend-to", STEPS + 2, steps=None))
+    problem = None if result.returncode == 0 else f"resume failed: {result.stderr[-600:]}"
+    if problem is None and f"checkpoint step {STEPS} " not in result.stdout:
+        problem = "no warning names the damaged step"
+    return problem, lost(before, folder / "ckpt", damaged={str(STEPS)})
+
+
+case("damaged latest checkpoint, resumed by 2 processes")(damaged_under_launch)
+
+
+def killed_resume(folder: Path) -> tuple[str | None, int]:
+    """A resume killed while it loads its checkpoint, then resumed again."""
+    shutil.copytree(BASE / "ckpt", folder / "ckpt")
+    before = committed(folder / "ckpt")
+    process = start(*train_args(folder, "--resume", "--extend-to", STEPS + 2, steps=None), compiling=True)
+    process.kill()
+    process.communicate()
+    result = shardax(*train_args(folder, "--resume", "--extend-to", STEPS + 2, steps=None))
+    return (None if result.returncode == 0 else result.stderr[-600:]), lost(before, folder / "ckpt")
+
+
+case("kill -9 while a resume loads, then resume again")(killed_resume)
+
+
+def garbage_lock(folder: Path) -> tuple[str | None, int]:
+    shutil.copytree(BASE / "ckpt", folder / "ckpt")
+    (folder / "ckpt" / ".shardax-lock").write_bytes(os.urandom(64))
+    before = committed(folder / "ckpt")
+    result = shardax(*train_args(folder, "--resume", "--extend-to", STEPS + 1, steps=None))
+    return (None if result.returncode == 0 else result.stderr[-600:]), lost(before, folder / "ckpt")
+
+
+case("a lock file holding garbage")(garbage_lock)
+
+
+def metrics_is_a_folder(folder: Path) -> tuple[str | None, int]:
+    (folder / "metrics.jsonl").mkdir()
+    result = shardax(*train_args(folder))
+    return one_line(result, 2, "metrics"), 0
+
+
+case("--metrics names a directory")(metrics_is_a_folder)
+
+
 def resume_mismatch(extra: tuple[object, ...], says: str, extend_to: int = STEPS + 2, fresh: bool = False):
     def run(folder: Path) -> tuple[str | None, int]:
         shutil.copytree(BASE / "ckpt", folder / "ckpt")
@@ -462,19 +525,14 @@ case("--resume with no checkpoint")(
 
 
 def main() -> None:
-    global CORPUS, BIG_CORPUS, BASE, SHARDS
     chosen = [name for name in CASES if len(sys.argv) < 2 or sys.argv[1] in name]
-    CORPUS = WORK / "corpus"
     shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", CORPUS)
-    BIG_CORPUS = WORK / "big"  # enough text that a BPE prepare takes a few seconds
     for package in ("email", "asyncio", "json", "http", "xml", "unittest", "logging", "concurrent"):
         shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / package, BIG_CORPUS / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    BASE = WORK / "base"
     reference = shardax(*train_args(BASE))  # the uninterrupted run every recovery is compared with
     assert reference.returncode == 0, reference.stderr
     _REFERENCE.update(final_params(BASE / "ckpt"))
-    SHARDS = WORK / "shards"
     assert shardax("prepare", CORPUS, "--out", SHARDS).returncode == 0
     rows = []
     for name in chosen:

@@ -190,6 +190,11 @@ def table() -> str:
                 f"{row['sealing_hash_s']:.2f} s; {row['check_shared_blocks_s']:.2f} / "
                 f"{row['check_whole_files_one_thread_s']:.2f} s; {two['2']['wall_s']:.2f} / {two['1']['wall_s']:.2f} s "
                 f"| hashing off the loop; checking shared |")
+    battery = load("fault_battery")
+    if battery:
+        lines.append(f"| 16. fault battery (`benchmarks/fault_battery.py`): kills, damaged checkpoints, a full disk, signals, "
+                     f"two runs in one directory, damaged data, `launch` | {battery['passed']} of {battery['cases']} "
+                     f"cases pass; {battery['lost_checkpoints']} committed checkpoints lost | all; 0 |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -217,6 +222,7 @@ if __name__ == "__main__":
     run(["benchmarks/bpe_vs_bytes.py"])
     if not options.skip_slow:
         run(["benchmarks/lm_data.py"])
+        run(["benchmarks/fault_battery.py"])
         run(["benchmarks/pipeline_vmap.py"])
     run(["benchmarks/layer_vjps.py"])
     run(["benchmarks/checkpoint_integrity.py"])

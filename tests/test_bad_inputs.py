@@ -107,7 +107,7 @@ CASES = [
     (["--checkpoint-dir", "{root}/damaged", "--resume"], "no good checkpoint in"),
     (["--checkpoint-dir", "{root}/not_shardax", "--resume"], "step 7 is damaged (it is not a checkpoint written by"),
     (["--checkpoint-dir", "{root}/empty", "--resume"], "resume: no checkpoint in"),
-    (["--checkpoint-dir", "/proc/shardax/ckpt"], "is not writable"),
+    (["--checkpoint-dir", "/proc/shardax/ckpt"], "cannot be created (No such file or directory)"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
     (["--metrics", "{root}/empty"], "is a directory; give a file name"),

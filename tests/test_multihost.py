@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, subprocess_env
+from cli_helpers import QUICK, WORKERS, last_logged_step, read_metrics, shardax, subprocess_env
 from shardax.distributed import detect_cluster
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from shardax.trainer.manifest import MANIFEST
@@ -93,6 +93,38 @@ def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path,
     a, b = final_arrays(tmp_path / "one", 4), final_arrays(tmp_path / "two", 4)
     for key in a:
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_the_processes_of_one_run_share_its_checkpoint_lock(small_corpus, tmp_path):
+    """Two processes write one directory as one run: a second run is refused in one line naming
+    process 0, the first goes on saving at every step, and lets the lock go when it ends."""
+    checkpoints, release = tmp_path / "ckpt", tmp_path / "release"
+    args = ("train", *RUN, "--checkpoint-every", 1, "--data", small_corpus,
+            "--checkpoint-dir", checkpoints, "--metrics", tmp_path / "m.jsonl")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4[:-1]), sys.executable, str(WORKERS / "stall.py"),
+         "1", "240", "shardax", *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(subprocess_env(), STALL_RELEASE=str(release)))
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and first.poll() is None and last_logged_step(tmp_path / "m.jsonl") < 1:
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()[-2000:]
+        holder = json.loads((checkpoints / ".shardax-lock").read_text())
+        assert holder["processes"] == 2
+        second = shardax("train", *RUN, "--data", small_corpus, "--checkpoint-dir", checkpoints,
+                         "--resume", check=False)
+        assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr[-2000:]
+        assert f"is being written by another run (host {holder['host']}, pid {holder['pid']}," in second.stderr
+        release.write_text("")
+        out, err = first.communicate(timeout=300)
+    finally:
+        release.write_text("")
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err[-2000:]
+    assert saved_steps(checkpoints) == [1, 2, 3] and (checkpoints / ".shardax-lock").read_text() == ""
 
 
 def _collect(stream, lines):

@@ -168,10 +168,12 @@ def damage_largest_file(directory, how):
         target.write_bytes(bytes(target.stat().st_size))
     elif how == "unsealed":
         (directory / "shardax_manifest.json").unlink()
+    elif how == "unlisted":  # orbax's own metadata gone: orbax no longer lists the step at all
+        (directory / "_CHECKPOINT_METADATA").unlink()
     return target
 
 
-@pytest.mark.parametrize("how", ["missing", "truncated", "zeroed", "unsealed"])
+@pytest.mark.parametrize("how", ["missing", "truncated", "zeroed", "unsealed", "unlisted"])
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(how, tmp_path, capsys):
     straight = trainer().fit(BATCHES, steps=6, log_every=1)
     trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_every=2, checkpoint_dir=tmp_path)

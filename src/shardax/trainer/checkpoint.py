@@ -175,6 +175,10 @@ class Checkpointer:
         probe = self.directory / f".shardax-write-test-{jax.process_index()}"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"checkpoint directory {self.directory} cannot be created ({error.strerror}); "
+                             "give a directory you can write to") from None
+        try:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as error:
@@ -204,7 +208,9 @@ class Checkpointer:
         (each process hashes an equal share of a checkpoint's blocks; all of them call this)."""
         damaged = {}
         share = (jax.process_index(), jax.process_count())
-        for step in sorted(self.all_steps(), reverse=True):
+        # a step folder orbax does not list (its metadata gone) is a damaged step all the same
+        folders = {int(p.name) for p in self.directory.glob("*") if p.name.isdigit() and p.is_dir()}
+        for step in sorted(set(self.all_steps()) | folders, reverse=True):
             problem = damage(self.directory / str(step), share, agree=_first_over_processes)
             if problem is None:
                 return step, damaged

@@ -172,6 +172,8 @@ def damage(checkpoint: Path, share: tuple[int, int] = (0, 1),
     A checkpoint found intact is not hashed again while its files' sizes and times are unchanged.
     """
     manifest, problem = _read_manifest(checkpoint)
+    if problem is None and not (checkpoint / "_CHECKPOINT_METADATA").is_file():
+        problem = "orbax's _CHECKPOINT_METADATA is missing"
     if problem is None:
         assert manifest is not None
         for name, sealed in sorted(manifest["files"].items()):
