@@ -56,10 +56,15 @@ def get_preset(name: str) -> Preset:
 def parameter_count(config: TransformerConfig) -> int:
     """Parameters of a ``TransformerLM`` with this config, from its shapes."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
-    per_layer = 4 * d * d + 2 * d * f + f + 5 * d  # attention, MLP and its biases, 2 norms
+    n, k, h = config.n_heads, config.kv_heads, config.head_dim
+    norm = 2 * d if config.norm == "layer" else d
+    attention = d * (n + 2 * k) * h + n * h * d + ((n + 2 * k) * h if config.qkv_bias else 0)
+    attention += 2 * h if config.qk_norm else 0
+    mlp = 3 * d * f if config.mlp == "swiglu" else 2 * d * f + f + d  # GELU's with its biases
+    per_layer = attention + mlp + 2 * norm
     tables = v * d * (1 if config.tie_embeddings else 2)
     positions = config.seq_len * d if config.positions == "learned" else 0
-    return config.n_layers * per_layer + tables + positions + 2 * d
+    return config.n_layers * per_layer + tables + positions + norm
 
 
 def flops_per_token(config: TransformerConfig) -> int:

@@ -1,7 +1,10 @@
 """A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
 
-Pre-norm blocks (causal self-attention, GELU MLP with biases), learned or rotary positions, a
-tied or untied output head. Built from shardax's public blocks only (``shardax.blocks``): the
+Pre-norm blocks of causal self-attention and an MLP, learned or rotary positions, a tied or
+untied output head. Its config covers shardax's own presets (layer norm, GELU MLP with
+biases) and the Llama family as Hugging Face defines it (``shardax.hf``): RMSNorm, SwiGLU,
+grouped-query attention, RoPE with its base and Llama 3's scaling, q/k/v biases (Qwen2),
+query and key RMSNorm (Qwen3), a head size of its own. Built from shardax's public blocks only (``shardax.blocks``): the
 blocks are a ``LayerStack`` (stacked and scanned, so their parameters carry a leading
 ``layers`` axis and compile time does not grow with depth; ``scan_layers=False`` keeps one
 module per block in a Python loop) and each attends through ``Attention``, which is what
@@ -28,6 +31,8 @@ from shardax.sharding.compute import for_compute
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION = ("auto", "xla", "cudnn")
+NORMS = ("layer", "rms")
+MLPS = ("gelu", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +57,28 @@ class TransformerConfig:
     # "cudnn" (the fused cuDNN kernel; GPU only) or "auto" (cuDNN where it applies, else XLA;
     # ``attention_implementation`` says which and why).
     attention: str = "auto"
+    # The Llama family (defaults: shardax's own blocks)
+    n_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: n_heads)
+    attention_head_dim: int | None = None  # each head's size (None: d_model // n_heads)
+    norm: str = "layer"  # "layer" (scale and bias, eps 1e-5) or "rms" (scale only, eps norm_eps)
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # "gelu" (with biases) or "swiglu" (gate and up projections, no biases)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    rope_theta: float = 10000.0
+    # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context length)
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self.attention_head_dim is None and self.d_model % self.n_heads:
             raise UsageError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise UsageError(f"n_heads={self.n_heads} must divide by n_kv_heads={self.kv_heads} (grouped-query "
+                             "attention shares each key/value head among as many query heads)")
+        if self.norm not in NORMS:
+            raise UsageError(f"norm={self.norm!r}; use one of {', '.join(NORMS)}")
+        if self.mlp not in MLPS:
+            raise UsageError(f"mlp={self.mlp!r}; use one of {', '.join(MLPS)}")
         if self.positions not in ("learned", "rotary"):
             raise UsageError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
         if self.remat not in REMAT_POLICIES:
@@ -67,7 +90,11 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attention_head_dim or self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def dtype(self) -> Any:
@@ -152,11 +179,39 @@ class LayerNorm(nnx.Module):
         return normed.astype(x.dtype)
 
 
-def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last axis, in float32 (the Llama family's norm)."""
+
+    def __init__(self, features: int, eps: float, axis: str = "embed"):
+        self.eps = eps
+        self.scale = annotated_param(nnx.initializers.ones, jax.random.key(0), (features,), (axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+        return (normed * for_compute(self.scale)).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float = 10000.0,
+                     scaling: tuple[float, float, float, int] | None = None) -> np.ndarray:
+    """RoPE's angle per position for each pair of channels (``head_dim // 2`` of them), with
+    Llama 3's scaling when given: wavelengths longer than the original context divided by
+    ``factor``, shorter than it / ``high_freq_factor`` kept, and those between blended."""
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor, low, high, context = scaling
+    wavelength = 2 * np.pi / inv_freq
+    blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+    return ((1 - blend) * inv_freq / factor + blend * inv_freq).astype(np.float32)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None = None) -> jax.Array:
     """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H); positions:
-    (T,) or (B, T)."""
+    (T,) or (B, T); ``inv_freq``: ``rope_frequencies`` (default: base 10000, unscaled)."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (10000 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    inv_freq = jnp.asarray(rope_frequencies(x.shape[-1]) if inv_freq is None else inv_freq)
     angles = jnp.atleast_2d(positions)[..., None].astype(jnp.float32) * inv_freq  # (B or 1, T, H/2)
     sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -185,40 +240,81 @@ def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
 gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
+def _norm(config: TransformerConfig, features: int) -> nnx.Module:
+    return RMSNorm(features, config.norm_eps) if config.norm == "rms" else LayerNorm(features)
+
+
 class Block(nnx.Module):
     """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-        d, n, h, f = config.d_model, config.n_heads, config.head_dim, config.d_ff
+        d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
         self.config = config
-        self.attn_norm = LayerNorm(d)
-        # Query, key and value projections in one weight: under tensor parallelism the backward
-        # pass then sums their input gradients before one all-reduce over the model axis (three
-        # separate weights cost three), and FSDP gathers one array per layer instead of three.
-        self.qkv = _param(rngs, (d, 3, n, h), ("embed", None, "heads", "kv"))
+        self.inv_freq = tuple(rope_frequencies(h, config.rope_theta, config.rope_scaling).tolist())
+        self.attn_norm = _norm(config, d)
+        if k == n:
+            # Query, key and value projections in one weight: under tensor parallelism the backward
+            # pass then sums their input gradients before one all-reduce over the model axis (three
+            # separate weights cost three), and FSDP gathers one array per layer instead of three.
+            self.qkv = _param(rngs, (d, 3, n, h), ("embed", None, "heads", "kv"))
+            if config.qkv_bias:
+                self.qkv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (3, n, h), (None, "heads", "kv"))
+        else:  # grouped-query attention: fewer key/value heads than query heads
+            self.q = _param(rngs, (d, n, h), ("embed", "heads", "kv"))
+            self.kv = _param(rngs, (d, 2, k, h), ("embed", None, "heads", "kv"))
+            if config.qkv_bias:
+                self.q_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (n, h), ("heads", "kv"))
+                self.kv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (2, k, h), (None, "heads", "kv"))
+        if config.qk_norm:
+            self.q_norm = RMSNorm(h, config.norm_eps, axis="kv")
+            self.k_norm = RMSNorm(h, config.norm_eps, axis="kv")
         self.attn_out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), scale=(n * h) ** -0.5)
-        self.mlp_norm = LayerNorm(d)
-        self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
-        self.mlp_in_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (f,), ("mlp",))
+        self.mlp_norm = _norm(config, d)
+        if config.mlp == "swiglu":
+            self.mlp_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"))
+        else:
+            self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
+            self.mlp_in_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (f,), ("mlp",))
         self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
-        self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
+        if config.mlp == "gelu":
+            self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
         self.attention = Attention(implementation=config.attention)
+
+    def _queries_keys_values(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        dtype = self.config.dtype
+        if hasattr(self, "qkv"):
+            qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
+            if self.config.qkv_bias:
+                qkv = qkv + for_compute(self.qkv_bias, dtype)
+            return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q = jnp.einsum("btd,dnh->btnh", y, for_compute(self.q, dtype))
+        kv = jnp.einsum("btd,dckh->btckh", y, for_compute(self.kv, dtype))
+        if self.config.qkv_bias:
+            q, kv = q + for_compute(self.q_bias, dtype), kv + for_compute(self.kv_bias, dtype)
+        return q, kv[:, :, 0], kv[:, :, 1]
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segments: jax.Array | None = None) -> jax.Array:  # (B, T, D)
         """``positions`` and ``segments`` (B, T) or None: see ``TransformerLM.__call__``."""
-        dtype = self.config.dtype
+        config = self.config
+        dtype = config.dtype
         y = self.attn_norm(x).astype(dtype)
-        qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        if self.config.positions == "rotary":
+        q, k, v = self._queries_keys_values(y)
+        if config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
-            q, k = rotary(q, positions), rotary(k, positions)
+            inv_freq = np.asarray(self.inv_freq, np.float32)
+            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         attended = self.attention(q, k, v, positions=positions, segments=segments)  # (B, T, N, H)
         x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
-        hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
-        out = hidden @ for_compute(self.mlp_out, dtype) + for_compute(self.mlp_out_bias, dtype)
+        if config.mlp == "swiglu":
+            gate_up = jnp.einsum("btd,dcf->btcf", y, for_compute(self.mlp_gate_up, dtype))
+            out = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ for_compute(self.mlp_out, dtype)
+        else:
+            hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
+            out = hidden @ for_compute(self.mlp_out, dtype) + for_compute(self.mlp_out_bias, dtype)
         return x + out.astype(x.dtype)
 
 
@@ -235,7 +331,7 @@ class TransformerLM(nnx.Module):
         self.embedding = _param(rngs, (config.vocab_size, d), ("vocab", "embed"), scale=0.02)
         if config.positions == "learned":
             self.position = _param(rngs, (config.seq_len, d), ("length", "embed"), scale=0.02)
-        self.final_norm = LayerNorm(d)
+        self.final_norm = _norm(config, d)
         if not config.tie_embeddings:
             self.head = _param(rngs, (d, config.vocab_size), ("embed", "vocab"))
 

@@ -1,0 +1,355 @@
+"""Hugging Face checkpoints of the Llama family, loaded straight into shards.
+
+``load(path, mesh=..., strategy=...)`` reads ``config.json`` (``model_type`` llama, mistral,
+qwen2 or qwen3), builds the matching ``TransformerLM`` laid out by ``parallelize`` and fills
+each parameter device by device: a device's slice is read from the safetensors files
+(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) with
+safetensors' lazy slicing, so a process reads only the rows and columns its own devices hold
+and never the whole model. Hugging Face stores a linear layer's weight as ``[out, in]``;
+shardax keeps ``[in, heads, head_dim]`` and friends, so each slice is read as the block of
+the transposed weight that covers it.
+
+What shardax's model does not compute (sliding windows, other RoPE scalings, biases on the
+output projection, mixtures of experts, another activation) is refused in one line naming
+the field of ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardax.errors import UsageError
+from shardax.mesh import DeviceMeshManager
+from shardax.model_parallel import ParallelModel, parallelize
+from shardax.models.transformer import TransformerConfig, TransformerLM
+from shardax.sharding.paths import path_to_str
+from shardax.step.state import TrainState
+
+FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+# buffers some checkpoints carry that are not weights
+IGNORED = ("rotary_emb.inv_freq",)
+
+
+def _refuse(path: Path, field: str, value: Any, why: str) -> UsageError:
+    return UsageError(f"{path / 'config.json'}: {field}={json.dumps(value)} is not supported ({why}); shardax loads "
+                      f"the Llama family ({', '.join(FAMILY)}) as Hugging Face defines it")
+
+
+def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
+                remat: str = "none", scan_layers: bool = True) -> TransformerConfig:
+    """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
+
+    ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
+    sliding window where one applies, within which attention is exact)."""
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path} has no config.json; give a Hugging Face model directory") from None
+    except (OSError, ValueError) as error:
+        raise UsageError(f"{path / 'config.json'} is unreadable ({error}); give a Hugging Face model directory") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path / 'config.json'} holds no settings; give a Hugging Face model directory")
+    kind = raw.get("model_type")
+    if kind not in FAMILY:
+        raise _refuse(path, "model_type", kind, "another architecture")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise _refuse(path, "hidden_act", raw["hidden_act"], "the Llama family's MLP is SwiGLU")
+    for field in ("attention_bias", "mlp_bias"):
+        if raw.get(field) and kind != "qwen2":
+            raise _refuse(path, field, raw[field], "shardax puts no bias on the output projections")
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if raw.get(field):
+            raise _refuse(path, field, raw[field], "mixtures of experts")
+    scaling = raw.get("rope_scaling")
+    rope = None
+    if scaling:
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            raise _refuse(path, "rope_scaling", scaling, "of the RoPE scalings only Llama 3's is")
+        rope = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                int(scaling["original_max_position_embeddings"]))
+    longest = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window") if (kind == "mistral" or raw.get("use_sliding_window")) else None
+    if window:
+        longest = min(longest, int(window))
+    if seq_len is not None and window and seq_len > int(window):
+        raise _refuse(path, "sliding_window", window, f"seq_len {seq_len} is longer: attention over a sliding window")
+    try:
+        return TransformerConfig(
+            vocab_size=int(raw["vocab_size"]), seq_len=seq_len or longest, d_model=int(raw["hidden_size"]),
+            n_heads=int(raw["num_attention_heads"]), n_layers=int(raw["num_hidden_layers"]),
+            d_ff=int(raw["intermediate_size"]), positions="rotary",
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), remat=remat, compute_dtype=compute_dtype,
+            scan_layers=scan_layers, n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            attention_head_dim=raw.get("head_dim"), norm="rms", norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            mlp="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+            rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope)
+    except KeyError as error:
+        raise UsageError(f"{path / 'config.json'} lacks {error.args[0]}; give a Hugging Face model directory") from None
+
+
+# -- reading slices of safetensors files ------------------------------------------------------------------
+
+class SafeTensors:
+    """The tensors of a model directory by name, read a slice at a time (and the bytes read)."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError):
+                raise UsageError(f"{index} is unreadable or lacks weight_map; give a Hugging Face model "
+                                 "directory") from None
+            files = sorted(set(weight_map.values()))
+        elif (path / "model.safetensors").is_file():
+            weight_map, files = None, ["model.safetensors"]
+        else:
+            raise UsageError(f"{path} holds neither model.safetensors nor model.safetensors.index.json; give a "
+                             "Hugging Face model directory saved with safetensors")
+        self.files: dict[str, Any] = {}
+        self.where: dict[str, str] = {}
+        for name in files:
+            try:
+                handle = safe_open(str(path / name), framework="flax")
+            except FileNotFoundError:
+                raise UsageError(f"{path / name} is missing (the index names it); download the whole "
+                                 "checkpoint again") from None
+            except Exception as error:  # safetensors' own error for a damaged header
+                raise UsageError(f"{path / name} is not a readable safetensors file ({error}); download it "
+                                 "again") from None
+            self.files[name] = handle
+            for key in handle.keys():
+                self.where[key] = name
+        if weight_map is not None:
+            absent = [key for key, name in weight_map.items() if self.where.get(key) != name]
+            if absent:
+                raise UsageError(f"{path / weight_map[absent[0]]} lacks {absent[0]}, which the index places there; "
+                                 "download the checkpoint again")
+        self.bytes_read = 0
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.files[self.where[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, rows: slice, columns: slice | None = None) -> np.ndarray:
+        """``tensor[rows, columns]`` (``columns`` None: a vector) as float32."""
+        part = self.files[self.where[name]].get_slice(name)
+        block = part[rows] if columns is None else part[rows, columns]
+        array = np.asarray(block, dtype=np.float32)
+        self.bytes_read += array.size * np.dtype(block.dtype).itemsize
+        return array
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """How one parameter of shardax's model (one layer's part of it) comes from Hugging Face
+    tensors: each of ``names`` (one per component, stacked on ``axis``) is ``W.T`` reshaped to
+    ``inputs + outputs`` (a linear weight ``W [out, in]``), or ``W`` reshaped to ``outputs`` (a
+    vector, ``inputs`` empty); ``transpose`` False keeps ``W`` as it is (the embedding)."""
+
+    names: tuple[str, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    axis: int | None = None
+    transpose: bool = True
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        one = self.inputs + self.outputs
+        return one if self.axis is None else one[:self.axis] + (len(self.names),) + one[self.axis:]
+
+    def hf_shape(self) -> tuple[int, ...]:
+        if not self.inputs:
+            return (math.prod(self.outputs),)
+        if not self.transpose:
+            return self.inputs + self.outputs
+        return (math.prod(self.outputs), math.prod(self.inputs))
+
+    def read(self, tensors: SafeTensors, index: tuple[slice, ...]) -> np.ndarray:
+        if self.axis is not None:
+            components = range(len(self.names))[index[self.axis]]
+            rest = index[:self.axis] + index[self.axis + 1:]
+            return np.stack([self._one(tensors, self.names[c], rest) for c in components], axis=self.axis)
+        return self._one(tensors, self.names[0], index)
+
+    def _one(self, tensors: SafeTensors, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block of one tensor under ``index``: read the rows (and columns) that cover the
+        slice of each flattened group's first dimension, then cut the rest in memory."""
+        if not self.transpose:
+            return tensors.read(name, index[0], index[1])
+        n_in = len(self.inputs)
+        in_index, out_index = index[:n_in], index[n_in:]
+
+        def span(shape: tuple[int, ...], cut: tuple[slice, ...]) -> slice:
+            stride = math.prod(shape[1:])
+            return slice(cut[0].start * stride, cut[0].stop * stride)
+
+        def local(shape: tuple[int, ...], cut: tuple[slice, ...]) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+            return (cut[0].stop - cut[0].start, *shape[1:]), (slice(None), *cut[1:])
+
+        out_shape, out_cut = local(self.outputs, out_index)
+        if not self.inputs:
+            return tensors.read(name, span(self.outputs, out_index)).reshape(out_shape)[out_cut]
+        in_shape, in_cut = local(self.inputs, in_index)
+        block = tensors.read(name, span(self.outputs, out_index), span(self.inputs, in_index))
+        return block.T.reshape(in_shape + out_shape)[in_cut + out_cut]
+
+
+def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
+    """Each per-layer parameter of ``TransformerLM`` (its path below the layer) and its tensors."""
+    d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
+    at = f"model.layers.{layer}."
+    attn, mlp = at + "self_attn.", at + "mlp."
+    sources = {
+        "attn_norm/scale": Source((at + "input_layernorm.weight",), (), (d,)),
+        "mlp_norm/scale": Source((at + "post_attention_layernorm.weight",), (), (d,)),
+        "attn_out": Source((attn + "o_proj.weight",), (n, h), (d,)),
+        "mlp_gate_up": Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,), axis=1),
+        "mlp_out": Source((mlp + "down_proj.weight",), (f,), (d,)),
+    }
+    q, kk, v = (attn + f"{x}_proj" for x in "qkv")
+    if k == n:
+        sources["qkv"] = Source((q + ".weight", kk + ".weight", v + ".weight"), (d,), (n, h), axis=1)
+        if config.qkv_bias:
+            sources["qkv_bias"] = Source((q + ".bias", kk + ".bias", v + ".bias"), (), (n, h), axis=0)
+    else:
+        sources["q"] = Source((q + ".weight",), (d,), (n, h))
+        sources["kv"] = Source((kk + ".weight", v + ".weight"), (d,), (k, h), axis=1)
+        if config.qkv_bias:
+            sources["q_bias"] = Source((q + ".bias",), (), (n, h))
+            sources["kv_bias"] = Source((kk + ".bias", v + ".bias"), (), (k, h), axis=0)
+    if config.qk_norm:
+        sources["q_norm/scale"] = Source((attn + "q_norm.weight",), (), (h,))
+        sources["k_norm/scale"] = Source((attn + "k_norm.weight",), (), (h,))
+    return sources
+
+
+def _global_sources(config: TransformerConfig) -> dict[str, Source]:
+    d, v = config.d_model, config.vocab_size
+    sources = {"embedding": Source(("model.embed_tokens.weight",), (v,), (d,), transpose=False),
+               "final_norm/scale": Source(("model.norm.weight",), (), (d,))}
+    if not config.tie_embeddings:
+        sources["head"] = Source(("lm_head.weight",), (d,), (v,))
+    return sources
+
+
+def _check_names(tensors: SafeTensors, config: TransformerConfig) -> None:
+    """One line for a tensor the model needs that is missing, one whose shape is not what
+    ``config.json`` says, or one the model has no place for."""
+    expected = {}
+    for source in [*_global_sources(config).values(),
+                   *(s for layer in range(config.n_layers) for s in _sources(config, layer).values())]:
+        for name in source.names:
+            expected[name] = source.hf_shape()
+    for name, shape in expected.items():
+        if name not in tensors.where:
+            raise UsageError(f"{tensors.path} lacks the tensor {name}, which its config.json implies; the checkpoint "
+                             "is incomplete or of another model")
+        if tensors.shape(name) != shape:
+            raise UsageError(f"{tensors.path}: {name} has shape {list(tensors.shape(name))} but config.json implies "
+                             f"{list(shape)}; the checkpoint and its config.json do not match")
+    unknown = sorted(name for name in tensors.where if name not in expected and not name.endswith(IGNORED)
+                     and not (config.tie_embeddings and name == "lm_head.weight"))
+    if unknown:
+        raise UsageError(f"{tensors.path}: tensor {unknown[0]} has no place in the {config.n_layers}-layer model its "
+                         f"config.json describes ({len(unknown)} such tensors); the checkpoint is of another model")
+
+
+def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
+
+
+def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, dict[str, Source]]:
+    """(the global source, or None; the layer a looped stack's parameter belongs to; per-layer sources)."""
+    glob = _global_sources(config)
+    if path in glob:
+        return glob[path], None, {}
+    parts = path.split("/")
+    if parts[:2] != ["blocks", "layers"]:
+        raise UsageError(f"parameter {path} of the model has no Hugging Face tensor")
+    if parts[2].isdigit():  # a stack in a Python loop: one module per layer
+        return None, int(parts[2]), {"/".join(parts[3:]): None}
+    return None, None, {"/".join(parts[2:]): None}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint in shards: its config, its layout and its state (``state.params`` filled)."""
+
+    config: TransformerConfig
+    parallel: ParallelModel
+    state: TrainState
+    bytes_read: int
+
+    def model(self) -> TransformerLM:
+        """The model as a module (its parameters stay where they are)."""
+        return nnx.merge(self.parallel.graphdef, self.state.params, self.state.rest)
+
+
+def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
+         tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
+         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True) -> Loaded:
+    """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
+    slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
+    ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
+    optimizer state for training on."""
+    path = Path(path)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
+    if mesh is None or isinstance(mesh, str):
+        mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
+    tensors = SafeTensors(path)
+    _check_names(tensors, config)
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
+    shardings = parallel.state_shardings
+    abstract = parallel.abstract_state
+
+    def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        name = path_to_str(keypath)
+        source, layer, _ = _parameter_source(name, config)
+        blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # devices that hold the same slice read it once
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            index = _normalize(index, leaf.shape)
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in blocks:
+                blocks[key] = read(index).astype(leaf.dtype)
+            return blocks[key]
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            if source is not None:
+                return source.read(tensors, index)
+            below = name.split("/", 3)[3] if layer is not None else name.split("/", 2)[2]
+            if layer is not None:
+                return _sources(config, layer)[below].read(tensors, index)
+            return np.stack([_sources(config, i)[below].read(tensors, index[1:])
+                             for i in range(config.n_layers)[index[0]]])
+
+        return jax.make_array_from_callback(leaf.shape, sharding, block)
+
+    params = jax.tree_util.tree_map_with_path(fill, abstract.params, shardings.params)
+    # the rest of the state in its shards: the step, the optimizer's state over the loaded
+    # weights and the model's other variables (the random weights init would make are never computed)
+    others = jax.jit(lambda params: dataclasses.replace(parallel.init(0), params=params,
+                                                        opt_state=parallel.tx.init(params)),
+                     out_shardings=shardings, donate_argnums=0)(params)
+    return Loaded(config, parallel, others, tensors.bytes_read)
+
+
+def hf_names(config: TransformerConfig) -> Sequence[str]:
+    """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests)."""
+    names = [n for s in _global_sources(config).values() for n in s.names]
+    return names + [n for layer in range(config.n_layers) for s in _sources(config, layer).values() for n in s.names]

@@ -1,0 +1,164 @@
+"""Hugging Face checkpoints of the Llama family: loaded into shards, checked against Hugging Face
+``transformers`` itself (PyTorch on CPU) on tiny random models the tests create."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from shardax import hf
+from shardax.errors import UsageError
+from shardax.models.transformer import next_token_loss
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.xdist_group("test_hf")
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+ARCHITECTURES = {
+    # Llama 3: grouped-query attention, RoPE base 500000 with Llama 3's scaling, an untied head
+    "llama3": lambda: transformers.LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE),
+    # Mistral: as Llama, no sliding window
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    # Qwen2: biases on q, k and v; tied embeddings; as many key/value heads as query heads (one fused weight)
+    "qwen2": lambda: transformers.Qwen2Config(**{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True),
+    # Qwen3: RMSNorm on each head's queries and keys; a head size of its own (32, not 64 / 4)
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
+}
+TOKENS = np.random.default_rng(0).integers(0, 96, (8, 17))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Each architecture as ``transformers`` saves it (random weights, norms and biases moved off
+    their initial values), with its logits on ``TOKENS[:, :-1]``."""
+    made = {}
+    torch.manual_seed(0)
+    for name, config in ARCHITECTURES.items():
+        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+            logits = model(torch.tensor(TOKENS[:, :-1])).logits.numpy()
+        folder = tmp_path_factory.mktemp(f"hf-{name}")
+        model.save_pretrained(folder)
+        made[name] = (folder, logits)
+    return made
+
+
+def hf_loss(logits):
+    """Hugging Face's logits' mean next-token cross-entropy on ``TOKENS``."""
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return -np.take_along_axis(log_probs, TOKENS[:, 1:, None], axis=-1).mean()
+
+
+def logits_of(loaded):
+    return np.asarray(jax.jit(lambda model, tokens: model(tokens))(loaded.model(), TOKENS[:, :-1]))
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_logits_match_transformers(architecture, checkpoints):
+    folder, expected = checkpoints[architecture]
+    loaded = hf.load(folder, "data=8", "fsdp")
+    got = logits_of(loaded)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"),
+                                            ("pp_tp", "stage=2,data=2,model=2"), ("dp", "data=2,context=4"),
+                                            ("fsdp_tp", "data=2,model=2,context=2")])
+def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
+    """The same checkpoint under each layout: the logits (outside a step) and the loss of the
+    compiled eval step (pipeline stages and split sequences included) are Hugging Face's."""
+    folder, expected = checkpoints["llama3"]
+    loaded = hf.load(folder, mesh, strategy)
+    if "stage" not in mesh and "context" not in mesh:
+        np.testing.assert_allclose(logits_of(loaded), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    parallel = loaded.parallel
+    evaluate = parallel.eval_step(next_token_loss)
+    loss = float(evaluate(loaded.state, parallel.place_batch({"tokens": TOKENS}))["loss"])
+    np.testing.assert_allclose(loss, hf_loss(expected), rtol=1e-5)
+    spec = {path: sharding.spec for path, sharding in
+            jax.tree_util.tree_leaves_with_path(parallel.state_shardings.params)}
+    placed = {path: leaf.sharding.spec for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.state.params)}
+    assert placed == spec  # every weight was put straight into its own layout
+
+
+def test_each_device_slice_is_read_once_and_replicas_share_it(checkpoints):
+    folder, _ = checkpoints["llama3"]
+    total = sum(np.prod(shape) * 4 for shape in (hf.SafeTensors(folder).shape(n) for n in hf.hf_names(
+        hf.read_config(folder))))
+    for strategy, mesh in [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]:
+        assert hf.load(folder, mesh, strategy).bytes_read == total  # float32 files: bytes read = bytes held
+
+
+def test_config_maps_each_family_feature(checkpoints):
+    llama = hf.read_config(checkpoints["llama3"][0])
+    assert (llama.n_kv_heads, llama.rope_theta, llama.rope_scaling, llama.tie_embeddings) == (
+        2, 500000.0, (8.0, 1.0, 4.0, 16), False)
+    qwen2, qwen3 = hf.read_config(checkpoints["qwen2"][0]), hf.read_config(checkpoints["qwen3"][0])
+    assert (qwen2.qkv_bias, qwen2.tie_embeddings, qwen2.qk_norm) == (True, True, False)
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.qkv_bias) == (True, 32, False)
+    assert hf.read_config(checkpoints["mistral"][0], seq_len=32).seq_len == 32
+
+
+def _copy(folder, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(folder, target)
+    return target
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "model.safetensors").unlink(),
+     "holds neither model.safetensors nor model.safetensors.index.json"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"\x08" + bytes(40)), "is not a readable safetensors file"),
+    (lambda f: (f / "config.json").unlink(), "has no config.json"),
+    (lambda f: _edit_config(f, hidden_size=48),
+     "model.embed_tokens.weight has shape [96, 64] but config.json implies [96, 48]"),
+    (lambda f: _edit_config(f, num_hidden_layers=1), "tensor model.layers.1."),
+    (lambda f: _edit_config(f, num_hidden_layers=3), "lacks the tensor model.layers.2."),
+    (lambda f: _edit_config(f, model_type="gemma"), 'model_type="gemma" is not supported (another architecture)'),
+    (lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling="),
+    (lambda f: _edit_config(f, hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
+    (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),
+    (lambda f: _edit_config(f, num_local_experts=8), "num_local_experts=8 is not supported (mixtures of experts)"),
+], ids=["no-weights", "corrupt", "no-config", "shape", "unknown-tensor", "missing-tensor", "model-type",
+        "rope-scaling", "activation", "output-bias", "experts"])
+def test_bad_checkpoints_are_one_line(damage, message, checkpoints, tmp_path):
+    folder = _copy(checkpoints["llama3"][0], tmp_path)
+    damage(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(UsageError) as error:
+        hf.load(folder, "data=8", "dp")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+
+
+def test_a_sharded_checkpoint_and_its_index(checkpoints, tmp_path):
+    """A checkpoint saved in several files, as large models are: the index says where each tensor is."""
+    folder, expected = checkpoints["qwen3"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    got = logits_of(hf.load(tmp_path / "sharded", "data=4,model=2", "fsdp_tp"))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    moved = next(name for name in index["weight_map"] if name.startswith("model.layers.1."))
+    index["weight_map"][moved] = sorted(set(index["weight_map"].values()))[0] if index["weight_map"][moved] != sorted(
+        set(index["weight_map"].values()))[0] else sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UsageError, match=f"lacks {moved}, which the index places there"):
+        hf.load(tmp_path / "sharded", "data=8", "dp")
