@@ -162,3 +162,39 @@ def test_a_sharded_checkpoint_and_its_index(checkpoints, tmp_path):
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(UsageError, match=f"lacks {moved}, which the index places there"):
         hf.load(tmp_path / "sharded", "data=8", "dp")
+
+
+def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_path):
+    """Saved from a sharded state (fsdp_tp, in several files): loads back bit for bit, and
+    ``transformers`` reads it with the logits it had."""
+    for architecture in ("llama3", "qwen2"):  # untied head, and a tied one with biases
+        folder, expected = checkpoints[architecture]
+        loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", scan_layers=architecture == "qwen2")
+        out = loaded.save(tmp_path / architecture, max_shard_bytes=100_000)
+        assert len(list(out.glob("*.safetensors"))) > 1 and not (tmp_path / f"{architecture}.partial").exists()
+        again = hf.load(out, "data=8", "dp", scan_layers=architecture == "qwen2")
+        for ours, theirs in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(again.state.params)):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+        reread = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            logits = reread(torch.tensor(TOKENS[:, :-1])).logits.numpy()
+        np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    half = loaded.save(tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    rounded = hf.load(half, "data=8", "dp")
+    for ours, theirs in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(rounded.state.params)):
+        np.testing.assert_array_equal(np.asarray(ours).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(theirs))
+
+
+def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
+    loaded = hf.load(checkpoints["qwen3"][0], "data=8", "dp")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="taken already exists and is not an empty directory"):
+        loaded.save(tmp_path / "taken")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+    from shardax.models.presets import get_preset
+
+    with pytest.raises(UsageError, match="only the Llama family .* has a Hugging Face layout"):
+        hf.save(tmp_path / "preset", loaded.state.params, get_preset("tiny").config())
+    assert not (tmp_path / "preset").exists()

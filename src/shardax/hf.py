@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -141,6 +143,9 @@ class SafeTensors:
                 raise UsageError(f"{path / weight_map[absent[0]]} lacks {absent[0]}, which the index places there; "
                                  "download the checkpoint again")
         self.bytes_read = 0
+
+    def close(self) -> None:
+        self.files = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.files[self.where[name]].get_slice(name).get_shape())
@@ -273,17 +278,18 @@ def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice,
     return tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
 
 
-def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, dict[str, Source]]:
-    """(the global source, or None; the layer a looped stack's parameter belongs to; per-layer sources)."""
+def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, str]:
+    """Where a parameter of ``TransformerLM`` comes from: (its source when it is not a layer's;
+    the layer of a looped stack's parameter, None for a scanned stack's; its path below the layer)."""
     glob = _global_sources(config)
     if path in glob:
-        return glob[path], None, {}
+        return glob[path], None, path
     parts = path.split("/")
     if parts[:2] != ["blocks", "layers"]:
         raise UsageError(f"parameter {path} of the model has no Hugging Face tensor")
     if parts[2].isdigit():  # a stack in a Python loop: one module per layer
-        return None, int(parts[2]), {"/".join(parts[3:]): None}
-    return None, None, {"/".join(parts[2:]): None}
+        return None, int(parts[2]), "/".join(parts[3:])
+    return None, None, "/".join(parts[2:])
 
 
 @dataclasses.dataclass
@@ -294,6 +300,11 @@ class Loaded:
     parallel: ParallelModel
     state: TrainState
     bytes_read: int
+    hf_config: dict[str, Any] | None = None  # config.json as it was read
+
+    def save(self, out: str | Path, **options: Any) -> Path:
+        """``save(out, self.state.params, self.config)`` keeping ``config.json``'s other fields."""
+        return save(out, self.state.params, self.config, hf_config=self.hf_config, **options)
 
     def model(self) -> TransformerLM:
         """The model as a module (its parameters stay where they are)."""
@@ -319,7 +330,7 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
 
     def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         name = path_to_str(keypath)
-        source, layer, _ = _parameter_source(name, config)
+        source, layer, below = _parameter_source(name, config)
         blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # devices that hold the same slice read it once
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
@@ -332,7 +343,6 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
         def read(index: tuple[slice, ...]) -> np.ndarray:
             if source is not None:
                 return source.read(tensors, index)
-            below = name.split("/", 3)[3] if layer is not None else name.split("/", 2)[2]
             if layer is not None:
                 return _sources(config, layer)[below].read(tensors, index)
             return np.stack([_sources(config, i)[below].read(tensors, index[1:])
@@ -341,15 +351,165 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
         return jax.make_array_from_callback(leaf.shape, sharding, block)
 
     params = jax.tree_util.tree_map_with_path(fill, abstract.params, shardings.params)
+    tensors.close()
     # the rest of the state in its shards: the step, the optimizer's state over the loaded
     # weights and the model's other variables (the random weights init would make are never computed)
     others = jax.jit(lambda params: dataclasses.replace(parallel.init(0), params=params,
                                                         opt_state=parallel.tx.init(params)),
                      out_shardings=shardings, donate_argnums=0)(params)
-    return Loaded(config, parallel, others, tensors.bytes_read)
+    return Loaded(config, parallel, others, tensors.bytes_read, json.loads((path / "config.json").read_text()))
 
 
 def hf_names(config: TransformerConfig) -> Sequence[str]:
     """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests)."""
     names = [n for s in _global_sources(config).values() for n in s.names]
     return names + [n for layer in range(config.n_layers) for s in _sources(config, layer).values() for n in s.names]
+
+
+# -- writing Hugging Face checkpoints ------------------------------------------------------------------------
+
+DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", jnp.bfloat16), "float16": ("F16", np.float16)}
+
+
+def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config.json`` for ``config`` (``base``: the one it was loaded with, whose other fields stay)."""
+    if config.norm != "rms" or config.mlp != "swiglu" or config.positions != "rotary":
+        raise UsageError(f"this model has {config.norm} norms, a {config.mlp} MLP and {config.positions} positions; "
+                         "only the Llama family (rms, swiglu, rotary) has a Hugging Face layout to save in")
+    kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
+    if kind not in FAMILY:
+        kind = "llama"
+    architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}[kind]
+    raw = dict(base or {})
+    raw.update(model_type=kind, architectures=[architecture], vocab_size=config.vocab_size,
+               hidden_size=config.d_model, intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
+               num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+               rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, hidden_act="silu",
+               tie_word_embeddings=config.tie_embeddings,
+               max_position_embeddings=max(config.seq_len, int(raw.get("max_position_embeddings", 0))))
+    if config.rope_scaling is not None:
+        factor, low, high, context = config.rope_scaling
+        raw["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high, "original_max_position_embeddings": context}
+    else:
+        raw["rope_scaling"] = None
+    if kind == "qwen2":
+        raw.setdefault("use_sliding_window", False)
+    return raw
+
+
+def _gather(array: jax.Array, layer: int | None) -> np.ndarray:
+    """One layer of ``array`` (or all of it) whole on this host: every process takes part, and
+    holds one tensor at a time."""
+    replicated = jax.sharding.NamedSharding(array.sharding.mesh, jax.sharding.PartitionSpec())
+    whole = jax.jit(lambda a: a if layer is None else a[layer], out_shardings=replicated)(array)
+    return np.asarray(whole.addressable_data(0))
+
+
+def _hf_tensor(source: Source, component: int, ours: np.ndarray) -> np.ndarray:
+    """The Hugging Face tensor ``source.names[component]`` from shardax's array (one layer's)."""
+    one = ours if source.axis is None else np.take(ours, component, axis=source.axis)
+    if not source.transpose:
+        return one
+    if not source.inputs:
+        return one.reshape(-1)
+    return one.reshape(math.prod(source.inputs), math.prod(source.outputs)).T
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Any]], dtype: str) -> None:
+    """A safetensors file written a tensor at a time (the header first: every shape is known).
+    ``entries``: (name, shape, a function giving the tensor)."""
+    code, numpy_dtype = DTYPES[dtype]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _ in entries:
+        size = math.prod(shape) * np.dtype(numpy_dtype).itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with path.open("wb") as file:
+        file.write(len(text).to_bytes(8, "little"))
+        file.write(text)
+        for _, _, produce in entries:
+            file.write(np.ascontiguousarray(produce(), dtype=numpy_dtype).tobytes())
+
+
+def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: dict[str, Any] | None = None,
+         dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> Path:
+    """Write ``params`` (a ``TransformerLM``'s, in any layout) as a Hugging Face checkpoint in
+    ``out``: ``config.json``, ``model.safetensors`` or shards of at most ``max_shard_bytes`` with
+    their index. A tensor at a time is gathered (every process takes part; process 0 writes).
+    ``out`` must not hold files already; the checkpoint appears there whole or not at all."""
+    out = Path(out)
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype={dtype!r}; use one of {', '.join(DTYPES)}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"{out} already exists and is not an empty directory; choose a new directory to save in")
+    raw = config_json(config, hf_config)
+    arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    entries = []  # (name, shape, producer) in Hugging Face's order: embedding, layers, norm, head
+    for name, array in arrays.items():
+        source, layer, below = _parameter_source(name, config)
+        layers = [layer] if layer is not None else [None] if source is not None else range(config.n_layers)
+        for at in layers:
+            one = source or _sources(config, at)[below]
+            index = None if source is not None or layer is not None else at
+            for component, tensor in enumerate(one.names):
+                entries.append((tensor, one.hf_shape(), array, index, one, component))
+    order = {name: i for i, name in enumerate(hf_names(config))}
+    entries.sort(key=lambda entry: order[entry[0]])
+    itemsize = np.dtype(DTYPES[dtype][1]).itemsize
+    files: list[list[Any]] = [[]]
+    size = 0
+    for entry in entries:
+        bytes_ = math.prod(entry[1]) * itemsize
+        if files[-1] and size + bytes_ > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += bytes_
+    writing = jax.process_index() == 0
+    partial = out.with_name(out.name + ".partial")
+    if writing:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    cache: dict[tuple[int, int | None], np.ndarray] = {}
+
+    def produce(array: jax.Array, index: int | None, source: Source, component: int) -> Any:
+        def tensor() -> np.ndarray:
+            key = (id(array), index)
+            if key not in cache:  # the components of one fused weight share one gather
+                cache.clear()
+                cache[key] = _gather(array, index)
+            return _hf_tensor(source, component, cache[key])
+        return tensor
+
+    for file_name, group in zip(names, files):
+        producers = [(name, shape, produce(array, index, source, component))
+                     for name, shape, array, index, source, component in group]
+        if writing:
+            _write_safetensors(partial / file_name, producers, dtype)
+        else:
+            for _, _, tensor in producers:  # the gathers are collective: every process runs them
+                tensor()
+    if writing:
+        if len(files) > 1:
+            weight_map = {entry[0]: file_name for file_name, group in zip(names, files) for entry in group}
+            (partial / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": sum(math.prod(e[1]) * itemsize for e in entries)},
+                 "weight_map": weight_map}, indent=2))
+        raw["torch_dtype"] = dtype
+        (partial / "config.json").write_text(json.dumps(raw, indent=2))
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("shardax: Hugging Face checkpoint saved")
+    return out
