@@ -198,3 +198,33 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
     with pytest.raises(UsageError, match="only the Llama family .* has a Hugging Face layout"):
         hf.save(tmp_path / "preset", loaded.state.params, get_preset("tiny").config())
     assert not (tmp_path / "preset").exists()
+
+
+def test_the_trainer_fine_tunes_from_a_checkpoint(checkpoints, tmp_path):
+    """``Trainer(None, ..., init_from=dir)``: its first loss is Hugging Face's on the same batch,
+    training lowers it, and a checkpoint of the run resumes bit for bit."""
+    import optax
+
+    from shardax import Trainer
+    from shardax.models.transformer import TransformerConfig, TransformerLM
+
+    folder, expected = checkpoints["qwen3"]
+    batches = [{"tokens": TOKENS}] * 6
+
+    def trainer():
+        return Trainer(None, optax.adam(3e-3), next_token_loss, strategy="fsdp_tp", mesh="data=4,model=2",
+                       init_from=folder)
+
+    straight = trainer().fit(batches, steps=6, log_every=1)
+    losses = [record["loss"] for record in straight.history]
+    np.testing.assert_allclose(losses[0], hf_loss(expected), rtol=1e-5)
+    assert losses[-1] < losses[0] - 0.1
+    trainer().fit(batches, steps=3, log_every=1, checkpoint_dir=tmp_path / "ckpt")
+    resumed = trainer()
+    resumed.fit(batches, steps=6, log_every=1, checkpoint_dir=tmp_path / "ckpt", resume=True)
+    for ours, theirs in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    other = TransformerConfig(vocab_size=96, d_model=64, n_heads=4, n_layers=2, d_ff=96, positions="rotary")
+    with pytest.raises(UsageError, match="the model's .* but the checkpoint's config.json gives"):
+        Trainer(lambda rngs: TransformerLM(other, rngs=rngs), optax.adam(1e-3), next_token_loss,
+                init_from=folder).init()

@@ -7,6 +7,7 @@
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
     model_parallel, data_parallel parallelize(), reshard(); the seed contract
+    hf                            Hugging Face checkpoints in and out, into and from shards
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
     cli                           the command lines
@@ -24,6 +25,7 @@ LAYERS = [
     {"layers", "blocks", "models", "data"},
     {"step"},
     {"model_parallel", "data_parallel"},
+    {"hf"},
     {"trainer"},
     {"lm", "analysis"},
     {"cli"},

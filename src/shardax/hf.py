@@ -49,7 +49,7 @@ def _refuse(path: Path, field: str, value: Any, why: str) -> UsageError:
 
 
 def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
-                remat: str = "none", scan_layers: bool = True) -> TransformerConfig:
+                remat: str = "none", scan_layers: bool = True, attention: str = "auto") -> TransformerConfig:
     """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
 
     ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
@@ -93,7 +93,7 @@ def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: 
             n_heads=int(raw["num_attention_heads"]), n_layers=int(raw["num_hidden_layers"]),
             d_ff=int(raw["intermediate_size"]), positions="rotary",
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)), remat=remat, compute_dtype=compute_dtype,
-            scan_layers=scan_layers, n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            scan_layers=scan_layers, attention=attention, n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
             attention_head_dim=raw.get("head_dim"), norm="rms", norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             mlp="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope)
@@ -311,22 +311,33 @@ class Loaded:
         return nnx.merge(self.parallel.graphdef, self.state.params, self.state.rest)
 
 
-def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
-         tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
-         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True) -> Loaded:
-    """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
-    slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
-    ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
-    optimizer state for training on."""
+def factory(path: str | Path, **options: Any) -> Any:
+    """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s options)."""
+    config = read_config(path, **options)
+    return lambda rngs: TransformerLM(config, rngs=rngs)
+
+
+def initial_state(parallel: ParallelModel, path: str | Path) -> tuple[TrainState, int]:
+    """A ``TrainState`` for ``parallel`` whose parameters are the checkpoint's in ``path``, each
+    device's slice read straight from the files; the optimizer's state starts from them. Returns
+    it and the bytes this process read. ``parallel``'s model must be the checkpoint's (a
+    ``TransformerLM`` of its config, scanned or looped, any remat or precision)."""
     path = Path(path)
-    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
-    if mesh is None or isinstance(mesh, str):
-        mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
+    abstract, shardings = parallel.abstract_state, parallel.state_shardings
+    model = nnx.merge(parallel.graphdef, abstract.params, abstract.rest)
+    config = getattr(model, "config", None)
+    if not isinstance(model, TransformerLM) or not isinstance(config, TransformerConfig):
+        raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM (shardax.hf.factory(path) "
+                         f"makes the checkpoint's); got {type(model).__name__}")
+    expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype, remat=config.remat,
+                           scan_layers=config.scan_layers, attention=config.attention)
+    if expected != config:
+        differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
+        raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
+                         f"checkpoint's config.json gives {getattr(expected, differ[0])!r}; build the model with "
+                         "shardax.hf.factory(path)")
     tensors = SafeTensors(path)
     _check_names(tensors, config)
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
-    shardings = parallel.state_shardings
-    abstract = parallel.abstract_state
 
     def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         name = path_to_str(keypath)
@@ -354,10 +365,27 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
     tensors.close()
     # the rest of the state in its shards: the step, the optimizer's state over the loaded
     # weights and the model's other variables (the random weights init would make are never computed)
-    others = jax.jit(lambda params: dataclasses.replace(parallel.init(0), params=params,
-                                                        opt_state=parallel.tx.init(params)),
-                     out_shardings=shardings, donate_argnums=0)(params)
-    return Loaded(config, parallel, others, tensors.bytes_read, json.loads((path / "config.json").read_text()))
+    state = jax.jit(lambda params: dataclasses.replace(parallel.init(0), params=params,
+                                                       opt_state=parallel.tx.init(params)),
+                    out_shardings=shardings, donate_argnums=0)(params)
+    return state, tensors.bytes_read
+
+
+def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
+         tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
+         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True) -> Loaded:
+    """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
+    slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
+    ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
+    optimizer state for training on."""
+    path = Path(path)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
+    if mesh is None or isinstance(mesh, str):
+        mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
+    SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
+    state, read = initial_state(parallel, path)
+    return Loaded(config, parallel, state, read, json.loads((path / "config.json").read_text()))
 
 
 def hf_names(config: TransformerConfig) -> Sequence[str]:

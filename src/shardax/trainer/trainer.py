@@ -14,6 +14,7 @@ position) and a summary. ``shardax train`` is one client of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from shardax import hf
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
@@ -70,15 +72,26 @@ class Trainer:
         anything runs or is written (``check_step``); and under ``tp``, ``fsdp_tp`` and ``pp_tp``
         the weights without logical names are split as Megatron would, read off what ``loss_fn``
         computes on it (see ``parallelize``).
+      init_from: a Hugging Face checkpoint directory of the Llama family (``shardax.hf``): the
+        model starts from its weights, each device's slice read straight from the files,
+        instead of from ``seed``. ``model`` may then be ``None`` (the checkpoint's own model,
+        ``shardax.hf.factory(init_from)``); a model of another config is refused in one line.
     """
 
-    def __init__(self, model: ModelFactory, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
+    def __init__(self, model: ModelFactory | None, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
                  mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
                  microbatches: int | None = None, pipeline_repeats: int = 1, context_attention: str = "all-gather",
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
-                 axis_names: AxisNames = None, example_batch: Any = None) -> None:
+                 axis_names: AxisNames = None, example_batch: Any = None,
+                 init_from: str | Path | None = None) -> None:
         strategy = get_strategy(strategy)
+        if model is None:
+            if init_from is None:
+                raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
+                                 "otherwise give the model: lambda rngs: MyModel(..., rngs=rngs)")
+            model = hf.factory(init_from)
+        self.init_from = init_from
         if not isinstance(mesh, Mesh):
             mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
         if grad_accum < 1:
@@ -116,8 +129,12 @@ class Trainer:
         return self.parallel.strategy
 
     def init(self) -> TrainState:
-        """A fresh state from ``seed``, initialised straight into shards (also ``self.state``)."""
-        self.state = self.parallel.init(seed=self.seed)
+        """A fresh state from ``seed`` (or the weights of ``init_from``), initialised straight
+        into shards (also ``self.state``)."""
+        if self.init_from is not None:
+            self.state = hf.initial_state(self.parallel, self.init_from)[0]
+        else:
+            self.state = self.parallel.init(seed=self.seed)
         return self.state
 
     def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
