@@ -228,3 +228,22 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(checkpoints, tmp_path):
     with pytest.raises(UsageError, match="the model's .* but the checkpoint's config.json gives"):
         Trainer(lambda rngs: TransformerLM(other, rngs=rngs), optax.adam(1e-3), next_token_loss,
                 init_from=folder).init()
+
+
+def test_two_processes_each_read_only_their_own_slices(checkpoints, tmp_path):
+    """2 processes x 4 devices load under fsdp: each reads the slices its devices hold (about
+    half the model), the logits are transformers', and the checkpoint they save is the same."""
+    from multiprocess import run_workers
+
+    folder, expected = checkpoints["llama3"]
+    np.save(tmp_path / "expected.npy", expected)
+    outputs = run_workers("hf_load.py", args=(str(folder), str(tmp_path / "expected.npy"), str(tmp_path / "out")))
+    figures = [dict(zip(line.split()[2::2], map(int, line.split()[3::2])))
+               for out in outputs for line in out.splitlines() if line.startswith("process ")]
+    assert len(figures) == 2, outputs
+    for figure in figures:
+        assert figure["read"] == figure["own"] < 0.6 * figure["total"], figures
+    single = hf.load(tmp_path / "out", "data=8", "dp")
+    original = hf.load(folder, "data=8", "dp")
+    for ours, theirs in zip(jax.tree.leaves(single.state.params), jax.tree.leaves(original.state.params)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
