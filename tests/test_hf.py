@@ -247,3 +247,53 @@ def test_two_processes_each_read_only_their_own_slices(checkpoints, tmp_path):
     original = hf.load(folder, "data=8", "dp")
     for ours, theirs in zip(jax.tree.leaves(single.state.params), jax.tree.leaves(original.state.params)):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.fixture(scope="session")
+def with_tokenizer(tmp_path_factory, small_corpus):
+    """A tiny Llama 3 with its own byte-level BPE tokenizer (300 tokens, documents end with
+    ``</s>``, as its tokenizer_config.json says), as a Hugging Face directory holds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("hf-with-tokenizer")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([p.read_text() for p in sorted(small_corpus.glob("*.py"))], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 320}, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, small_corpus, tmp_path):
+    from cli_helpers import read_metrics, shardax
+
+    run = ("train", "--init-from", with_tokenizer, "--data", small_corpus, "--strategy", "fsdp_tp", "--mesh",
+           "data=4,model=2", "--seq-len", 32, "--batch-size", 8, "--eval-every", 0, "--log-every", 1,
+           "--sample-bytes", 8, "--checkpoint-dir", tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl")
+    first = shardax(*run, "--steps", 4, "--checkpoint-every", 1, "--keep-checkpoints", 5)
+    from safetensors.numpy import load_file
+
+    from shardax.trainer.checkpoint import saved_arrays
+
+    at_step_1 = saved_arrays(tmp_path / "ckpt", 1)  # the warmup's first learning rate is 0: the weights as loaded
+    np.testing.assert_array_equal(at_step_1["params.embedding"],
+                                  load_file(with_tokenizer / "model.safetensors")["model.embed_tokens.weight"])
+    assert f"model: fine-tuning the Hugging Face checkpoint {with_tokenizer} (2 layers" in first.stdout
+    assert "bpe (vocabulary 300, tokenizer.json)" in first.stdout and "sample" in first.stdout
+    losses = [record["loss"] for record in read_metrics(tmp_path / "m.jsonl")]
+    assert len(losses) == 4 and losses[0] < np.log(320) + 1.0  # a trained-from-random model starts near log(V)
+    resumed = shardax(*run, "--resume", "--extend-to", 5)
+    assert "resumed from step 4" in resumed.stdout
+    refused = shardax("train", "--init-from", with_tokenizer, "--preset", "tiny", check=False)
+    assert refused.returncode == 2 and "--preset tiny and --init-from" in refused.stderr
+    (tmp_path / "big").mkdir()
+    shutil.copy(with_tokenizer / "config.json", tmp_path / "big")
+    shutil.copy(with_tokenizer / "model.safetensors", tmp_path / "big")
+    big = shardax("train", "--init-from", tmp_path / "big", "--data", small_corpus, check=False)
+    assert big.returncode == 2 and "has no tokenizer.json; give the one the model was trained with" in big.stderr

@@ -27,6 +27,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
     add("--mesh", help="device mesh, e.g. data=4,model=2 (default: all devices on data)")
     add("--preset", help="model size: tiny, notebook, small, medium, large, 1b (default tiny)")
+    add("--init-from", metavar="DIR",
+        help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3): its model, "
+             "weights (read straight into shards) and tokenizer.json")
     add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from shardax.data.documents import Piece, input_files, plan_units, read_piece
-from shardax.data.tokenizer import ByteTokenizer, Tokenizer, check_bpe_vocab, from_json, load_tokenizer, train_bpe
+from shardax.data.tokenizer import (END_OF_DOCUMENT, ByteTokenizer, Tokenizer, check_bpe_vocab, from_json,
+                                    load_tokenizer, train_bpe)
 from shardax.errors import UsageError
 
 FORMAT = 1
@@ -116,11 +117,11 @@ def _bpe_sample(units: Sequence[Sequence[Piece]], field: str, fraction: float) -
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, field: str, fraction: float,
-                   folder: str, dtype: str) -> dict[str, dict[str, int]]:
+def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_of_document: str, field: str,
+                   fraction: float, folder: str, dtype: str) -> dict[str, dict[str, int]]:
     """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit; their counts."""
     if tokenizer_json not in _WORKER_TOKENIZERS:
-        _WORKER_TOKENIZERS[tokenizer_json] = from_json(tokenizer_json, "tokenizer.json")
+        _WORKER_TOKENIZERS[tokenizer_json] = from_json(tokenizer_json, "tokenizer.json", end_of_document)
     tokenizer = _WORKER_TOKENIZERS[tokenizer_json]
     eod = np.asarray([tokenizer.eod_id], dtype)
     counts = {split: {"tokens": 0, "documents": 0, "bytes": 0} for split in SPLITS}
@@ -200,7 +201,8 @@ def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fract
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     sizes = [sum(piece.size for piece in unit) for unit in units]
-    args = [(n, unit, tokenizer.to_json(), field, fraction, str(folder), dtype) for n, unit in enumerate(units)]
+    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype)
+            for n, unit in enumerate(units)]
     results: list[Any] = [None] * len(units)
     with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), disable=not show_progress) as progress:
@@ -277,6 +279,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
         for shard in (shard for shards in splits.values() for shard in shards):
             shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
         (folder / TOKENIZER).write_text(chosen.to_json())
+        if chosen.end_of_document != END_OF_DOCUMENT:  # a model's own end-of-text token, read back from here
+            (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": chosen.end_of_document}))
         index = {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
                  "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
                  "eod_id": chosen.eod_id, "dtype": dtype,

@@ -31,6 +31,7 @@ class ByteTokenizer:
     """Every UTF-8 byte is a token (0-255); 256 ends a document."""
 
     name = "bytes"
+    end_of_document = END_OF_DOCUMENT
     vocab_size = 257
     eod_id = 256
 
@@ -55,13 +56,14 @@ class ByteTokenizer:
 class BPETokenizer:
     """A Hugging Face ``tokenizers.Tokenizer`` with an end-of-document token."""
 
-    def __init__(self, tokenizer, source: str) -> None:
+    def __init__(self, tokenizer, source: str, end_of_document: str = END_OF_DOCUMENT) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.name = f"bpe ({source})" if "vocabulary" in source else f"bpe (vocabulary {self.vocab_size}, {source})"
-        eod = tokenizer.token_to_id(END_OF_DOCUMENT)
+        self.end_of_document = end_of_document
+        eod = tokenizer.token_to_id(end_of_document)
         if eod is None:
-            raise UsageError(f"tokenizer {source} has no {END_OF_DOCUMENT!r} token to end documents; add it as a "
+            raise UsageError(f"tokenizer {source} has no {end_of_document!r} token to end documents; add it as a "
                              "special token, or let shardax train one (--tokenizer bpe --vocab-size N)")
         self.eod_id = eod
 
@@ -126,8 +128,21 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tokenizer, f"trained, vocabulary {tokenizer.get_vocab_size()}")
 
 
-def from_json(text: str, source: str) -> Tokenizer:
-    """A tokenizer saved by ``to_json`` (or any Hugging Face ``tokenizer.json``)."""
+def _end_of_document(source: str) -> str:
+    """The token that ends a document: a Hugging Face model's ``eos_token`` (its
+    ``tokenizer_config.json`` beside the ``tokenizer.json``), else ``<|endoftext|>``."""
+    beside = Path(source).parent / "tokenizer_config.json"
+    try:
+        eos = json.loads(beside.read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return END_OF_DOCUMENT
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return eos if isinstance(eos, str) and eos else END_OF_DOCUMENT
+
+
+def from_json(text: str, source: str, end_of_document: str | None = None) -> Tokenizer:
+    """A tokenizer saved by ``to_json`` (or any Hugging Face ``tokenizer.json``, whose documents
+    end with its model's ``eos_token`` when a ``tokenizer_config.json`` is beside it)."""
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as error:
@@ -139,7 +154,7 @@ def from_json(text: str, source: str) -> Tokenizer:
         tokenizer = _hf().Tokenizer.from_str(text)
     except Exception as error:  # the Rust side raises plain Exceptions with its own message
         raise UsageError(f"tokenizer {source} is not a Hugging Face tokenizer.json ({str(error)[:120]})") from None
-    return BPETokenizer(tokenizer, Path(source).name)
+    return BPETokenizer(tokenizer, Path(source).name, end_of_document or _end_of_document(source))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

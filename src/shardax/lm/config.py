@@ -30,6 +30,7 @@ class TrainConfig:
     strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp, pp, pp_fsdp, pp_tp
     mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
     preset: str | None = None  # model size, see shardax.models.presets (default tiny)
+    init_from: str | None = None  # a Hugging Face checkpoint (Llama family) to fine-tune: its model and tokenizer
     steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
     batch_size: int | None = None  # global batch, in sequences
     grad_accum: int = 1  # microbatches per step (same update, less activation memory)
@@ -64,7 +65,7 @@ class TrainConfig:
 
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-RUN_SETTINGS = ("preset", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data", "tokenizer",
+RUN_SETTINGS = ("preset", "init_from", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data", "tokenizer",
                 "vocab_size", "field")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
@@ -138,13 +139,16 @@ def check_values(config: TrainConfig) -> None:
         raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
     if config.resume and not config.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
+    if config.init_from is not None and config.preset is not None:
+        raise UsageError(f"--preset {config.preset} and --init-from {config.init_from} both say what the model is; "
+                         "drop --preset to fine-tune the checkpoint, or --init-from to train a preset from scratch")
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     """The settings that define a run, resolved (preset defaults filled in)."""
 
-    preset: str
+    preset: str | None  # None: the model of init_from
     model: TransformerConfig
     seed: int
     batch_size: int
@@ -155,10 +159,12 @@ class Run:
     tokenizer: str | None = None
     vocab_size: int | None = None
     field: str | None = None
+    init_from: str | None = None
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
-        return {"preset": self.preset, "seq_len": self.model.seq_len, "scan_layers": self.model.scan_layers,
+        return {"preset": self.preset, "init_from": self.init_from, "seq_len": self.model.seq_len,
+                "scan_layers": self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "field": self.field}
@@ -167,8 +173,16 @@ class Run:
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     """The run ``config`` asks for; with ``saved`` (a checkpoint's run record), the saved run,
     refusing flags that contradict it."""
-    # --data is kept as absolute paths: a resume from another working directory reads the same data
-    config = dataclasses.replace(config, data=_absolute(config.data))
+    # --data and --init-from are kept as absolute paths: a resume from another working directory
+    # reads the same data and model
+    config = dataclasses.replace(config, data=_absolute(config.data),
+                                 init_from=None if config.init_from is None else str(Path(config.init_from).absolute()))
+    if config.init_from is not None and config.tokenizer is None:  # the checkpoint's own tokenizer
+        own = Path(config.init_from) / "tokenizer.json"
+        if not own.is_file():
+            raise UsageError(f"--init-from {config.init_from} has no tokenizer.json; give the one the model was trained "
+                             "with: --tokenizer path/to/tokenizer.json")
+        config = dataclasses.replace(config, tokenizer=str(own))
     if saved is not None:
         config = _from_record(config, saved)
     preset = get_preset(config.preset or "tiny")
@@ -176,14 +190,20 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     for name in ("seq_len", "remat", "scan_layers"):
         if getattr(config, name) is not None:
             overrides[name] = getattr(config, name)
-    model = preset.config(**overrides)
+    if config.init_from is not None:  # the checkpoint's model; sequences as long as the preset's unless --seq-len
+        from shardax.hf import read_config
+
+        overrides.setdefault("seq_len", preset.model["seq_len"])
+        model = read_config(config.init_from, **overrides)
+    else:
+        model = preset.config(**overrides)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps
-    return Run(preset=config.preset or "tiny", model=model, seed=config.seed or 0,
+    return Run(preset=None if config.init_from else config.preset or "tiny", model=model, seed=config.seed or 0,
                batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
                train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
-               vocab_size=config.vocab_size, field=config.field)
+               vocab_size=config.vocab_size, field=config.field, init_from=config.init_from)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:

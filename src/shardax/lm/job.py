@@ -118,10 +118,16 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
                          f"{data.model_vocab}); resume with the data and tokenizer it was trained on")
 
 
-def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int) -> list[str]:
+def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int,
+            init_from: str | None = None) -> list[str]:
     unit = "bytes" if isinstance(data, ByteText) else "tokens"
     kernel, why = attention_implementation(model)
-    return [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
+    lines = [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
+    if init_from is not None:
+        lines.insert(0, f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, d_model "
+                        f"{model.d_model}, {model.n_heads} heads / {model.kv_heads} key-value heads, vocabulary "
+                        f"{model.vocab_size})")
+    return lines
 
 
 def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, list[str]]:
@@ -141,13 +147,17 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
     _check_tokenizer(data, saved, step, config)
-    run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
+    if run.init_from is None:
+        run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
+    elif data.vocab > run.model.vocab_size:
+        raise UsageError(f"--tokenizer {run.tokenizer} has {data.vocab} tokens but the model of --init-from "
+                         f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was trained with")
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=mesh,
                       strategy=strategy, grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
-                      learning_rate=schedule, name="shardax train", example_batch=example)
+                      learning_rate=schedule, name="shardax train", example_batch=example, init_from=run.init_from)
     return trainer, data, run, _changes(record, config, mesh, model)
 
 
@@ -166,7 +176,7 @@ def run(config: TrainConfig) -> TrainResult:
                         "model_vocab": data.model_vocab},
                 "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
                 "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
-        header=_header(data, model, run.train_to, batch) + changes,
+        header=_header(data, model, run.train_to, batch, run.init_from) + changes,
     )
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = data.prompt(min(48, model.seq_len // 2))
