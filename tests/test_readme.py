@@ -46,3 +46,16 @@ def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_contex
     out = run(code)
     assert out.splitlines()[-1].startswith("ok ")
     assert "pipeline: 2 stages x 2 microbatches" in out and "context: each sequence split 4 ways over context" in out
+
+
+def test_fine_tuning_a_hugging_face_model(tmp_path):
+    out = run(snippet("Fine-tune a Hugging Face model"), cwd=tmp_path)
+    assert out.splitlines()[-1].startswith("loaded 2 layers, read ")
+    assert sorted(p.name for p in (tmp_path / "tiny-llama-again").iterdir()) == ["config.json", "model.safetensors"]
+    command = README.read_text().split("## Fine-tune a Hugging Face model", 1)[1].split("```bash\n", 1)[1].split("\n")[0]
+    assert command.startswith("shardax train --init-from tiny-llama")
+    trained = subprocess.run([sys.executable, "-m", "shardax.cli", *command.split()[1:], "--steps", "2",
+                              "--batch-size", "8", "--eval-every", "0", "--sample-bytes", "0"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "model: fine-tuning the Hugging Face checkpoint" in trained.stdout

@@ -430,6 +430,8 @@ def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -
 def _gather(array: jax.Array, layer: int | None) -> np.ndarray:
     """One layer of ``array`` (or all of it) whole on this host: every process takes part, and
     holds one tensor at a time."""
+    if array.is_fully_addressable:  # one process holds every piece
+        return np.asarray(array if layer is None else array[layer])
     replicated = jax.sharding.NamedSharding(array.sharding.mesh, jax.sharding.PartitionSpec())
     whole = jax.jit(lambda a: a if layer is None else a[layer], out_shardings=replicated)(array)
     return np.asarray(whole.addressable_data(0))
