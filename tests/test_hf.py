@@ -290,6 +290,17 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
     assert len(losses) == 4 and losses[0] < np.log(320) + 1.0  # a trained-from-random model starts near log(V)
     resumed = shardax(*run, "--resume", "--extend-to", 5)
     assert "resumed from step 4" in resumed.stdout
+    exported = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "export")
+    assert f"wrote step 5 of {tmp_path / 'ckpt'} to {tmp_path / 'export'}" in exported.stdout
+    assert "with tokenizer.json, tokenizer_config.json" in exported.stdout
+    trained = saved_arrays(tmp_path / "ckpt", 5)
+    written = load_file(tmp_path / "export" / "model.safetensors")
+    np.testing.assert_array_equal(written["model.embed_tokens.weight"], trained["params.embedding"])
+    np.testing.assert_array_equal(written["lm_head.weight"], trained["params.head"].T)
+    again = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "export", check=False)
+    assert again.returncode == 2 and "already exists and is not an empty directory" in again.stderr
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")  # transformers reads it
+    assert reread.config.rope_scaling["rope_type"] == "llama3"
     refused = shardax("train", "--init-from", with_tokenizer, "--preset", "tiny", check=False)
     assert refused.returncode == 2 and "--preset tiny and --init-from" in refused.stderr
     (tmp_path / "big").mkdir()

@@ -1,0 +1,85 @@
+"""``shardax export CHECKPOINT_DIR --hf OUT``: a ``shardax train`` checkpoint as a Hugging Face one.
+
+The run's model (a Llama-family config: one fine-tuned with ``--init-from``, or any model of
+that family) is laid out FSDP over the local devices, the checkpoint's step restored into it,
+and written by ``shardax.hf.save`` a tensor at a time. A run started from a Hugging Face
+checkpoint keeps its ``config.json``'s other fields, and its tokenizer files are copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+from shardax.cli.devices import configure_jax
+from shardax.cli.errors import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "export", help="write a shardax train checkpoint as a Hugging Face checkpoint",
+        description="Write a checkpoint of shardax train (a Llama-family model) as config.json and safetensors, "
+                    "as Hugging Face transformers reads them.")
+    add = parser.add_argument
+    add("checkpoint_dir", help="the run's --checkpoint-dir")
+    add("--hf", required=True, metavar="OUT", help="directory to write (new, or empty)")
+    add("--step", type=int, help="which checkpoint (default: the latest good one)")
+    add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the tensors' dtype")
+    add("--max-shard-size", type=int, default=2 << 30, metavar="BYTES", help="bytes per safetensors file")
+    add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
+    return parser
+
+
+def export_command(args: argparse.Namespace) -> int:
+    configure_jax(args.devices)
+    import json
+
+    from shardax import hf
+    from shardax.lm.job import optimizer
+    from shardax.mesh import DeviceMeshManager
+    from shardax.model_parallel import parallelize
+    from shardax.models.transformer import TransformerConfig, TransformerLM
+    from shardax.trainer.checkpoint import Checkpointer
+
+    out = Path(args.hf)
+    with Checkpointer(args.checkpoint_dir) as checkpointer:
+        checkpointer.lock.check_free()
+        step = args.step
+        if step is None:
+            step = checkpointer.latest_good_step()[0]
+        elif step not in checkpointer.all_steps():
+            raise UsageError(f"--step {step}: {args.checkpoint_dir} holds steps {checkpointer.all_steps()}; "
+                             "give one of them")
+        record = checkpointer.record(step)
+        run, model = record.get("run"), record.get("model")
+        if not isinstance(run, dict) or not isinstance(model, dict):
+            raise UsageError(f"{args.checkpoint_dir} step {step} was not written by shardax train (no run record); "
+                             "save a Trainer's model with shardax.hf.save")
+        fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+        model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}
+        config = TransformerConfig(**model)
+        hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
+        tx, _ = optimizer(run["lr"], run["steps"])
+        mesh = DeviceMeshManager().create_device_mesh("data=-1")
+        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, mesh, "fsdp")
+        state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
+    source = Path(run["init_from"]) if run.get("init_from") else None
+    base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
+    hf.save(out, state.params, config, hf_config=base, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+    copied = []
+    tokenizer = Path(run["tokenizer"]) if run.get("tokenizer") and Path(run["tokenizer"]).is_file() else None
+    for name in TOKENIZER_FILES:
+        found = (source / name) if source and (source / name).is_file() else None
+        if name == "tokenizer.json" and tokenizer is not None:
+            found = tokenizer
+        if found is not None:
+            shutil.copy(found, out / name)
+            copied.append(name)
+    print(f"wrote step {step} of {args.checkpoint_dir} to {out} as a Hugging Face checkpoint "
+          f"({config.n_layers} layers, {args.dtype})" + (f"; with {', '.join(copied)}" if copied else ""))
+    return 0
