@@ -212,6 +212,7 @@ def sealed_folder(folder, monkeypatch):
     (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp").mkdir()
     (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp" / "data").write_bytes(os.urandom(3000))
     (folder / "record").write_text("{}")
+    (folder / "_CHECKPOINT_METADATA").write_text("{}")  # orbax's own, written as the checkpoint is committed
     manifest.seal_part(folder, 1)
     manifest.seal_part(folder, 0)
     (folder / "state" / "ocdbt.process_0.orbax-checkpoint-tmp").rename(folder / "state" / "ocdbt.process_0")
@@ -249,6 +250,7 @@ def test_an_intact_checkpoint_is_hashed_once_until_its_files_change(tmp_path, mo
 
 
 def test_a_checkpoint_sealed_before_blocks_is_still_checked(tmp_path):
+    (tmp_path / "_CHECKPOINT_METADATA").write_text("{}")
     (tmp_path / "a").write_bytes(b"x" * 100)
     (tmp_path / manifest.MANIFEST).write_text(json.dumps(
         {"files": {"a": {"bytes": 100, "sha256": hashlib.sha256(b"x" * 100).hexdigest()}}}))

@@ -56,6 +56,12 @@ def quiet_failed_writers() -> None:
 
     threading.excepthook, sys.unraisablehook = hook, unraisable
 
+    def not_a_failed_write(record: logging.LogRecord) -> bool:  # the failure is said once, by the command
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return not ("never retrieved" in text and ("os_error_code" in text or "Failed to write" in text))
+
+    logging.getLogger("asyncio").addFilter(not_a_failed_write)
+
 
 def silence_abandoned_writers() -> None:
     """After the command line has said in one line that a write failed: orbax's abandoned writer

@@ -105,8 +105,14 @@ class _SealedPart:
         self.futures, self.checkpoint = futures, checkpoint
 
     def result(self, timeout: float | None = None) -> None:
-        for future in self.futures:
-            future.result(timeout=timeout)
+        failed = None
+        for future in self.futures:  # every one is waited for, so that no failure goes unretrieved
+            try:
+                future.result(timeout=timeout)
+            except Exception as error:  # noqa: PERF203
+                failed = failed or error
+        if failed is not None:
+            raise failed
         seal_part(self.checkpoint, jax.process_index())
 
     def cancel(self) -> None:

@@ -1,0 +1,101 @@
+"""Benchmark 17: loading a Hugging Face checkpoint of about 1B parameters into shards.
+
+    python benchmarks/hf_load.py
+
+Makes a Llama-style checkpoint locally (random weights, bfloat16 safetensors in 1 GB files, as
+the Hub ships them; nothing is downloaded), then, in a fresh process, loads it FSDP over 8
+simulated CPU devices with ``shardax.hf.load``. On CPU the devices' memory is the host's, so the
+loaded state itself is in the process's resident memory; what the loader adds on top is the
+peak resident memory minus the baseline (before loading) minus the state's bytes, reported
+against the largest tensor's size (goal: at most 2 tensors). Throughput: the checkpoint's bytes
+over the load's wall time, against reading the same files raw (page cache warm for both, read
+in this order: raw, then load). Writes ``benchmarks/results/hf_load.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=20, d_ff=5632, positions="rotary",
+             norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=2048)
+MEASURE = """
+import json, os, resource, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+from shardax import hf
+
+def rss():
+    return int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+folder = sys.argv[1]
+tensors = hf.SafeTensors(__import__("pathlib").Path(folder))
+largest = max(int(np.prod(tensors.shape(n))) for n in tensors.where) * 4  # held as float32
+tensors.close()
+baseline = rss()
+began = time.perf_counter()
+loaded = hf.load(folder, "data=8", "fsdp")
+jax.block_until_ready(loaded.state.params)
+seconds = time.perf_counter() - began
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+state = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state.params))
+print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state, "largest_tensor_bytes": largest,
+                  "load_s": seconds, "bytes_read": loaded.bytes_read}))
+"""
+
+
+def make(folder: Path) -> int:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from shardax import hf
+    from shardax.model_parallel import parallelize
+    from shardax.models.presets import parameter_count
+    from shardax.models.transformer import TransformerConfig, TransformerLM
+    import optax
+
+    config = TransformerConfig(**MODEL)
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(), jax.make_mesh((8,), ("data",)),
+                           "fsdp")
+    hf.save(folder, parallel.init(0).params, config, dtype="bfloat16", max_shard_bytes=1 << 30)
+    return parameter_count(config)
+
+
+def raw_read(folder: Path) -> tuple[float, int]:
+    began, total = time.perf_counter(), 0
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as file:
+            while chunk := file.read(64 << 20):
+                total += len(chunk)
+    return time.perf_counter() - began, total
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SHARDAX_BENCH_DIR")) as scratch:
+        folder = Path(scratch) / "llama-1b"
+        parameters = make(folder)
+        files = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        raw_read(folder)  # warm the page cache
+        raw_s, _ = raw_read(folder)
+        out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True, check=True)
+        measured = json.loads(out.stdout.strip().splitlines()[-1])
+    added = measured["peak_rss"] - measured["baseline_rss"] - measured["state_bytes"]
+    result = {"parameters": parameters, "model": MODEL, "files_bytes": files, "raw_read_s": raw_s,
+              "raw_gb_per_s": files / raw_s / 1e9, "load_gb_per_s": files / measured["load_s"] / 1e9,
+              "added_rss_bytes": added, "added_over_largest_tensor": added / measured["largest_tensor_bytes"],
+              **measured}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "hf_load.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
