@@ -120,15 +120,16 @@ def test_sharded_linear_seed_example_done_right():
         ShardedLinear(16, 6, rngs=nnx.Rngs(0), mesh=mesh)
 
 
-def test_init_goes_straight_into_shards():
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+def test_init_goes_straight_into_shards(axis_types):
     """The compiled initialiser never holds the whole model on a device: output and scratch per
-    device stay near one eighth of the full state."""
+    device stay near one eighth of the full state, on a mesh of Auto or Explicit axes alike."""
     from shardax.models.transformer import TransformerLM
     from small_models import tiny_transformer_config
 
     config = tiny_transformer_config(d_model=64, d_ff=256, vocab_size=256)
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3),
-                           DeviceMeshManager().create_device_mesh("data=8"), "fsdp")
+                           DeviceMeshManager(axis_types=axis_types).create_device_mesh("data=8"), "fsdp")
     full = report(parallel).replicated_bytes
     import functools
 

@@ -44,8 +44,11 @@ ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
     # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
-    # the mesh, so that a model's own sharding constraints resolve while it is built.
-    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    # the mesh, so that a model's own sharding constraints resolve while it is built; with every
+    # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
+    # and every device would draw the whole model (jax.make_mesh's default is Explicit).
+    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto for name in mesh.axis_names})
+    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     zero = jax.numpy.zeros((), jax.numpy.int32)
