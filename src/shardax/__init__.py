@@ -25,6 +25,7 @@ from shardax.mesh import parse_mesh_shape as parse_mesh_shape
 from shardax.model_parallel import ParallelModel as ParallelModel
 from shardax.model_parallel import parallelize as parallelize
 from shardax.model_parallel import reshard as reshard
+from shardax.models.transformer import LoRA as LoRA
 from shardax.sharding.compute import for_compute as for_compute
 from shardax.sharding.report import ShardingReport as ShardingReport
 from shardax.sharding.report import report as report

@@ -17,6 +17,7 @@ the field of ``config.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -33,8 +34,8 @@ from jax.sharding import Mesh
 
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager
-from shardax.model_parallel import ParallelModel, parallelize
-from shardax.models.transformer import TransformerConfig, TransformerLM
+from shardax.model_parallel import ParallelModel, parallelize, trained_part
+from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
 from shardax.step.state import TrainState
 
@@ -49,11 +50,13 @@ def _refuse(path: Path, field: str, value: Any, why: str) -> UsageError:
 
 
 def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
-                remat: str = "none", scan_layers: bool = True, attention: str = "auto") -> TransformerConfig:
+                remat: str = "none", scan_layers: bool = True, attention: str = "auto", lora_rank: int = 0,
+                lora_alpha: float | None = None, lora_targets: tuple[str, ...] = LORA_TARGETS) -> TransformerConfig:
     """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
 
     ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
-    sliding window where one applies, within which attention is exact)."""
+    sliding window where one applies, within which attention is exact). ``lora_*``: LoRA
+    adapters to fine-tune it with (see ``TransformerConfig``)."""
     path = Path(path)
     try:
         raw = json.loads((path / "config.json").read_text())
@@ -96,7 +99,8 @@ def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: 
             scan_layers=scan_layers, attention=attention, n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
             attention_head_dim=raw.get("head_dim"), norm="rms", norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             mlp="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-            rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope)
+            rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope, lora_rank=lora_rank,
+            lora_alpha=lora_alpha, lora_targets=tuple(lora_targets))
     except KeyError as error:
         raise UsageError(f"{path / 'config.json'} lacks {error.args[0]}; give a Hugging Face model directory") from None
 
@@ -278,6 +282,16 @@ def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice,
     return tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
 
 
+def is_adapter(path: str) -> bool:
+    """Whether a parameter path is a LoRA adapter's (``.../lora_q_a``), which no base checkpoint holds."""
+    return path.rsplit("/", 1)[-1].startswith("lora_")
+
+
+# the LoRA target each (parameter below the layer, component) of a projection computes
+TARGETS = {("qkv", 0): "q", ("qkv", 1): "k", ("qkv", 2): "v", ("q", 0): "q", ("kv", 0): "k", ("kv", 1): "v",
+           ("attn_out", 0): "o", ("mlp_gate_up", 0): "gate", ("mlp_gate_up", 1): "up", ("mlp_out", 0): "down"}
+
+
 def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, str]:
     """Where a parameter of ``TransformerLM`` comes from: (its source when it is not a layer's;
     the layer of a looped stack's parameter, None for a scanned stack's; its path below the layer)."""
@@ -311,17 +325,20 @@ class Loaded:
         return nnx.merge(self.parallel.graphdef, self.state.params, self.state.rest)
 
 
-def factory(path: str | Path, **options: Any) -> Any:
-    """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s options)."""
+def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Any:
+    """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s
+    options), with ``lora``'s adapters if given."""
     config = read_config(path, **options)
+    config = config if lora is None else lora.applied(config)
     return lambda rngs: TransformerLM(config, rngs=rngs)
 
 
-def initial_state(parallel: ParallelModel, path: str | Path) -> tuple[TrainState, int]:
+def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> tuple[TrainState, int]:
     """A ``TrainState`` for ``parallel`` whose parameters are the checkpoint's in ``path``, each
     device's slice read straight from the files; the optimizer's state starts from them. Returns
     it and the bytes this process read. ``parallel``'s model must be the checkpoint's (a
-    ``TransformerLM`` of its config, scanned or looped, any remat or precision)."""
+    ``TransformerLM`` of its config, scanned or looped, any remat or precision, with or
+    without LoRA adapters, which start from ``seed`` as ``parallel.init`` makes them)."""
     path = Path(path)
     abstract, shardings = parallel.abstract_state, parallel.state_shardings
     model = nnx.merge(parallel.graphdef, abstract.params, abstract.rest)
@@ -330,7 +347,8 @@ def initial_state(parallel: ParallelModel, path: str | Path) -> tuple[TrainState
         raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM (shardax.hf.factory(path) "
                          f"makes the checkpoint's); got {type(model).__name__}")
     expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype, remat=config.remat,
-                           scan_layers=config.scan_layers, attention=config.attention)
+                           scan_layers=config.scan_layers, attention=config.attention, lora_rank=config.lora_rank,
+                           lora_alpha=config.lora_alpha, lora_targets=config.lora_targets)
     if expected != config:
         differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
         raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
@@ -361,30 +379,41 @@ def initial_state(parallel: ParallelModel, path: str | Path) -> tuple[TrainState
 
         return jax.make_array_from_callback(leaf.shape, sharding, block)
 
-    params = jax.tree_util.tree_map_with_path(fill, abstract.params, shardings.params)
+    loaded = {path_to_str(keypath): fill(keypath, leaf, sharding) for (keypath, leaf), sharding in zip(
+        jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params))
+        if not is_adapter(path_to_str(keypath))}
     tensors.close()
-    # the rest of the state in its shards: the step, the optimizer's state over the loaded
-    # weights and the model's other variables (the random weights init would make are never computed)
-    state = jax.jit(lambda params: dataclasses.replace(parallel.init(0), params=params,
-                                                       opt_state=parallel.tx.init(params)),
-                    out_shardings=shardings, donate_argnums=0)(params)
+
+    # the rest of the state in its shards: the step, the adapters, the optimizer's state over the
+    # trained weights and the model's other variables (the random weights init would make for
+    # the loaded ones are never computed)
+    def start(loaded: dict[str, jax.Array]) -> TrainState:
+        fresh = parallel.init(seed)
+        params = jax.tree_util.tree_map_with_path(lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf),
+                                                  fresh.params)
+        return dataclasses.replace(fresh, params=params, opt_state=parallel.tx.init(
+            trained_part(params, parallel.trainable)))
+
+    state = jax.jit(start, out_shardings=shardings, donate_argnums=0)(loaded)
     return state, tensors.bytes_read
 
 
 def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
          tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
-         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True) -> Loaded:
+         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True,
+         lora: LoRA | None = None, seed: int = 0) -> Loaded:
     """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
     slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
     ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
-    optimizer state for training on."""
+    optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train."""
     path = Path(path)
     config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
+    config = config if lora is None else lora.applied(config)
     if mesh is None or isinstance(mesh, str):
         mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
     SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
-    state, read = initial_state(parallel, path)
+    state, read = initial_state(parallel, path, seed)
     return Loaded(config, parallel, state, read, json.loads((path / "config.json").read_text()))
 
 
@@ -437,9 +466,12 @@ def _gather(array: jax.Array, layer: int | None) -> np.ndarray:
     return np.asarray(whole.addressable_data(0))
 
 
-def _hf_tensor(source: Source, component: int, ours: np.ndarray) -> np.ndarray:
-    """The Hugging Face tensor ``source.names[component]`` from shardax's array (one layer's)."""
+def _hf_tensor(source: Source, component: int, ours: np.ndarray, delta: np.ndarray | None = None) -> np.ndarray:
+    """The Hugging Face tensor ``source.names[component]`` from shardax's array (one layer's),
+    plus ``delta`` (a merged LoRA term, in shardax's layout of that component) if given."""
     one = ours if source.axis is None else np.take(ours, component, axis=source.axis)
+    if delta is not None:
+        one = one.astype(np.float32) + delta
     if not source.transpose:
         return one
     if not source.inputs:
@@ -466,19 +498,46 @@ def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Any
             file.write(np.ascontiguousarray(produce(), dtype=numpy_dtype).tobytes())
 
 
-def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: dict[str, Any] | None = None,
-         dtype: str = "float32", max_shard_bytes: int = 2 << 30) -> Path:
-    """Write ``params`` (a ``TransformerLM``'s, in any layout) as a Hugging Face checkpoint in
-    ``out``: ``config.json``, ``model.safetensors`` or shards of at most ``max_shard_bytes`` with
-    their index. A tensor at a time is gathered (every process takes part; process 0 writes).
-    ``out`` must not hold files already; the checkpoint appears there whole or not at all."""
-    out = Path(out)
+def _check_out(out: Path, dtype: str) -> None:
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r}; use one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} already exists and is not an empty directory; choose a new directory to save in")
+
+
+def _lora_summary(config: TransformerConfig) -> str:
+    return f"rank {config.lora_rank} on {','.join(config.lora_targets)}"
+
+
+def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: dict[str, Any] | None = None,
+         dtype: str = "float32", max_shard_bytes: int = 2 << 30, merge: bool = False) -> Path:
+    """Write ``params`` (a ``TransformerLM``'s, in any layout) as a Hugging Face checkpoint in
+    ``out``: ``config.json``, ``model.safetensors`` or shards of at most ``max_shard_bytes`` with
+    their index. A tensor at a time is gathered (every process takes part; process 0 writes).
+    ``out`` must not hold files already; the checkpoint appears there whole or not at all.
+
+    A model with LoRA adapters is saved with ``merge=True``: each adapted weight as
+    ``W + (alpha / rank) A B``, the model it computes (``save_adapters`` writes them alone)."""
+    out = Path(out)
+    _check_out(out, dtype)
+    if config.lora_rank and not merge:
+        raise UsageError(f"this model carries LoRA adapters ({_lora_summary(config)}): save(..., merge=True) writes "
+                         "its weights with them merged in, save_adapters(...) the adapters alone in PEFT's layout")
+    if merge and not config.lora_rank:
+        raise UsageError("merge=True merges LoRA adapters into the weights, and this model has none; drop merge")
     raw = config_json(config, hf_config)
     arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    adapters = {name: arrays.pop(name) for name in list(arrays) if is_adapter(name)}
+
+    def delta(name: str, below: str, component: int, index: int | None) -> Any:
+        """The merged LoRA term of one component of one layer's weight (None: not adapted)."""
+        target = TARGETS.get((below, component))
+        if target is None or target not in config.lora_targets:
+            return None
+        stem = name.rsplit("/", 1)[0] + f"/lora_{target}_"
+        a, b = (_gather(adapters[stem + part], index).astype(np.float32) for part in "ab")
+        return config.lora_scale * np.tensordot(a, b, axes=1)
+
     entries = []  # (name, shape, producer) in Hugging Face's order: embedding, layers, norm, head
     for name, array in arrays.items():
         source, layer, below = _parameter_source(name, config)
@@ -487,7 +546,8 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
             one = source or _sources(config, at)[below]
             index = None if source is not None or layer is not None else at
             for component, tensor in enumerate(one.names):
-                entries.append((tensor, one.hf_shape(), array, index, one, component))
+                merged = functools.partial(delta, name, below, component, index) if merge and source is None else None
+                entries.append((tensor, one.hf_shape(), array, index, one, component, merged))
     order = {name: i for i, name in enumerate(hf_names(config))}
     entries.sort(key=lambda entry: order[entry[0]])
     itemsize = np.dtype(DTYPES[dtype][1]).itemsize
@@ -500,28 +560,23 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
             size = 0
         files[-1].append(entry)
         size += bytes_
-    writing = jax.process_index() == 0
-    partial = out.with_name(out.name + ".partial")
-    if writing:
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
+    writing, partial = _begin(out)
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     cache: dict[tuple[int, int | None], np.ndarray] = {}
 
-    def produce(array: jax.Array, index: int | None, source: Source, component: int) -> Any:
+    def produce(array: jax.Array, index: int | None, source: Source, component: int, merged: Any) -> Any:
         def tensor() -> np.ndarray:
             key = (id(array), index)
             if key not in cache:  # the components of one fused weight share one gather
                 cache.clear()
                 cache[key] = _gather(array, index)
-            return _hf_tensor(source, component, cache[key])
+            return _hf_tensor(source, component, cache[key], merged() if merged else None)
         return tensor
 
     for file_name, group in zip(names, files):
-        producers = [(name, shape, produce(array, index, source, component))
-                     for name, shape, array, index, source, component in group]
+        producers = [(name, shape, produce(array, index, source, component, merged))
+                     for name, shape, array, index, source, component, merged in group]
         if writing:
             _write_safetensors(partial / file_name, producers, dtype)
         else:
@@ -535,6 +590,22 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
                  "weight_map": weight_map}, indent=2))
         raw["torch_dtype"] = dtype
         (partial / "config.json").write_text(json.dumps(raw, indent=2))
+    return _finish(writing, partial, out)
+
+
+def _begin(out: Path) -> tuple[bool, Path]:
+    """(whether this process writes, the directory it writes into before it becomes ``out``)."""
+    writing = jax.process_index() == 0
+    partial = out.with_name(out.name + ".partial")
+    if writing:
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+    return writing, partial
+
+
+def _finish(writing: bool, partial: Path, out: Path) -> Path:
+    if writing:
         if out.exists():
             out.rmdir()
         partial.rename(out)
@@ -543,3 +614,52 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
 
         multihost_utils.sync_global_devices("shardax: Hugging Face checkpoint saved")
     return out
+
+
+# Hugging Face's module of each LoRA target
+MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, base_model: str | None = None,
+                  dtype: str = "float32") -> Path:
+    """Write the LoRA adapters of ``params`` alone in PEFT's layout: ``adapter_config.json``
+    (rank, alpha, target modules) and ``adapter_model.safetensors`` with each layer's
+    ``...q_proj.lora_A.weight`` ``[rank, in]`` and ``lora_B.weight`` ``[out, rank]``, which
+    ``peft.PeftModel.from_pretrained`` puts on the base model (``base_model``: its name or
+    directory, recorded). A tensor at a time is gathered; process 0 writes."""
+    out = Path(out)
+    _check_out(out, dtype)
+    if not config.lora_rank:
+        raise UsageError("this model has no LoRA adapters to save (it trained every weight); save(...) writes it whole")
+    arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    entries = []
+    for layer in range(config.n_layers):
+        for target, (inputs, _, outputs, _) in config.lora_shapes().items():
+            for part, shape in (("a", (config.lora_rank, math.prod(inputs))),
+                                ("b", (math.prod(outputs), config.lora_rank))):
+                looped = f"blocks/layers/{layer}/lora_{target}_{part}"
+                array, index = (arrays[looped], None) if looped in arrays else (
+                    arrays[f"blocks/layers/lora_{target}_{part}"], layer)
+
+                def tensor(array: jax.Array = array, index: int | None = index, shape: tuple[int, ...] = shape,
+                           part: str = part) -> np.ndarray:
+                    one = _gather(array, index)
+                    return one.reshape(-1, config.lora_rank).T if part == "a" else one.reshape(config.lora_rank, -1).T
+
+                name = f"base_model.model.model.layers.{layer}.{MODULES[target]}.lora_{part.upper()}.weight"
+                entries.append((name, shape, tensor))
+    writing, partial = _begin(out)
+    if writing:
+        _write_safetensors(partial / "adapter_model.safetensors", entries, dtype)
+        adapter_config = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": config.lora_rank, "lora_alpha": config.lora_alpha or config.lora_rank, "lora_dropout": 0.0,
+            "target_modules": sorted(MODULES[t].split(".")[1] for t in config.lora_targets), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
+            "modules_to_save": None, "layers_to_transform": None}
+        (partial / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    else:
+        for _, _, tensor in entries:  # the gathers are collective: every process runs them
+            tensor()
+    return _finish(writing, partial, out)

@@ -29,10 +29,12 @@ def metadata_only() -> Iterator[None]:
         yield
 
 
-def annotated_param(init: Any, key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
-    """``nnx.Param(init(key, shape))`` carrying logical ``axes`` as its sharding metadata."""
+def annotated_param(init: Any, key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...],
+                    kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+    """``kind(init(key, shape))`` (an ``nnx.Param`` unless told) carrying logical ``axes`` as its
+    sharding metadata."""
     with metadata_only():
-        return nnx.Param(nnx.with_partitioning(init, axes)(key, shape))
+        return kind(nnx.with_partitioning(init, axes)(key, shape))
 
 
 def _place(param: nnx.Param, mesh: Mesh | None, axes: tuple[str | None, ...]) -> None:

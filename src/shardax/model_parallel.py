@@ -42,7 +42,13 @@ from shardax.step.state import TrainState
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
 
-def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh) -> TrainState:
+def trained_part(params: Any, trainable: Any) -> Any:
+    """The parameters the optimizer updates (all of them when ``trainable`` is None)."""
+    return params if trainable is None else nnx.split_state(params, trainable, ...)[0]
+
+
+def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
+                 trainable: Any = None) -> TrainState:
     # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
     # the mesh, so that a model's own sharding constraints resolve while it is built; with every
     # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
@@ -52,7 +58,8 @@ def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: 
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     zero = jax.numpy.zeros((), jax.numpy.int32)
-    return TrainState(step=zero, params=params, opt_state=tx.init(params), rest=rest, skipped=zero)
+    return TrainState(step=zero, params=params, opt_state=tx.init(trained_part(params, trainable)), rest=rest,
+                      skipped=zero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,8 @@ class ParallelModel:
       layout: per-parameter specs and the shardings of every tree.
       abstract_state: the ``TrainState`` as shapes and dtypes (no memory).
       state_shardings: a ``TrainState`` of ``NamedSharding``: where each leaf lives.
+      trainable: an NNX filter of the parameters the optimizer updates (None: every one);
+        the others stay as they are, have no optimizer state and no gradient is computed for them.
     """
 
     factory: ModelFactory
@@ -72,6 +81,7 @@ class ParallelModel:
     layout: Layout
     abstract_state: TrainState
     state_shardings: TrainState
+    trainable: Any = None
 
     @property
     def mesh(self) -> Mesh:
@@ -83,7 +93,7 @@ class ParallelModel:
 
     def init(self, seed: int = 0) -> TrainState:
         """Initialise straight into shards: each device computes only what it holds."""
-        build = functools.partial(_build_state, self.factory, self.tx, seed, self.mesh)
+        build = functools.partial(_build_state, self.factory, self.tx, seed, self.mesh, self.trainable)
         return jax.jit(build, out_shardings=self.state_shardings)()
 
     def place_batch(self, batch: Any) -> Any:
@@ -120,6 +130,7 @@ class ParallelModel:
             grad_accum=grad_accum,
             layer_layout=self._layer_layout,
             nonfinite=nonfinite,
+            trainable=self.trainable,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
@@ -217,7 +228,7 @@ class ParallelModel:
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh,
                 strategy: str | Strategy = "dp", *, axis_names: AxisNames = None, loss_fn: LossFn | None = None,
-                example_batch: Any = None) -> ParallelModel:
+                example_batch: Any = None, trainable: Any = None) -> ParallelModel:
     """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only.
 
     Args:
@@ -232,6 +243,11 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         (``shardax.sharding.derive``): attention heads, MLP hidden and conv channels between
         the weights that produce and consume them, vocabularies of embeddings and output heads.
 
+      trainable: an NNX filter (a Variable type such as ``nnx.LoRAParam``, a path predicate, ...)
+        of the parameters to train; the rest are frozen: no gradient, no optimizer state. Default:
+        a model holding LoRA adapters (``nnx.LoRAParam``, as ``TransformerConfig(lora_rank=...)``
+        and Flax's ``nnx.LoRA`` make them) trains those alone, any other model every parameter.
+
     A strategy whose tensor axis would split no weight at all is refused here: the devices of
     each group on that axis would only repeat each other's work. ``layout.notes()`` lists every
     weight left whole on it, and why.
@@ -241,8 +257,9 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
     strategy.check_mesh(mesh)
     mesh, strategy = named_mesh(mesh, mapping), named_strategy(strategy, mapping)
     with nnx.use_eager_sharding(False):
-        graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
-    abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh))
+        graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
+    trainable = _trainable(params, trainable)
+    abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh, trainable))
     derived = None
     tensor = strategy.tensor_axis(mesh)
     if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
@@ -257,7 +274,18 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         rest=layout.replicated(abstract.rest),
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
-    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings)
+    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, trainable)
+
+
+def _trainable(params: Any, trainable: Any) -> Any:
+    """The filter of trained parameters (None: all), refused in one line when it selects none."""
+    if trainable is None:
+        adapters = nnx.split_state(params, nnx.LoRAParam, ...)[0]
+        return nnx.LoRAParam if jax.tree.leaves(adapters) else None
+    if not jax.tree.leaves(nnx.split_state(params, trainable, ...)[0]):
+        raise UsageError(f"trainable={trainable!r} selects none of the model's parameters, so nothing would train; "
+                         "give a filter that matches some (e.g. nnx.LoRAParam, or a path predicate)")
+    return trainable
 
 
 def _all_annotated(params: Any) -> bool:

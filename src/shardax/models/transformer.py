@@ -11,11 +11,19 @@ module per block in a Python loop) and each attends through ``Attention``, which
 pipeline and context parallelism act on.
 Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
 precision); ``remat`` chooses what the backward pass recomputes.
+
+LoRA (``lora_rank`` > 0): each targeted projection ``W`` gains adapters ``A`` (its inputs x
+rank) and ``B`` (rank x its outputs, zeros at first), ``nnx.LoRAParam``s, and computes
+``x W + (alpha / rank) (x A) B``; a train step then trains the adapters alone
+(``shardax.model_parallel.parallelize``'s ``trainable``). Each adapter carries the logical
+names of the base weight's dimensions it shares, so FSDP and tensor parallelism split it as
+they split the base weight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -33,6 +41,27 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION = ("auto", "xla", "cudnn")
 NORMS = ("layer", "rms")
 MLPS = ("gelu", "swiglu")
+# the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """LoRA adapters for fine-tuning (``Trainer(..., lora=LoRA(16))``): ``rank``, ``alpha`` (the
+    adapters' term is scaled by alpha / rank; default: the rank) and ``targets``, the projections
+    adapted by their Hugging Face names (``"q,v"`` or a tuple; default all seven)."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | str = LORA_TARGETS
+
+    def applied(self, config: "TransformerConfig") -> "TransformerConfig":
+        """``config`` with these adapters (checked there)."""
+        targets = self.targets.split(",") if isinstance(self.targets, str) else self.targets
+        if self.rank < 1:
+            raise UsageError(f"LoRA rank {self.rank} must be at least 1")
+        return dataclasses.replace(config, lora_rank=self.rank, lora_alpha=self.alpha,
+                                   lora_targets=tuple(t.strip() for t in targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +97,10 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context length)
     rope_scaling: tuple[float, float, float, int] | None = None
+    # LoRA: adapters of this rank on ``lora_targets`` (0: none), scaled by lora_alpha / lora_rank
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # None: the rank (a scale of 1)
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self) -> None:
         if self.attention_head_dim is None and self.d_model % self.n_heads:
@@ -87,6 +120,17 @@ class TransformerConfig:
             raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
         if self.attention not in ATTENTION:
             raise UsageError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
+        if self.lora_rank < 0:
+            raise UsageError(f"lora_rank={self.lora_rank} must be at least 0 (0: no LoRA, full fine-tuning)")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets or len(set(self.lora_targets)) != len(self.lora_targets):
+            raise UsageError(f"lora_targets={','.join(self.lora_targets)!r}: name each projection once, from "
+                             f"{','.join(LORA_TARGETS)}")
+        if self.lora_rank and self.mlp != "swiglu" and "gate" in self.lora_targets:
+            raise UsageError(f"lora_targets includes 'gate' but this model's {self.mlp} MLP has no gate projection; "
+                             "drop gate from the targets")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise UsageError(f"lora_alpha={self.lora_alpha} must be positive (the adapters' scale is alpha / rank)")
 
     @property
     def head_dim(self) -> int:
@@ -99,6 +143,20 @@ class TransformerConfig:
     @property
     def dtype(self) -> Any:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def lora_scale(self) -> float:
+        return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
+
+    def lora_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]]:
+        """Each adapted projection: (input shape, its logical names, output shape, its logical
+        names) of its base weight, for the targets this config adapts."""
+        d, n, k, h, f = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.d_ff
+        shapes = {"q": ((d,), ("embed",), (n, h), ("heads", "kv")), "k": ((d,), ("embed",), (k, h), ("heads", "kv")),
+                  "v": ((d,), ("embed",), (k, h), ("heads", "kv")), "o": ((n, h), ("heads", "kv"), (d,), ("embed",)),
+                  "gate": ((d,), ("embed",), (f,), ("mlp",)), "up": ((d,), ("embed",), (f,), ("mlp",)),
+                  "down": ((f,), ("mlp",), (d,), ("embed",))}
+        return {t: shapes[t] for t in self.lora_targets} if self.lora_rank else {}
 
 
 def attention_implementation(config: TransformerConfig, platform: str | None = None) -> tuple[str, str]:
@@ -279,6 +337,22 @@ class Block(nnx.Module):
         if config.mlp == "gelu":
             self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
         self.attention = Attention(implementation=config.attention)
+        for target, (inputs, in_axes, outputs, out_axes) in config.lora_shapes().items():
+            r = config.lora_rank
+            setattr(self, f"lora_{target}_a", annotated_param(
+                nnx.initializers.normal(math.prod(inputs) ** -0.5), rngs.params(), (*inputs, r),
+                (*in_axes, None), nnx.LoRAParam))
+            setattr(self, f"lora_{target}_b", annotated_param(
+                nnx.initializers.zeros, rngs.params(), (r, *outputs), (None, *out_axes), nnx.LoRAParam))
+
+    def _adapted(self, target: str, x: jax.Array, base: jax.Array) -> jax.Array:
+        """``base`` (x through the projection ``target``) plus its LoRA adapters' term, if any."""
+        if not hasattr(self, f"lora_{target}_a"):
+            return base
+        dtype = self.config.dtype
+        a, b = for_compute(getattr(self, f"lora_{target}_a"), dtype), for_compute(getattr(self, f"lora_{target}_b"), dtype)
+        low = jnp.tensordot(x, a, axes=a.ndim - 1)  # (B, T, rank)
+        return base + (self.config.lora_scale * jnp.tensordot(low, b, axes=1)).astype(base.dtype)
 
     def _queries_keys_values(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         dtype = self.config.dtype
@@ -286,12 +360,14 @@ class Block(nnx.Module):
             qkv = jnp.einsum("btd,dcnh->btcnh", y, for_compute(self.qkv, dtype))
             if self.config.qkv_bias:
                 qkv = qkv + for_compute(self.qkv_bias, dtype)
-            return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        q = jnp.einsum("btd,dnh->btnh", y, for_compute(self.q, dtype))
-        kv = jnp.einsum("btd,dckh->btckh", y, for_compute(self.kv, dtype))
-        if self.config.qkv_bias:
-            q, kv = q + for_compute(self.q_bias, dtype), kv + for_compute(self.kv_bias, dtype)
-        return q, kv[:, :, 0], kv[:, :, 1]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q = jnp.einsum("btd,dnh->btnh", y, for_compute(self.q, dtype))
+            kv = jnp.einsum("btd,dckh->btckh", y, for_compute(self.kv, dtype))
+            if self.config.qkv_bias:
+                q, kv = q + for_compute(self.q_bias, dtype), kv + for_compute(self.kv_bias, dtype)
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        return self._adapted("q", y, q), self._adapted("k", y, k), self._adapted("v", y, v)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                  segments: jax.Array | None = None) -> jax.Array:  # (B, T, D)
@@ -307,14 +383,18 @@ class Block(nnx.Module):
             inv_freq = np.asarray(self.inv_freq, np.float32)
             q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         attended = self.attention(q, k, v, positions=positions, segments=segments)  # (B, T, N, H)
-        x = x + jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype)).astype(x.dtype)
+        projected = jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype))
+        x = x + self._adapted("o", attended, projected).astype(x.dtype)
         y = self.mlp_norm(x).astype(dtype)
         if config.mlp == "swiglu":
             gate_up = jnp.einsum("btd,dcf->btcf", y, for_compute(self.mlp_gate_up, dtype))
-            out = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]) @ for_compute(self.mlp_out, dtype)
+            hidden = jax.nn.silu(self._adapted("gate", y, gate_up[:, :, 0])) * self._adapted("up", y, gate_up[:, :, 1])
+            out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
         else:
-            hidden = gelu(y @ for_compute(self.mlp_in, dtype) + for_compute(self.mlp_in_bias, dtype))
-            out = hidden @ for_compute(self.mlp_out, dtype) + for_compute(self.mlp_out_bias, dtype)
+            hidden = gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
+                          + for_compute(self.mlp_in_bias, dtype))
+            out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype)) + for_compute(
+                self.mlp_out_bias, dtype)
         return x + out.astype(x.dtype)
 
 

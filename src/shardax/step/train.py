@@ -53,6 +53,7 @@ def build_train_step(
     grad_accum: int = 1,
     layer_layout: Callable[[], Any] = contextlib.nullcontext,
     nonfinite: str = "stop",
+    trainable: Any = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, Metrics]]:
     """The un-jitted step ``(state, batch) -> (state, metrics)``; see ``ParallelModel.train_step``.
 
@@ -70,6 +71,9 @@ def build_train_step(
     no host check is needed to keep a bad state out). With ``nonfinite="stop"`` every later
     step is dropped too: the state stays the last good one until the host notices ``skipped``
     and stops. With ``"skip"`` training goes on with the next batch.
+
+    ``trainable`` (an NNX filter; None: every parameter) picks the parameters differentiated
+    and updated; ``tx``'s state covers those alone, and the others enter the loss as constants.
     """
     if nonfinite not in ("stop", "skip"):
         raise UsageError(f"nonfinite={nonfinite!r}; use 'stop' (the default) or 'skip'")
@@ -93,16 +97,32 @@ def build_train_step(
             loss, metrics = loss * weight, {**{k: v * weight for k, v in metrics.items()}, WEIGHT: weight}
         return loss, (metrics, nnx.split(model, nnx.Param, ...)[2])
 
+    def parts(tree: Any) -> tuple[Any, Any]:
+        """(the trained parameters, the frozen ones) of a parameter-shaped tree."""
+        return (tree, None) if trainable is None else nnx.split_state(tree, trainable, ...)
+
+    def whole(trained: Any, frozen: Any) -> Any:
+        return trained if frozen is None else nnx.merge_state(trained, frozen)
+
+    trained_shardings = parts(gradient_shardings)[0]
+
     def gradients(params: Any, rest: Any, batch: Any) -> tuple[Metrics, Any, Any]:
+        """Metrics, gradients of the trained parameters, the model's new state."""
+        params, frozen = parts(params)
+
+        def objective(trained: Any, rest: Any, batch: Any, weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
+            return forward(whole(trained, frozen), rest, batch, weighted)
+
+        gradient_shardings = trained_shardings
         if grad_accum == 1:
-            (loss, (metrics, rest)), grads = jax.value_and_grad(forward, has_aux=True)(params, rest, batch, False)
+            (loss, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(params, rest, batch, False)
             return {"loss": loss, **metrics}, grads, rest
 
         # Each microbatch adds its loss times its weight (its token count, or 1 when the loss
         # reports none) and the gradient of that; the sums are divided once by the total weight,
         # so the update is the whole batch's even when microbatches count different numbers of
         # tokens. Sums are float32, the gradient sum laid out like the gradients.
-        grad_fn = jax.value_and_grad(functools.partial(forward, weighted=True), has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(objective, weighted=True), has_aux=True)
 
         def accumulate(carry: tuple[Metrics, Any, Any], micro: Any) -> tuple[tuple[Metrics, Any, Any], None]:
             sums, grad_sum, rest = carry
@@ -125,15 +145,16 @@ def build_train_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         metrics, grads, rest = gradients(state.params, state.rest, batch)
-        grads = jax.lax.with_sharding_constraint(grads, gradient_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, trained_shardings)
         grad_norm = optax.tree.norm(grads)
         apply = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         if nonfinite == "stop":  # after the first bad step nothing moves, so the state is the last good one
             apply &= state.skipped == 0
 
         def update(params: Any, opt_state: Any, rest: Any) -> tuple[Any, Any, Any]:
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, rest
+            trained, frozen = parts(params)
+            updates, opt_state = tx.update(grads, opt_state, trained)
+            return whole(optax.apply_updates(trained, updates), frozen), opt_state, rest
 
         def keep(params: Any, opt_state: Any, _: Any) -> tuple[Any, Any, Any]:
             return params, opt_state, state.rest

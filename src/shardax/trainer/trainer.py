@@ -27,6 +27,7 @@ from shardax import hf
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
+from shardax.models.transformer import LoRA, TransformerLM
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
@@ -76,6 +77,10 @@ class Trainer:
         model starts from its weights, each device's slice read straight from the files,
         instead of from ``seed``. ``model`` may then be ``None`` (the checkpoint's own model,
         ``shardax.hf.factory(init_from)``); a model of another config is refused in one line.
+      lora: ``shardax.LoRA(rank, alpha, targets)``: fine-tune with LoRA adapters on the
+        projections of a ``TransformerLM`` (shardax's, or a Hugging Face checkpoint's): the base
+        weights are frozen (no gradient, no optimizer state), the adapters are split like the
+        weights they adapt. Any model holding Flax's ``nnx.LoRAParam`` trains those alone anyway.
     """
 
     def __init__(self, model: ModelFactory | None, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
@@ -84,13 +89,15 @@ class Trainer:
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
                  axis_names: AxisNames = None, example_batch: Any = None,
-                 init_from: str | Path | None = None) -> None:
+                 init_from: str | Path | None = None, lora: LoRA | None = None) -> None:
         strategy = get_strategy(strategy)
         if model is None:
             if init_from is None:
                 raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
                                  "otherwise give the model: lambda rngs: MyModel(..., rngs=rngs)")
             model = hf.factory(init_from)
+        if lora is not None:
+            model = _with_lora(model, lora)
         self.init_from = init_from
         if not isinstance(mesh, Mesh):
             mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
@@ -132,7 +139,7 @@ class Trainer:
         """A fresh state from ``seed`` (or the weights of ``init_from``), initialised straight
         into shards (also ``self.state``)."""
         if self.init_from is not None:
-            self.state = hf.initial_state(self.parallel, self.init_from)[0]
+            self.state = hf.initial_state(self.parallel, self.init_from, self.seed)[0]
         else:
             self.state = self.parallel.init(seed=self.seed)
         return self.state
@@ -269,3 +276,15 @@ class Trainer:
                             checkpoint_every=checkpoint_every, on_log=on_log, tokens_per_example=tokens_per_example)
         finally:
             run.close()
+
+
+def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:
+    """``factory``'s ``TransformerLM`` with ``lora``'s adapters; another model is refused in one line."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    if not isinstance(model, TransformerLM):
+        raise UsageError(f"lora= adds adapters to shardax's TransformerLM (its own, or a Hugging Face checkpoint's via "
+                         f"init_from); this model is a {type(model).__name__}: put Flax's nnx.LoRA or nnx.LoRALinear "
+                         "in it instead, and the Trainer trains their nnx.LoRAParam adapters alone")
+    config = lora.applied(model.config)
+    return lambda rngs: TransformerLM(config, rngs=rngs)
