@@ -7,10 +7,12 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from shardax import hf
 from shardax.errors import UsageError
 from shardax.models.transformer import next_token_loss
+from shardax.sharding.paths import path_to_str
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -200,20 +202,22 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
     assert not (tmp_path / "preset").exists()
 
 
-def test_the_trainer_fine_tunes_from_a_checkpoint(checkpoints, tmp_path):
-    """``Trainer(None, ..., init_from=dir)``: its first loss is Hugging Face's on the same batch,
-    training lowers it, and a checkpoint of the run resumes bit for bit."""
+@pytest.mark.parametrize("lora", [None, "q,k,v,o,gate,up,down"])
+def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
+    """``Trainer(None, ..., init_from=dir)``, with all weights or LoRA adapters: its first loss is
+    Hugging Face's on the same batch, training lowers it, and a checkpoint of the run resumes bit
+    for bit."""
     import optax
 
-    from shardax import Trainer
+    from shardax import LoRA, Trainer
     from shardax.models.transformer import TransformerConfig, TransformerLM
 
     folder, expected = checkpoints["qwen3"]
     batches = [{"tokens": TOKENS}] * 6
 
     def trainer():
-        return Trainer(None, optax.adam(3e-3), next_token_loss, strategy="fsdp_tp", mesh="data=4,model=2",
-                       init_from=folder)
+        return Trainer(None, optax.adam(3e-3 if lora is None else 2e-2), next_token_loss, strategy="fsdp_tp",
+                       mesh="data=4,model=2", init_from=folder, lora=lora and LoRA(4, targets=lora))
 
     straight = trainer().fit(batches, steps=6, log_every=1)
     losses = [record["loss"] for record in straight.history]
@@ -222,8 +226,12 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(checkpoints, tmp_path):
     trainer().fit(batches, steps=3, log_every=1, checkpoint_dir=tmp_path / "ckpt")
     resumed = trainer()
     resumed.fit(batches, steps=6, log_every=1, checkpoint_dir=tmp_path / "ckpt", resume=True)
-    for ours, theirs in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(straight.state.params)):
+    for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    if lora is not None:
+        with pytest.raises(UsageError, match="lora= adds adapters to shardax's TransformerLM .* this model is a Linear"):
+            Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4))
+        return
     other = TransformerConfig(vocab_size=96, d_model=64, n_heads=4, n_layers=2, d_ff=96, positions="rotary")
     with pytest.raises(UsageError, match="the model's .* but the checkpoint's config.json gives"):
         Trainer(lambda rngs: TransformerLM(other, rngs=rngs), optax.adam(1e-3), next_token_loss,
@@ -308,3 +316,94 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
     shutil.copy(with_tokenizer / "model.safetensors", tmp_path / "big")
     big = shardax("train", "--init-from", tmp_path / "big", "--data", small_corpus, check=False)
     assert big.returncode == 2 and "has no tokenizer.json; give the one the model was trained with" in big.stderr
+
+
+def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):
+    """LoRA on a loaded checkpoint under fsdp_tp: it starts as the checkpoint (B is zero), only
+    the adapters train and hold optimizer state, each split like its base weight; the merged
+    export gives transformers the trained model's logits, and the adapters alone give peft's."""
+    import optax
+
+    from shardax import LoRA
+    from shardax.models.presets import adapter_count
+
+    folder, expected = checkpoints["llama3"]
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=LoRA(4, 8, "q,v,o,gate,down"))
+    np.testing.assert_allclose(logits_of(loaded), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    parallel, state = loaded.parallel, loaded.state
+    specs = {path_to_str(path)[len("blocks/layers/"):]: leaf.sharding.spec
+             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params) if "lora_" in path_to_str(path)}
+    assert specs["lora_q_b"][2] == "model" and specs["lora_q_a"][1] == "data"  # heads on model, embed on data
+    assert specs["lora_o_a"][1] == "model"  # o contracts the heads: split like them
+    assert specs["lora_down_a"][1] == "model" and specs["lora_gate_b"][2] == "model"  # the MLP's hidden on model
+    moments = sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) - 1  # adam's mu and nu, and a count
+    assert moments == 2 * adapter_count(loaded.config) and adapter_count(loaded.config) == 2 * (
+        4 * (64 + 64) + 4 * (64 + 32) + 4 * (64 + 64) + 4 * (64 + 96) + 4 * (96 + 64))
+    step = parallel.train_step(next_token_loss)
+    batch = parallel.place_batch({"tokens": TOKENS})
+    before = {path_to_str(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+    trained, losses = state, []
+    for _ in range(4):
+        trained, metrics = step(trained, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0] - 0.05
+    after = {path_to_str(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(trained.params)}
+    assert sorted(name for name in after if not np.array_equal(after[name], before[name])) == sorted(
+        name for name in after if "lora_" in name)
+    ours = np.asarray(jax.jit(lambda model, tokens: model(tokens))(parallel.merge(trained), TOKENS[:, :-1]))
+    with pytest.raises(UsageError, match=r"carries LoRA adapters \(rank 4 on q,v,o,gate,down\): save\(..., merge=True\)"):
+        hf.save(tmp_path / "unmerged", trained.params, loaded.config)
+    merged = hf.save(tmp_path / "merged", trained.params, loaded.config, hf_config=loaded.hf_config, merge=True)
+    with torch.no_grad():
+        logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(torch.tensor(TOKENS[:, :-1])).logits
+    np.testing.assert_allclose(logits.numpy(), ours, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
+    adapters = hf.save_adapters(tmp_path / "adapters", trained.params, loaded.config, base_model=str(folder))
+    written = json.loads((adapters / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], written["target_modules"]) == (
+        4, 8, ["down_proj", "gate_proj", "o_proj", "q_proj", "v_proj"])
+    from safetensors.numpy import load_file
+
+    tensors = load_file(adapters / "adapter_model.safetensors")
+    assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
+    assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = peft.PeftModel.from_pretrained(base, adapters).eval()(torch.tensor(TOKENS[:, :-1])).logits
+    np.testing.assert_allclose(logits.numpy(), ours, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
+
+
+def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_tokenizer, small_corpus, tmp_path):
+    from cli_helpers import shardax
+    from safetensors.numpy import load_file
+
+    from shardax.trainer.checkpoint import saved_arrays
+
+    run = ("train", "--init-from", with_tokenizer, "--data", small_corpus, "--strategy", "fsdp", "--seq-len", 32,
+           "--batch-size", 8, "--eval-every", 0, "--sample-bytes", 0, "--checkpoint-dir", tmp_path / "ckpt",
+           "--steps", 3, "--lr", 1e-2)
+    first = shardax(*run, "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", "q,v,down")
+    assert "LoRA: rank 4, alpha 8 on q,v,down: 3,072 adapter parameters train, the model's 102,720 stay frozen" in first.stdout
+    trained, loaded = saved_arrays(tmp_path / "ckpt", 3), load_file(with_tokenizer / "model.safetensors")
+    np.testing.assert_array_equal(trained["params.embedding"], loaded["model.embed_tokens.weight"])  # frozen
+    assert np.abs(trained["params.blocks.layers.lora_q_b"]).max() > 0  # trained from zero
+    assert not any(".mu." in name and "lora" not in name for name in trained)  # no optimizer state for the base
+    contradicts = shardax(*run, "--lora-rank", 8, "--resume", "--extend-to", 4, check=False)
+    assert contradicts.returncode == 2 and "--lora-rank 8 contradicts the checkpoint's --lora-rank 4" in contradicts.stderr
+    adapters = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "adapters")
+    assert "as LoRA adapters in PEFT's layout (rank 4)" in adapters.stdout
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["target_modules"] == [
+        "down_proj", "q_proj", "v_proj"]
+    merged = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "merged", "--merge")
+    assert "(LoRA adapters merged)" in merged.stdout
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    layer = trained["params.blocks.layers.q"][1].reshape(64, -1)
+    delta = 2.0 * trained["params.blocks.layers.lora_q_a"][1] @ trained["params.blocks.layers.lora_q_b"][1].reshape(4, -1)
+    np.testing.assert_allclose(written["model.layers.1.self_attn.q_proj.weight"], (layer + delta).T, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(written["model.layers.1.self_attn.k_proj.weight"],
+                                  loaded["model.layers.1.self_attn.k_proj.weight"])
+    lonely = shardax("train", "--init-from", with_tokenizer, "--lora-alpha", 8, check=False)
+    assert lonely.returncode == 2 and "--lora-alpha shapes LoRA adapters, and there are none without --lora-rank" in (
+        lonely.stderr)
+    wrong = shardax("train", "--init-from", with_tokenizer, "--lora-rank", 4, "--lora-targets", "q,attn", check=False)
+    assert wrong.returncode == 2 and "--lora-targets q,attn: name each projection once" in wrong.stderr

@@ -13,7 +13,9 @@ import pytest
 from flax import nnx
 
 from shardax import DeviceMeshManager, parallelize
-from user_models import USER_MODELS, SeenExamples, classification_loss, on_host, plain_nnx_run
+from shardax.errors import UsageError
+from user_models import (USER_MODELS, LoRAMLP, SeenExamples, classification_loss, on_host, plain_nnx_run,
+                         vector_batches)
 
 pytestmark = pytest.mark.xdist_group("test_user_models")
 
@@ -68,6 +70,37 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
         np.testing.assert_allclose(params[path], ref_params[path], rtol=1e-4, atol=1e-5, err_msg=str(path))
     # the state stayed where the layout put it
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("fsdp", "data=8"), ("tp", "data=4,model=2")])
+def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_shape):
+    """Flax's ``nnx.LoRALinear`` in a user's model: the adapters (``nnx.LoRAParam``) train as
+    plain NNX trains them with ``wrt=nnx.LoRAParam``, the base kernels stay as they were and
+    hold no optimizer state; ``trainable=`` picks other parameters, and one matching none is
+    refused in one line."""
+    expected, ref_model = plain_nnx_run(LoRAMLP, optax.adamw(1e-2), classification_loss, vector_batches(STEPS),
+                                        wrt=nnx.LoRAParam)
+    mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
+    parallel = parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, loss_fn=classification_loss,
+                           example_batch=next(vector_batches(1)))
+    state, step = parallel.init(seed=0), parallel.train_step(classification_loss)
+    start = variables(parallel.merge(state), nnx.Param)
+    history = []
+    for batch in vector_batches(STEPS):
+        state, metrics = step(state, parallel.place_batch(batch))
+        history.append(float(metrics["loss"]))
+    np.testing.assert_allclose(history, [e["loss"] for e in expected], rtol=1e-5)
+    params, ref_params = variables(parallel.merge(state), nnx.Param), variables(ref_model, nnx.Param)
+    for path in params:
+        np.testing.assert_allclose(params[path], ref_params[path], rtol=1e-4, atol=1e-6, err_msg=str(path))
+        assert np.array_equal(params[path], start[path]) == ("kernel" in str(path) or "bias" in str(path))
+    moments = sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) - 1  # adamw's mu and nu, and a count
+    assert moments == 2 * 3 * (12 + 40 + 40 + 5)
+    heads = parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, loss_fn=classification_loss,
+                        example_batch=next(vector_batches(1)), trainable=nnx.PathContains("out"))
+    assert sum(leaf.size for leaf in jax.tree.leaves(heads.init(0).opt_state)) - 1 == 2 * (40 * 5 + 5 + 3 * 45)
+    with pytest.raises(UsageError, match=r"trainable=.* selects none of the model's parameters, so nothing would train"):
+        parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, trainable=nnx.PathContains("missing"))
 
 
 @pytest.mark.parametrize("model_name", list(USER_MODELS))

@@ -46,6 +46,18 @@ class DropoutMLP(nnx.Module):
         return self.out(self.dropout(nnx.relu(self.hidden(x))))
 
 
+class LoRAMLP(nnx.Module):
+    """12 -> 40 -> 5 fine-tuned with Flax's own LoRA layers (``nnx.LoRALinear``: the base kernel
+    an ``nnx.Param``, the adapters ``nnx.LoRAParam``s of rank 3), as Flax's guide writes it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.LoRALinear(12, 40, lora_rank=3, rngs=rngs)
+        self.out = nnx.LoRALinear(40, 5, lora_rank=3, b_initializer=nnx.initializers.normal(0.1), rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
 def classification_loss(model, batch):
     logits = model(batch["inputs"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
@@ -74,22 +86,24 @@ USER_MODELS = {
 }
 
 
-def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1):
+def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1, wrt=nnx.Param):
     """Train with plain Flax NNX on one device: the reference every strategy must match.
 
     With ``grad_accum=k`` the model runs on k microbatches (rows i, i+k, ...) one after the
-    other, updating its state each time, and the gradients are averaged.
+    other, updating its state each time, and the gradients are averaged. ``wrt``: the
+    parameters trained (``nnx.LoRAParam``: the adapters alone, as Flax's LoRA guide does).
     """
     model = factory(nnx.Rngs(0))
     model.train()
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, tx, wrt=wrt)
 
     @nnx.jit
     def step(model, optimizer, batch):
         totals, grads = None, None
         for i in range(grad_accum):
             micro = jax.tree.map(lambda leaf: leaf[i::grad_accum], batch)
-            (loss, metrics), micro_grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, micro)
+            (loss, metrics), micro_grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
+                model, micro)
             values = {"loss": loss, **metrics}
             totals = values if totals is None else jax.tree.map(jnp.add, totals, values)
             grads = micro_grads if grads is None else jax.tree.map(jnp.add, grads, micro_grads)

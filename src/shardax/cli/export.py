@@ -3,7 +3,9 @@
 The run's model (a Llama-family config: one fine-tuned with ``--init-from``, or any model of
 that family) is laid out FSDP over the local devices, the checkpoint's step restored into it,
 and written by ``shardax.hf.save`` a tensor at a time. A run started from a Hugging Face
-checkpoint keeps its ``config.json``'s other fields, and its tokenizer files are copied.
+checkpoint keeps its ``config.json``'s other fields, and its tokenizer files are copied. A LoRA
+run (``--lora-rank``) exports its adapters alone in PEFT's layout, or with ``--merge`` the
+weights with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("checkpoint_dir", help="the run's --checkpoint-dir")
     add("--hf", required=True, metavar="OUT", help="directory to write (new, or empty)")
     add("--step", type=int, help="which checkpoint (default: the latest good one)")
+    add("--merge", action="store_true",
+        help="a LoRA run (--lora-rank): write the weights with its adapters merged in; without it, the adapters "
+             "alone in PEFT's layout (adapter_config.json, adapter_model.safetensors)")
     add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the tensors' dtype")
     add("--max-shard-size", type=int, default=2 << 30, metavar="BYTES", help="bytes per safetensors file")
     add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
@@ -64,13 +69,22 @@ def export_command(args: argparse.Namespace) -> int:
         model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}
         config = TransformerConfig(**model)
         hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
+        if args.merge and not config.lora_rank:
+            raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} trained every "
+                             "weight (no --lora-rank); drop --merge")
         tx, _ = optimizer(run["lr"], run["steps"])
         mesh = DeviceMeshManager().create_device_mesh("data=-1")
         parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, mesh, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
     source = Path(run["init_from"]) if run.get("init_from") else None
     base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
-    hf.save(out, state.params, config, hf_config=base, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+    if config.lora_rank and not args.merge:
+        hf.save_adapters(out, state.params, config, base_model=run.get("init_from"), dtype=args.dtype)
+        what = f"as LoRA adapters in PEFT's layout (rank {config.lora_rank})"
+    else:
+        hf.save(out, state.params, config, hf_config=base, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                merge=args.merge)
+        what = "as a Hugging Face checkpoint" + (" (LoRA adapters merged)" if args.merge else "")
     copied = []
     tokenizer = Path(run["tokenizer"]) if run.get("tokenizer") and Path(run["tokenizer"]).is_file() else None
     for name in TOKENIZER_FILES:
@@ -80,6 +94,6 @@ def export_command(args: argparse.Namespace) -> int:
         if found is not None:
             shutil.copy(found, out / name)
             copied.append(name)
-    print(f"wrote step {step} of {args.checkpoint_dir} to {out} as a Hugging Face checkpoint "
+    print(f"wrote step {step} of {args.checkpoint_dir} to {out} {what} "
           f"({config.n_layers} layers, {args.dtype})" + (f"; with {', '.join(copied)}" if copied else ""))
     return 0

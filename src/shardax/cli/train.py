@@ -30,6 +30,12 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3): its model, "
              "weights (read straight into shards) and tokenizer.json")
+    add("--lora-rank", type=int, metavar="R",
+        help="fine-tune with LoRA adapters of rank R on the projections of --lora-targets, the other weights frozen "
+             "(no optimizer state); 0: full fine-tuning (default)")
+    add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R, a scale of 1)")
+    add("--lora-targets", metavar="LIST",
+        help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the model has)")
     add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")

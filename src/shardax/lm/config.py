@@ -20,7 +20,7 @@ from typing import Any
 
 from shardax.errors import UsageError
 from shardax.models.presets import get_preset
-from shardax.models.transformer import TransformerConfig
+from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
 
 
 @dataclasses.dataclass
@@ -31,6 +31,9 @@ class TrainConfig:
     mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
     preset: str | None = None  # model size, see shardax.models.presets (default tiny)
     init_from: str | None = None  # a Hugging Face checkpoint (Llama family) to fine-tune: its model and tokenizer
+    lora_rank: int | None = None  # LoRA adapters of this rank, the base weights frozen (0 or None: full training)
+    lora_alpha: float | None = None  # the adapters' scale is alpha / rank (default: the rank)
+    lora_targets: str | None = None  # e.g. "q,v" (default: every projection the model has)
     steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
     batch_size: int | None = None  # global batch, in sequences
     grad_accum: int = 1  # microbatches per step (same update, less activation memory)
@@ -65,11 +68,11 @@ class TrainConfig:
 
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-RUN_SETTINGS = ("preset", "init_from", "seq_len", "scan_layers", "seed", "batch_size", "steps", "lr", "data", "tokenizer",
-                "vocab_size", "field")
+RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
+                "batch_size", "steps", "lr", "data", "tokenizer", "vocab_size", "field")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
-            "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0}
+            "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
 CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
            "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
            "attention": ("auto", "xla", "cudnn"), "context_attention": ("all-gather", "ring")}
@@ -139,6 +142,18 @@ def check_values(config: TrainConfig) -> None:
         raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
     if config.resume and not config.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
+    if not config.lora_rank and (config.lora_alpha is not None or config.lora_targets is not None):
+        given = "--lora-alpha" if config.lora_alpha is not None else "--lora-targets"
+        raise UsageError(f"{given} shapes LoRA adapters, and there are none without --lora-rank; add --lora-rank R "
+                         "(e.g. 16)")
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        raise UsageError(f"--lora-alpha {config.lora_alpha} must be positive (the adapters' scale is alpha / rank)")
+    if config.lora_targets is not None:
+        targets = [t.strip() for t in config.lora_targets.split(",")]
+        wrong = [t for t in targets if t not in LORA_TARGETS]
+        if wrong or len(set(targets)) != len(targets):
+            raise UsageError(f"--lora-targets {config.lora_targets}: name each projection once, from "
+                             f"{','.join(LORA_TARGETS)}")
     if config.init_from is not None and config.preset is not None:
         raise UsageError(f"--preset {config.preset} and --init-from {config.init_from} both say what the model is; "
                          "drop --preset to fine-tune the checkpoint, or --init-from to train a preset from scratch")
@@ -163,7 +178,10 @@ class Run:
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
-        return {"preset": self.preset, "init_from": self.init_from, "seq_len": self.model.seq_len,
+        model = self.model
+        return {"preset": self.preset, "init_from": self.init_from, "lora_rank": model.lora_rank,
+                "lora_alpha": model.lora_alpha if model.lora_rank else None,
+                "lora_targets": ",".join(model.lora_targets) if model.lora_rank else None, "seq_len": self.model.seq_len,
                 "scan_layers": self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
@@ -197,6 +215,9 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
         model = read_config(config.init_from, **overrides)
     else:
         model = preset.config(**overrides)
+    if config.lora_rank:
+        targets = config.lora_targets or ",".join(t for t in LORA_TARGETS if t != "gate" or model.mlp == "swiglu")
+        model = LoRA(config.lora_rank, config.lora_alpha, targets).applied(model)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps
     return Run(preset=None if config.init_from else config.preset or "tiny", model=model, seed=config.seed or 0,

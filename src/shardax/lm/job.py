@@ -24,6 +24,7 @@ from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
+from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
                                         weighted_next_token_loss)
 from shardax.sharding.strategies import default_mesh, get_strategy
@@ -127,6 +128,10 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
         lines.insert(0, f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, d_model "
                         f"{model.d_model}, {model.n_heads} heads / {model.kv_heads} key-value heads, vocabulary "
                         f"{model.vocab_size})")
+    if model.lora_rank:
+        lines.insert(1 if init_from else 0, f"LoRA: rank {model.lora_rank}, alpha {model.lora_alpha or model.lora_rank:g} "
+                     f"on {','.join(model.lora_targets)}: {adapter_count(model):,} adapter parameters train, the "
+                     f"model's {parameter_count(model):,} stay frozen")
     return lines
 
 

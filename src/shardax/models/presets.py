@@ -7,6 +7,7 @@ override any of them. Parameter counts are for the byte vocabulary (256) unless 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from shardax.errors import UsageError
@@ -65,6 +66,13 @@ def parameter_count(config: TransformerConfig) -> int:
     tables = v * d * (1 if config.tie_embeddings else 2)
     positions = config.seq_len * d if config.positions == "learned" else 0
     return config.n_layers * per_layer + tables + positions + norm
+
+
+def adapter_count(config: TransformerConfig) -> int:
+    """LoRA adapter parameters of a ``TransformerLM`` with this config (0 without LoRA); not
+    counted by ``parameter_count``, which counts the base model."""
+    return config.n_layers * sum(config.lora_rank * (math.prod(inputs) + math.prod(outputs))
+                                 for inputs, _, outputs, _ in config.lora_shapes().values())
 
 
 def flops_per_token(config: TransformerConfig) -> int:
