@@ -59,3 +59,12 @@ def test_fine_tuning_a_hugging_face_model(tmp_path):
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "model: fine-tuning the Hugging Face checkpoint" in trained.stdout
+    lora, *exports = README.read_text().split("## Fine-tune a Hugging Face model", 1)[1].split("```bash\n", 1)[1].split(
+        "```", 1)[0].splitlines()[1:]
+    assert "--lora-rank" in lora and len(exports) == 2
+    for line in (lora.replace("--steps 50", "--steps 2 --batch-size 8 --eval-every 0 --sample-bytes 0"), *exports):
+        done = subprocess.run([sys.executable, "-m", "shardax.cli", *line.split("#")[0].split()[1:]],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "tiny-llama-adapters" / "adapter_config.json").is_file()
+    assert (tmp_path / "tiny-llama-tuned" / "model.safetensors").is_file()
