@@ -195,6 +195,24 @@ def table() -> str:
         lines.append(f"| 16. fault battery (`benchmarks/fault_battery.py`): kills, damaged checkpoints, a full disk, signals, "
                      f"two runs in one directory, damaged data, `launch` | {battery['passed']} of {battery['cases']} "
                      f"cases pass; {battery['lost_checkpoints']} committed checkpoints lost | all; 0 |")
+    loading = load("hf_load")
+    if loading:
+        lines.append(f"| 17. loading a Hugging Face checkpoint of {loading['parameters'] / 1e9:.2f}B parameters "
+                     f"({loading['files_bytes'] / 1e9:.2f} GB of bf16 safetensors) FSDP over 8 CPU devices: host memory "
+                     f"the loader adds beyond the loaded state, in largest tensors ({loading['largest_tensor_bytes'] / 1e6:.0f}"
+                     f" MB as float32); load / raw read throughput | {loading['added_over_largest_tensor']:.2f} "
+                     f"({loading['added_rss_bytes'] / 1e6:.0f} MB); {loading['load_gb_per_s']:.2f} / "
+                     f"{loading['raw_gb_per_s']:.2f} GB/s | <= 2 tensors |")
+    lora = load("lora")
+    if lora:
+        full, low = lora["full"], lora["lora"]
+        lines.append(f"| 18. LoRA rank {lora['rank']} (all 7 projections) / full fine-tuning, {lora['parameters'] / 1e6:.1f}M "
+                     f"parameters, {lora['strategy']} on {lora['mesh']} ({lora['machine']}): optimizer state per "
+                     f"device; step time (median of interleaved steps); compiled scratch per device | "
+                     f"{mb(low['optimizer_bytes_per_device'])} / {mb(full['optimizer_bytes_per_device'])} "
+                     f"({100 * lora['optimizer_bytes_ratio']:.1f}%); {low['step_s']:.2f} / {full['step_s']:.2f} s "
+                     f"({lora['step_time_ratio']:.2f}x); {mb(low['compiled_temp_bytes_per_device'])} / "
+                     f"{mb(full['compiled_temp_bytes_per_device'])} | less |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -226,6 +244,9 @@ if __name__ == "__main__":
         run(["benchmarks/pipeline_vmap.py"])
     run(["benchmarks/layer_vjps.py"])
     run(["benchmarks/checkpoint_integrity.py"])
+    run(["benchmarks/lora.py"])
+    if not options.skip_slow:
+        run(["benchmarks/hf_load.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])
