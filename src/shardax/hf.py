@@ -16,6 +16,7 @@ the field of ``config.json``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -127,8 +128,9 @@ class SafeTensors:
         else:
             raise UsageError(f"{path} holds neither model.safetensors nor model.safetensors.index.json; give a "
                              "Hugging Face model directory saved with safetensors")
-        self.files: dict[str, Any] = {}
+        self.files: dict[str, Any] = {}  # open handles (each maps its file; ``release`` lets them go)
         self.where: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for name in files:
             try:
                 handle = safe_open(str(path / name), framework="flax")
@@ -138,9 +140,9 @@ class SafeTensors:
             except Exception as error:  # safetensors' own error for a damaged header
                 raise UsageError(f"{path / name} is not a readable safetensors file ({error}); download it "
                                  "again") from None
-            self.files[name] = handle
             for key in handle.keys():
                 self.where[key] = name
+                self.shapes[key] = tuple(handle.get_slice(key).get_shape())
         if weight_map is not None:
             absent = [key for key, name in weight_map.items() if self.where.get(key) != name]
             if absent:
@@ -149,17 +151,27 @@ class SafeTensors:
         self.bytes_read = 0
 
     def close(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Unmap the files: the pages a read touched stop counting in this process's memory."""
         self.files = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.files[self.where[name]].get_slice(name).get_shape())
+        return self.shapes[name]
 
     def read(self, name: str, rows: slice, columns: slice | None = None) -> np.ndarray:
-        """``tensor[rows, columns]`` (``columns`` None: a vector) as float32."""
-        part = self.files[self.where[name]].get_slice(name)
+        """``tensor[rows, columns]`` (``columns`` None: a vector) in the file's dtype (bfloat16 as
+        ``ml_dtypes``' numpy type); whoever places it casts it."""
+        from safetensors import safe_open
+
+        file = self.where[name]
+        if file not in self.files:
+            self.files[file] = safe_open(str(self.path / file), framework="flax")
+        part = self.files[file].get_slice(name)
         block = part[rows] if columns is None else part[rows, columns]
-        array = np.asarray(block, dtype=np.float32)
-        self.bytes_read += array.size * np.dtype(block.dtype).itemsize
+        array = np.asarray(block)
+        self.bytes_read += array.nbytes
         return array
 
 
@@ -215,7 +227,16 @@ class Source:
             return tensors.read(name, span(self.outputs, out_index)).reshape(out_shape)[out_cut]
         in_shape, in_cut = local(self.inputs, in_index)
         block = tensors.read(name, span(self.outputs, out_index), span(self.inputs, in_index))
-        return block.T.reshape(in_shape + out_shape)[in_cut + out_cut]
+        return _transposed(block).reshape(in_shape + out_shape)[in_cut + out_cut]
+
+
+_TRANSPOSE = jax.jit(lambda block: block.T.astype(jnp.float32))
+
+
+def _transposed(block: np.ndarray) -> np.ndarray:
+    """``block.T`` as float32, copied by XLA on the host's CPU (numpy's strided copy is about 6x
+    slower)."""
+    return np.asarray(_TRANSPOSE(jax.device_put(block, jax.local_devices(backend="cpu")[0])))
 
 
 def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
@@ -360,22 +381,35 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
     def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         name = path_to_str(keypath)
         source, layer, below = _parameter_source(name, config)
-        blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}  # devices that hold the same slice read it once
+
+        def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+            return tuple((s.start, s.stop) for s in _normalize(index, leaf.shape))
+
+        # devices that hold the same slice read it once; a slice is let go once its last device has it
+        wanted = collections.Counter(key(index) for index in
+                                     sharding.addressable_devices_indices_map(leaf.shape).values())
+        blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
         def block(index: tuple[slice, ...]) -> np.ndarray:
-            index = _normalize(index, leaf.shape)
-            key = tuple((s.start, s.stop) for s in index)
-            if key not in blocks:
-                blocks[key] = read(index).astype(leaf.dtype)
-            return blocks[key]
+            at = key(index)
+            if at not in blocks:
+                blocks[at] = read(_normalize(index, leaf.shape))
+                tensors.release()
+            wanted[at] -= 1
+            return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
 
         def read(index: tuple[slice, ...]) -> np.ndarray:
+            """One device's slice, filled a layer at a time: besides the slice itself, only one
+            layer's part of it is ever held."""
+            out = np.empty(tuple(s.stop - s.start for s in index), leaf.dtype)
             if source is not None:
-                return source.read(tensors, index)
-            if layer is not None:
-                return _sources(config, layer)[below].read(tensors, index)
-            return np.stack([_sources(config, i)[below].read(tensors, index[1:])
-                             for i in range(config.n_layers)[index[0]]])
+                out[...] = source.read(tensors, index)
+            elif layer is not None:
+                out[...] = _sources(config, layer)[below].read(tensors, index)
+            else:
+                for row, at in enumerate(range(config.n_layers)[index[0]]):
+                    out[row] = _sources(config, at)[below].read(tensors, index[1:])
+            return out
 
         return jax.make_array_from_callback(leaf.shape, sharding, block)
 
