@@ -78,9 +78,16 @@ def test_logits_match_transformers(architecture, checkpoints):
                                             ("fsdp_tp", "data=2,model=2,context=2")])
 def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
     """The same checkpoint under each layout: the logits (outside a step) and the loss of the
-    compiled eval step (pipeline stages and split sequences included) are Hugging Face's."""
+    compiled eval step (pipeline stages and split sequences included) are Hugging Face's. Under
+    pipelines and context axes it is loaded with LoRA adapters, and their train step trains
+    those alone."""
+    import optax
+
+    from shardax import LoRA
+
     folder, expected = checkpoints["llama3"]
-    loaded = hf.load(folder, mesh, strategy)
+    lora = LoRA(2, targets="q,o,up") if "stage" in mesh or "context" in mesh else None
+    loaded = hf.load(folder, mesh, strategy, tx=optax.adam(1e-2), lora=lora)
     if "stage" not in mesh and "context" not in mesh:
         np.testing.assert_allclose(logits_of(loaded), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     parallel = loaded.parallel
@@ -91,6 +98,14 @@ def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
             jax.tree_util.tree_leaves_with_path(parallel.state_shardings.params)}
     placed = {path: leaf.sharding.spec for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.state.params)}
     assert placed == spec  # every weight was put straight into its own layout
+    if lora is not None:
+        before = [np.asarray(leaf) for leaf in jax.tree.leaves(loaded.state.params)]
+        state, metrics = parallel.train_step(next_token_loss)(loaded.state, parallel.place_batch({"tokens": TOKENS}))
+        np.testing.assert_allclose(float(metrics["loss"]), hf_loss(expected), rtol=1e-5)
+        changed = [path_to_str(path) for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                                                                 before) if not np.array_equal(np.asarray(new), old)]
+        # B starts at zero, so A's first gradient is zero: the first step moves the B adapters alone
+        assert sorted(changed) == [f"blocks/layers/lora_{t}_b" for t in ("o", "q", "up")]
 
 
 def test_each_device_slice_is_read_once_and_replicas_share_it(checkpoints):
