@@ -422,3 +422,20 @@ def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_
         lonely.stderr)
     wrong = shardax("train", "--init-from", with_tokenizer, "--lora-rank", 4, "--lora-targets", "q,attn", check=False)
     assert wrong.returncode == 2 and "--lora-targets q,attn: name each projection once" in wrong.stderr
+
+
+def test_greedy_generation_matches_transformers_generate(checkpoints):
+    """A loaded checkpoint, sharded fsdp_tp, decodes greedily from its key/value cache the tokens
+    Hugging Face's ``generate`` gives (do_sample=False) for the same prompts."""
+    import shardax
+
+    folder, _ = checkpoints["llama3"]
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", seq_len=48)
+    prompts = [list(TOKENS[0, :7]), list(TOKENS[1, :3])]
+    ours = shardax.generate(loaded.model(), prompts, max_new_tokens=12)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+        assert tokens == theirs[0, len(prompt):].tolist()

@@ -7,7 +7,7 @@
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
     model_parallel, data_parallel parallelize(), reshard(); the seed contract
-    hf                            Hugging Face checkpoints in and out, into and from shards
+    hf, generation                Hugging Face checkpoints in and out, into and from shards; generate()
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
     cli                           the command lines
@@ -25,7 +25,7 @@ LAYERS = [
     {"layers", "blocks", "models", "data"},
     {"step"},
     {"model_parallel", "data_parallel"},
-    {"hf"},
+    {"hf", "generation"},
     {"trainer"},
     {"lm", "analysis"},
     {"cli"},

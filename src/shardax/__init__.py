@@ -14,6 +14,7 @@ from shardax.data_parallel import spmd_train_step as spmd_train_step
 from shardax.distributed import ClusterSpec as ClusterSpec
 from shardax.distributed import detect_cluster as detect_cluster
 from shardax.distributed import init_distributed as init_distributed
+from shardax.generation import generate as generate
 from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
 from shardax.layers import RowParallelLinear as RowParallelLinear
 from shardax.layers import ShardedEmbed as ShardedEmbed

@@ -220,7 +220,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array 
 
 class Attention(nnx.Module):
     """``attention`` as a module, so that ``parallelize`` can tell it how sequences are split
-    (its ``sequence``). It holds no parameters: the model keeps its own projections."""
+    (its ``sequence``). It holds no parameters: the model keeps its own projections.
+
+    With a key/value cache (``init_cache``), each call writes its keys and values into the
+    cache at their positions (``positions``, contiguous in each row) and its queries attend to
+    every cached token at or before their own position: a prompt, then one token at a time."""
 
     def __init__(self, *, implementation: str = "auto") -> None:
         if implementation not in IMPLEMENTATIONS:
@@ -230,8 +234,40 @@ class Attention(nnx.Module):
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
                  segments: jax.Array | None = None) -> jax.Array:
+        if hasattr(self, "cached_keys"):  # set by init_cache
+            return self._from_cache(q, k, v, positions)
         return attention(q, k, v, positions=positions, segments=segments, implementation=self.implementation,
                          sequence=self.sequence)
+
+    def _from_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> jax.Array:
+        if positions is None:
+            raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
+
+        def write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=0)
+
+        keys = jax.vmap(write)(self.cached_keys[...], k, positions[:, 0])
+        values = jax.vmap(write)(self.cached_values[...], v, positions[:, 0])
+        self.cached_keys[...], self.cached_values[...] = keys, values
+        visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # (B, T, cache length)
+        return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[:, None])
+
+
+def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any) -> None:
+    """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
+    positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
+    layers dimension inside a scanned ``LayerStack``."""
+    done = set()
+    for _, stack in blocks_of(model, LayerStack):
+        for _, block in blocks_of(stack.layers, Attention):
+            leading = (stack.count,) if stack.scan else ()
+            block.cached_keys = nnx.Cache(jnp.zeros((*leading, batch, length, kv_heads, head_dim), dtype))
+            block.cached_values = nnx.Cache(jnp.zeros((*leading, batch, length, kv_heads, head_dim), dtype))
+            done.add(id(block))
+    for _, block in blocks_of(model, Attention):
+        if id(block) not in done:
+            block.cached_keys = nnx.Cache(jnp.zeros((batch, length, kv_heads, head_dim), dtype))
+            block.cached_values = nnx.Cache(jnp.zeros((batch, length, kv_heads, head_dim), dtype))
 
 
 def blocks_of(model: Any, kind: type) -> list[tuple[str, Any]]:

@@ -3,19 +3,16 @@
 Greedy decoding of a small model trained for a minute repeats its most likely token (often a
 space) forever; drawing from the top ``k`` tokens at a temperature below one shows what it
 learned. The draw is a pure function of the seed, so the same run prints the same sample.
+Tokens come from ``shardax.generate``'s key/value cache; a sample longer than the model's
+context goes on from the latest half-context of text, prefilled afresh.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
-
 from shardax.errors import UsageError
+from shardax.generation import generate
 
 
 def sample_tokens(parallel, state, prompt: Sequence[int], new_tokens: int, context: int, *, vocab: int,
@@ -25,25 +22,13 @@ def sample_tokens(parallel, state, prompt: Sequence[int], new_tokens: int, conte
     if temperature < 0 or top_k < 0:
         raise UsageError(f"sampling needs temperature >= 0 and top_k >= 0, got {temperature} and {top_k}; "
                          "temperature 0 is greedy, top_k 0 keeps every token")
-    replicated = NamedSharding(parallel.mesh, PartitionSpec())
-    keep = vocab if top_k == 0 else min(top_k, vocab)
-
-    @jax.jit
-    def next_token(params, rest, window, length, key):
-        logits = nnx.merge(parallel.graphdef, params, rest)(window)[0, length - 1, :vocab]  # (vocab,)
-        if temperature == 0:
-            return jnp.argmax(logits)
-        top, ids = jax.lax.top_k(logits, keep)
-        return ids[jax.random.categorical(key, top / temperature)]
-
+    model = parallel.merge(state)
     tokens = list(prompt[-context:])
-    start = len(tokens)
-    base = jax.random.key(seed)
-    for i in range(new_tokens):
-        recent = tokens[-context:]
-        window = np.zeros((1, context), np.int32)
-        window[0, : len(recent)] = recent
-        placed = jax.make_array_from_callback(window.shape, replicated, lambda index: window[index])
-        token = next_token(state.params, state.rest, placed, len(recent), jax.random.fold_in(base, i))
-        tokens.append(int(np.asarray(token.addressable_data(0))))
+    start, part = len(tokens), 0
+    while len(tokens) - start < new_tokens:
+        window = tokens[-max(1, context // 2):] if len(tokens) - start else tokens
+        wanted = min(new_tokens - (len(tokens) - start), context - len(window))
+        tokens += generate(model, [window], max_new_tokens=wanted, temperature=temperature, top_k=min(top_k, vocab),
+                           seed=seed + 7919 * part, vocab=vocab)[0]
+        part += 1
     return tokens[start:]

@@ -1,0 +1,227 @@
+"""Generation from shardax's transformer with a key/value cache, sharded like the model.
+
+    tokens = shardax.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)            # greedy
+    tokens = shardax.generate(model, prompts, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=1)
+
+The prompts are run through the model once (prefill), their keys and values written into a
+cache of every layer; then each new token is one call of a compiled decode step that attends
+to the cache through ``shardax.blocks.Attention``. Prompts of different lengths share a batch:
+each row has its own positions, and what follows a row's prompt is never attended before it is
+written. Shapes come in buckets (prompt length to a multiple of 16, the cache to a multiple of
+64), so a new prompt compiles nothing when its bucket has been seen.
+
+On a mesh (the model's parameters placed by ``parallelize``) the cache is split like the
+attention it serves: rows over the data axes, key/value heads over ``model`` where they divide.
+The model runs its plain forward pass (a pipeline's stages or a context axis only hold rows). Draws are made row by row from ``seed``, the step and the row's index, so
+the same prompts give the same tokens on every mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.blocks import init_cache
+from shardax.errors import UsageError
+from shardax.models.transformer import TransformerLM
+
+PROMPT_BUCKET, CACHE_BUCKET = 16, 64
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _mesh_of(model: nnx.Module) -> Mesh | None:
+    """The mesh the model's parameters are placed on, with every axis Auto (the decoder lays out
+    its own arrays and lets the compiler propagate; None: not placed on a mesh)."""
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    return None
+
+
+def _check(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_k: int,
+           top_p: float) -> None:
+    if not isinstance(model, TransformerLM):
+        raise UsageError(f"generate() decodes shardax's TransformerLM (its own, or a Hugging Face checkpoint's via "
+                         f"shardax.hf.load(...).model()); got {type(model).__name__}")
+    if not prompts or any(len(prompt) == 0 for prompt in prompts):
+        raise UsageError("generate() needs at least one prompt, each of at least one token")
+    vocab = model.config.vocab_size
+    for row, prompt in enumerate(prompts):
+        wrong = [int(t) for t in prompt if not 0 <= int(t) < vocab]
+        if wrong:
+            raise UsageError(f"prompt {row} holds token id {wrong[0]}, outside the model's vocabulary of {vocab}; "
+                             "tokenize with the model's own tokenizer")
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens={max_new_tokens} must be at least 1")
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise UsageError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, "
+                         f"{top_k} and {top_p} (temperature 0 is greedy, top_k 0 and top_p 1 keep every token)")
+    longest = max(len(prompt) for prompt in prompts)
+    if longest + max_new_tokens > model.config.seq_len:
+        raise UsageError(f"a prompt of {longest} tokens and {max_new_tokens} new ones need {longest + max_new_tokens} "
+                         f"positions, more than the model's {model.config.seq_len}; shorten the prompt or ask for "
+                         "fewer new tokens")
+
+
+def _draw(logits: jax.Array, key: jax.Array, rows: jax.Array, temperature: float, top_k: int,
+          top_p: float) -> jax.Array:
+    """One token per row of ``logits`` (B, V): greedy at temperature 0, else drawn from the
+    tempered distribution cut to the ``top_k`` likeliest and to the smallest set holding
+    ``top_p`` of the probability, with a key of the row's own."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
+        # the smallest logit still inside the nucleus: the first whose cumulative mass reaches top_p
+        cut = jnp.take_along_axis(ordered, jnp.argmax(cumulative >= top_p, axis=-1)[:, None], axis=-1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    keys = jax.vmap(lambda row: jax.random.fold_in(key, row))(rows)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """The cache ``generate`` makes: ``batch`` rows (the prompts, padded to a multiple of the
+    data axes' size) of ``length`` positions, prompts run ``prompt_length`` at a time; each
+    layer's keys and values ``(batch, length, kv_heads, head_dim)`` split by ``spec`` on ``mesh``."""
+
+    mesh: Mesh | None
+    batch: int
+    length: int
+    prompt_length: int
+    spec: tuple[Any, ...]
+
+    def bytes_per_device(self, config: Any) -> int:
+        """Bytes of the keys and values of every layer on one device."""
+        whole = 2 * config.n_layers * self.batch * self.length * config.kv_heads * config.head_dim * jnp.dtype(
+            config.dtype).itemsize
+        split = 1 if self.mesh is None else math.prod(
+            self.mesh.shape[axis] for entry in self.spec if entry for axis in ((entry,) if isinstance(entry, str)
+                                                                               else entry))
+        return whole // split
+
+
+def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: int) -> CacheLayout:
+    """How ``generate`` lays out the cache for ``rows`` prompts of at most ``longest`` tokens: rows
+    over the mesh's data axes, key/value heads over ``model`` where they divide."""
+    config, mesh = model.config, _mesh_of(model)
+    data_axes: tuple[str, ...] = ()
+    heads_axis = None
+    if mesh is not None:  # rows over every axis but model (a pipeline's stages and a context axis too)
+        data_axes = tuple(axis for axis in mesh.axis_names if axis != "model" and mesh.shape[axis] > 1)
+        if mesh.shape.get("model", 1) > 1 and config.kv_heads % mesh.shape["model"] == 0:
+            heads_axis = "model"
+    batch = _round_up(rows, math.prod(mesh.shape[axis] for axis in data_axes) if mesh is not None else 1)
+    length = min(_round_up(longest + max_new_tokens, CACHE_BUCKET), config.seq_len)
+    return CacheLayout(mesh, batch, length, min(_round_up(longest, PROMPT_BUCKET), length),
+                       (data_axes or None, None, heads_axis, None))
+
+
+_STEPS: dict[Any, Any] = {}
+
+
+def _step(graphdef: nnx.GraphDef, mesh: Mesh | None, cache_shardings: Any, temperature: float, top_k: int,
+          top_p: float, vocab: int | None) -> Callable[..., tuple[jax.Array, Any]]:
+    """The jitted prefill/decode step ``(weights, cache, tokens, positions, last, key) -> (the next
+    token of each row, the cache)``, one per model structure, layout and sampling (each shape
+    bucket then compiles once)."""
+    key = (graphdef, mesh, None if cache_shardings is None else tuple(jax.tree.leaves(cache_shardings)),
+           temperature, top_k, top_p, vocab)
+    if key not in _STEPS:
+        def step(weights: Any, cache: Any, tokens: jax.Array, positions: jax.Array, last: jax.Array,
+                 key: jax.Array) -> tuple[jax.Array, Any]:
+            module = nnx.merge(graphdef, cache, weights)
+            logits = module(tokens, positions=positions)  # (B, T, vocab)
+            logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :vocab]
+            chosen = _draw(logits, key, jnp.arange(logits.shape[0]), temperature, top_k, top_p)
+            return chosen, nnx.state(module, nnx.Cache)
+
+        if mesh is None:
+            _STEPS[key] = jax.jit(step, donate_argnums=(1,))
+        else:
+            _STEPS[key] = jax.jit(step, donate_argnums=(1,),
+                                  out_shardings=(NamedSharding(mesh, PartitionSpec()), cache_shardings))
+    return _STEPS[key]
+
+
+def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop: int | Sequence[int] | None = None, vocab: int | None = None,
+             on_token: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+    """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens; returns the
+    new tokens of each, ending at (and including) a ``stop`` token where one comes.
+
+    ``temperature`` 0 is greedy; otherwise tokens are drawn (``top_k``, ``top_p`` cut the
+    distribution) from ``seed``. ``on_token(step, tokens)`` is called after each step with
+    every row's new token (for printing as they come). ``vocab``: draw only ids below it (a
+    tokenizer smaller than the model's embedding). The model is not changed."""
+    _check(model, prompts, max_new_tokens, temperature, top_k, top_p)
+    config = model.config
+    rows = len(prompts)
+    longest = max(len(prompt) for prompt in prompts)
+    layout = cache_layout(model, rows, longest, max_new_tokens)
+    mesh, batch, length, prompt_length = layout.mesh, layout.batch, layout.length, layout.prompt_length
+
+    graphdef, state = nnx.split(model)
+    work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
+    work.eval()
+    init_cache(work, batch, length, config.kv_heads, config.head_dim, config.dtype)
+    graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
+    if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
+        weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
+                               if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
+    cache_shardings = None
+    if mesh is not None:
+        cache_shardings = jax.tree.map(
+            lambda leaf: NamedSharding(mesh, PartitionSpec(*(None,) * (leaf.ndim - 4), *layout.spec)), cache)
+        cache = jax.device_put(cache, cache_shardings)
+
+        def place(array: np.ndarray) -> jax.Array:  # rows over the data axes
+            return jax.device_put(array, NamedSharding(mesh, PartitionSpec(layout.spec[0], *(None,) * (array.ndim - 1))))
+    else:
+        place = jnp.asarray
+    compiled = _step(graphdef, mesh, cache_shardings, temperature, top_k, top_p, vocab)
+    tokens = np.zeros((batch, prompt_length), np.int32)
+    lengths = np.ones(batch, np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+        lengths[row] = len(prompt)
+    positions = np.broadcast_to(np.arange(prompt_length, dtype=np.int32), tokens.shape)
+    stops = set() if stop is None else {int(stop)} if isinstance(stop, (int, np.integer)) else set(map(int, stop))
+    base = jax.random.key(seed)
+    chosen, cache = compiled(weights, cache, place(tokens), place(positions), place(lengths - 1),
+                             jax.random.fold_in(base, 0))
+    out: list[list[int]] = [[] for _ in range(rows)]
+    done = np.zeros(rows, bool)
+    for i in range(max_new_tokens):
+        new = np.asarray(jax.device_get(chosen)).reshape(-1)[:rows]
+        for row in np.flatnonzero(~done):
+            out[row].append(int(new[row]))
+            done[row] = int(new[row]) in stops
+        if on_token is not None:
+            on_token(i, [int(t) for t in new])
+        if done.all() or i == max_new_tokens - 1:
+            break
+        at = (lengths + i)[:, None]
+        chosen, cache = compiled(weights, cache, place(np.asarray(jax.device_get(chosen)).reshape(batch, 1)),
+                                 place(at.astype(np.int32)), place(np.zeros(batch, np.int32)),
+                                 jax.random.fold_in(base, i + 1))
+    return out

@@ -1,0 +1,87 @@
+"""``shardax.generate``: a key/value cache decoder, token for token the full forward's argmax.
+
+Each strategy's model is the same (same seed); greedy decoding of a batch of prompts of
+different lengths must equal the argmax of the whole model re-run over the growing sequence
+(no cache), each prompt decoded alone, and seeded sampling the same tokens on every mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import shardax
+from shardax import DeviceMeshManager, parallelize
+from shardax.errors import UsageError
+from shardax.generation import cache_layout
+from shardax.models.transformer import TransformerLM
+from small_models import tiny_transformer_config
+
+pytestmark = pytest.mark.xdist_group("test_generation")
+
+# grouped-query attention (2 key/value heads), RoPE, and a learned-position model beside it
+CONFIGS = {
+    "llama": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
+                                     tie_embeddings=False, d_ff=48),
+    "gpt": tiny_transformer_config(seq_len=64),
+}
+PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17]]
+NEW = 10
+STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2")]
+_SEEN: dict = {}
+
+
+def model_on(name, strategy, mesh):
+    config = CONFIGS[name]
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(),
+                           DeviceMeshManager().create_device_mesh(mesh), strategy)
+    return parallel.merge(parallel.init(3))
+
+
+def full_forward_greedy(model, prompt, new):
+    """The argmax of the whole model over the growing sequence, no cache: one compiled forward
+    over a fixed window, read at the last real token."""
+    window = model.config.seq_len
+    forward = jax.jit(lambda model, tokens: model(tokens))
+    tokens = list(prompt)
+    for _ in range(new):
+        padded = np.zeros((1, window), np.int32)
+        padded[0, :len(tokens)] = tokens
+        tokens.append(int(jnp.argmax(forward(model, padded)[0, len(tokens) - 1])))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("strategy, mesh", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, mesh, name):
+    model = model_on(name, strategy, mesh)
+    greedy = shardax.generate(model, PROMPTS, max_new_tokens=NEW)
+    assert greedy == [full_forward_greedy(model, prompt, NEW) for prompt in PROMPTS]
+    assert [shardax.generate(model, [prompt], max_new_tokens=NEW)[0] for prompt in PROMPTS] == greedy
+    sampled = shardax.generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9, seed=5)
+    assert _SEEN.setdefault((name, "sampled"), sampled) == sampled  # the same draws on every mesh
+    assert sampled != greedy and all(len(row) == NEW for row in sampled)
+    layout = cache_layout(model, len(PROMPTS), max(map(len, PROMPTS)), NEW)
+    data = 4 if "model" in mesh else 8
+    assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None, None)
+    if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes, split
+        assert layout.bytes_per_device(model.config) == 2 * 2 * data * 64 * 2 * 8 * 4 // 8
+
+
+def test_stop_tokens_and_bad_requests():
+    model = model_on("llama", "dp", "data=8")
+    greedy = shardax.generate(model, PROMPTS, max_new_tokens=NEW)
+    stop = greedy[0][3]
+    stopped = shardax.generate(model, PROMPTS, max_new_tokens=NEW, stop=stop)
+    for row, full in zip(stopped, greedy):
+        end = full.index(stop) + 1 if stop in full else NEW
+        assert row == full[:end]
+    with pytest.raises(UsageError, match="a prompt of 19 tokens and 60 new ones need 79 positions, more than the "
+                                         "model's 64"):
+        shardax.generate(model, PROMPTS, max_new_tokens=60)
+    with pytest.raises(UsageError, match="prompt 1 holds token id 64, outside the model's vocabulary of 64"):
+        shardax.generate(model, [[1], [64]])
+    with pytest.raises(UsageError, match="decodes shardax's TransformerLM"):
+        shardax.generate(object(), PROMPTS)
+    with pytest.raises(UsageError, match="temperature >= 0, top_k >= 0 and 0 < top_p <= 1"):
+        shardax.generate(model, PROMPTS, top_p=0)
