@@ -417,6 +417,13 @@ def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_
     np.testing.assert_allclose(written["model.layers.1.self_attn.q_proj.weight"], (layer + delta).T, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(written["model.layers.1.self_attn.k_proj.weight"],
                                   loaded["model.layers.1.self_attn.k_proj.weight"])
+    said = shardax("generate", "--checkpoint", tmp_path / "ckpt", "--prompt", "import json", "--max-new-tokens", 6,
+                   "--temperature", 0)
+    assert said.stdout.startswith("import json") and len(said.stdout) > len("import json\n")
+    both = shardax("generate", "--hf", with_tokenizer, "--prompt", "def", "--prompt", "class", "--max-new-tokens", 4)
+    assert both.stdout.startswith("def") and "\nclass" in both.stdout
+    long = shardax("generate", "--hf", with_tokenizer, "--prompt", "x", "--max-new-tokens", 1000, check=False)
+    assert long.returncode == 2 and "more than the model's 64; shorten the prompt" in long.stderr
     lonely = shardax("train", "--init-from", with_tokenizer, "--lora-alpha", 8, check=False)
     assert lonely.returncode == 2 and "--lora-alpha shapes LoRA adapters, and there are none without --lora-rank" in (
         lonely.stderr)

@@ -1,5 +1,5 @@
 """The ``shardax`` command: ``train`` (the LM job), ``prepare`` (token shards), ``plan`` (what fits,
-what it costs), ``launch``, ``export`` (a checkpoint as Hugging Face's).
+what it costs), ``launch``, ``export`` (a checkpoint as Hugging Face's), ``generate`` (text).
 
 Each subcommand lives in its own module; this one parses and reports errors: bad input is one
 line on stderr and exit code 2, with no traceback.
@@ -14,6 +14,7 @@ from typing import NoReturn
 from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError,
                                 NonFiniteError, Preempted, UsageError)
 from shardax.cli.export import add_export_parser, export_command
+from shardax.cli.generate import add_generate_parser, generate_command
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
 from shardax.cli.prepare import add_prepare_parser, prepare_command
@@ -35,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_parser(subparsers, STRATEGY_NAMES)
     add_launch_parser(subparsers)
     add_export_parser(subparsers)
+    add_generate_parser(subparsers)
     args = parser.parse_args(argv)
     try:
         return {"train": train, "prepare": prepare_command, "plan": plan_command,
-                "launch": launch_command, "export": export_command}[args.command](args)
+                "launch": launch_command, "export": export_command, "generate": generate_command}[args.command](args)
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         print(f"shardax {args.command}: error: {error}", file=sys.stderr)
         if "checkpoint" in str(error) and "shardax.trainer.checkpoint" in sys.modules:

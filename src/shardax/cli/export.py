@@ -40,42 +40,55 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def export_command(args: argparse.Namespace) -> int:
-    configure_jax(args.devices)
-    import json
-
-    from shardax import hf
+def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tuple[int, dict, Any, Any, Any]:
+    """A ``shardax train`` checkpoint restored FSDP over the local devices: (its step, the run's
+    record, the model's config, the ``ParallelModel``, the state). ``check(config, step)`` runs
+    before anything is read."""
     from shardax.lm.job import optimizer
     from shardax.mesh import DeviceMeshManager
     from shardax.model_parallel import parallelize
     from shardax.models.transformer import TransformerConfig, TransformerLM
     from shardax.trainer.checkpoint import Checkpointer
 
-    out = Path(args.hf)
-    with Checkpointer(args.checkpoint_dir) as checkpointer:
+    with Checkpointer(checkpoint_dir) as checkpointer:
         checkpointer.lock.check_free()
-        step = args.step
         if step is None:
             step = checkpointer.latest_good_step()[0]
         elif step not in checkpointer.all_steps():
-            raise UsageError(f"--step {step}: {args.checkpoint_dir} holds steps {checkpointer.all_steps()}; "
+            raise UsageError(f"--step {step}: {checkpoint_dir} holds steps {checkpointer.all_steps()}; "
                              "give one of them")
         record = checkpointer.record(step)
         run, model = record.get("run"), record.get("model")
         if not isinstance(run, dict) or not isinstance(model, dict):
-            raise UsageError(f"{args.checkpoint_dir} step {step} was not written by shardax train (no run record); "
-                             "save a Trainer's model with shardax.hf.save")
+            raise UsageError(f"{checkpoint_dir} step {step} was not written by shardax train (no run record); "
+                             "use the Trainer's model in Python")
         fields = {f.name for f in dataclasses.fields(TransformerConfig)}
         model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}
         config = TransformerConfig(**model)
-        hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
-        if args.merge and not config.lora_rank:
-            raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} trained every "
-                             "weight (no --lora-rank); drop --merge")
+        if check is not None:
+            check(config, step)
         tx, _ = optimizer(run["lr"], run["steps"])
         mesh = DeviceMeshManager().create_device_mesh("data=-1")
         parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, mesh, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
+    return step, run, config, parallel, state
+
+
+def export_command(args: argparse.Namespace) -> int:
+    configure_jax(args.devices)
+    import json
+
+    from shardax import hf
+
+    out = Path(args.hf)
+
+    def check(config: Any, step: int) -> None:
+        hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
+        if args.merge and not config.lora_rank:
+            raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} trained every "
+                             "weight (no --lora-rank); drop --merge")
+
+    step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check)
     source = Path(run["init_from"]) if run.get("init_from") else None
     base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
     if config.lora_rank and not args.merge:
