@@ -1,5 +1,6 @@
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 import shardax
@@ -50,3 +51,20 @@ def test_public_api_is_explicit():
     for name in methods:
         assert callable(getattr(shardax.DataParallel, name))
         assert isinstance(shardax.DataParallel.__dict__[name + "_static"], staticmethod)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["generate", "--help"],
+                                  ["train", "--strategy", "nope"]])
+def test_the_command_line_answers_help_and_bad_flags_without_importing_jax(argv):
+    """``shardax --help``, a subcommand's help and a bad flag are answered before JAX, Flax,
+    optax or orbax are imported (they cost seconds; a subcommand imports them when it runs)."""
+    import subprocess
+    import sys
+
+    probe = ("import runpy, sys\n"
+             f"sys.argv = ['shardax', *{argv!r}]\n"
+             "try:\n    runpy.run_module('shardax.cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'optax', 'orbax'}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "heavy: []", out.stdout[-500:] + out.stderr[-500:]

@@ -1,41 +1,104 @@
-"""shardax: train Flax NNX models across many devices and many hosts."""
+"""shardax: train Flax NNX models across many devices and many hosts.
 
-from shardax.data_parallel import DataParallel as DataParallel
-from shardax.data_parallel import create_data_parallel_sharding as create_data_parallel_sharding
-from shardax.data_parallel import data_parallel_rules as data_parallel_rules
-from shardax.data_parallel import data_parallel_train_step as data_parallel_train_step
-from shardax.data_parallel import model_state_shardings as model_state_shardings
-from shardax.data_parallel import place_batch_on_shards as place_batch_on_shards
-from shardax.data_parallel import place_model_state_on_shards as place_model_state_on_shards
-from shardax.data_parallel import place_nnx_state_on_shards as place_nnx_state_on_shards
-from shardax.data_parallel import reduce_gradient_tree as reduce_gradient_tree
-from shardax.data_parallel import reduce_gradients_across_devices as reduce_gradients_across_devices
-from shardax.data_parallel import spmd_train_step as spmd_train_step
-from shardax.distributed import ClusterSpec as ClusterSpec
-from shardax.distributed import detect_cluster as detect_cluster
-from shardax.distributed import init_distributed as init_distributed
-from shardax.generation import generate as generate
-from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
-from shardax.layers import RowParallelLinear as RowParallelLinear
-from shardax.layers import ShardedEmbed as ShardedEmbed
-from shardax.layers import ShardedLinear as ShardedLinear
-from shardax.mesh import DeviceMeshManager as DeviceMeshManager
-from shardax.mesh import describe_mesh as describe_mesh
-from shardax.mesh import get_mesh_info as get_mesh_info
-from shardax.mesh import parse_mesh_shape as parse_mesh_shape
-from shardax.model_parallel import ParallelModel as ParallelModel
-from shardax.model_parallel import parallelize as parallelize
-from shardax.model_parallel import reshard as reshard
-from shardax.models.transformer import LoRA as LoRA
-from shardax.sharding.compute import for_compute as for_compute
-from shardax.sharding.report import ShardingReport as ShardingReport
-from shardax.sharding.report import report as report
-from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES
-from shardax.sharding.strategies import STRATEGIES as STRATEGIES
-from shardax.sharding.strategies import Strategy as Strategy
-from shardax.sharding.strategies import get_strategy as get_strategy
-from shardax.step.state import TrainState as TrainState
-from shardax.trainer.run import FitResult as FitResult
-from shardax.trainer.trainer import Trainer as Trainer
+The names below are imported on first use (``shardax.Trainer`` imports JAX, Flax and optax
+then), so that ``import shardax.cli`` and ``shardax --help`` start without them.
+"""
 
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+# each public name and the module it lives in
+_EXPORTS = {
+    "DataParallel": "shardax.data_parallel",
+    "create_data_parallel_sharding": "shardax.data_parallel",
+    "data_parallel_rules": "shardax.data_parallel",
+    "data_parallel_train_step": "shardax.data_parallel",
+    "model_state_shardings": "shardax.data_parallel",
+    "place_batch_on_shards": "shardax.data_parallel",
+    "place_model_state_on_shards": "shardax.data_parallel",
+    "place_nnx_state_on_shards": "shardax.data_parallel",
+    "reduce_gradient_tree": "shardax.data_parallel",
+    "reduce_gradients_across_devices": "shardax.data_parallel",
+    "spmd_train_step": "shardax.data_parallel",
+    "ClusterSpec": "shardax.distributed",
+    "detect_cluster": "shardax.distributed",
+    "init_distributed": "shardax.distributed",
+    "generate": "shardax.generation",
+    "ColumnParallelLinear": "shardax.layers",
+    "RowParallelLinear": "shardax.layers",
+    "ShardedEmbed": "shardax.layers",
+    "ShardedLinear": "shardax.layers",
+    "DeviceMeshManager": "shardax.mesh",
+    "describe_mesh": "shardax.mesh",
+    "get_mesh_info": "shardax.mesh",
+    "parse_mesh_shape": "shardax.mesh",
+    "ParallelModel": "shardax.model_parallel",
+    "parallelize": "shardax.model_parallel",
+    "reshard": "shardax.model_parallel",
+    "LoRA": "shardax.models.transformer",
+    "for_compute": "shardax.sharding.compute",
+    "ShardingReport": "shardax.sharding.report",
+    "report": "shardax.sharding.report",
+    "LOGICAL_AXES": "shardax.sharding.rules",
+    "STRATEGIES": "shardax.sharding.strategies",
+    "Strategy": "shardax.sharding.strategies",
+    "get_strategy": "shardax.sharding.strategies",
+    "TrainState": "shardax.step.state",
+    "FitResult": "shardax.trainer.run",
+    "Trainer": "shardax.trainer.trainer",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardax' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from shardax.data_parallel import DataParallel as DataParallel
+    from shardax.data_parallel import create_data_parallel_sharding as create_data_parallel_sharding
+    from shardax.data_parallel import data_parallel_rules as data_parallel_rules
+    from shardax.data_parallel import data_parallel_train_step as data_parallel_train_step
+    from shardax.data_parallel import model_state_shardings as model_state_shardings
+    from shardax.data_parallel import place_batch_on_shards as place_batch_on_shards
+    from shardax.data_parallel import place_model_state_on_shards as place_model_state_on_shards
+    from shardax.data_parallel import place_nnx_state_on_shards as place_nnx_state_on_shards
+    from shardax.data_parallel import reduce_gradient_tree as reduce_gradient_tree
+    from shardax.data_parallel import reduce_gradients_across_devices as reduce_gradients_across_devices
+    from shardax.data_parallel import spmd_train_step as spmd_train_step
+    from shardax.distributed import ClusterSpec as ClusterSpec
+    from shardax.distributed import detect_cluster as detect_cluster
+    from shardax.distributed import init_distributed as init_distributed
+    from shardax.generation import generate as generate
+    from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
+    from shardax.layers import RowParallelLinear as RowParallelLinear
+    from shardax.layers import ShardedEmbed as ShardedEmbed
+    from shardax.layers import ShardedLinear as ShardedLinear
+    from shardax.mesh import DeviceMeshManager as DeviceMeshManager
+    from shardax.mesh import describe_mesh as describe_mesh
+    from shardax.mesh import get_mesh_info as get_mesh_info
+    from shardax.mesh import parse_mesh_shape as parse_mesh_shape
+    from shardax.model_parallel import ParallelModel as ParallelModel
+    from shardax.model_parallel import parallelize as parallelize
+    from shardax.model_parallel import reshard as reshard
+    from shardax.models.transformer import LoRA as LoRA
+    from shardax.sharding.compute import for_compute as for_compute
+    from shardax.sharding.report import ShardingReport as ShardingReport
+    from shardax.sharding.report import report as report
+    from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES
+    from shardax.sharding.strategies import STRATEGIES as STRATEGIES
+    from shardax.sharding.strategies import Strategy as Strategy
+    from shardax.sharding.strategies import get_strategy as get_strategy
+    from shardax.step.state import TrainState as TrainState
+    from shardax.trainer.run import FitResult as FitResult
+    from shardax.trainer.trainer import Trainer as Trainer

@@ -8,7 +8,6 @@ import sys
 from typing import Any
 
 from shardax.cli.devices import configure_jax
-from shardax.sharding.report import format_bytes
 
 
 def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -50,6 +49,8 @@ def mesh_devices(mesh: str | None, devices: int | None) -> int:
 
 
 def _row(plan: Any) -> list[str]:
+    from shardax.sharding.report import format_bytes
+
     ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
     fits = "-" if plan.fits is None else ("yes" if plan.fits else "no")
     return [plan.strategy, plan.mesh, format_bytes(plan.predicted["params"]), format_bytes(plan.predicted["optimizer"]),
