@@ -230,6 +230,17 @@ class Source:
         return _transposed(block).reshape(in_shape + out_shape)[in_cut + out_cut]
 
 
+def _give_back_freed_memory() -> None:
+    """Return the host memory freed while reading a weight to the system (glibc keeps freed heap
+    memory for reuse otherwise, and it would count against the process until the load ends)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 _TRANSPOSE = jax.jit(lambda block: block.T.astype(jnp.float32))
 
 
@@ -411,7 +422,9 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
                     out[row] = _sources(config, at)[below].read(tensors, index[1:])
             return out
 
-        return jax.make_array_from_callback(leaf.shape, sharding, block)
+        array = jax.make_array_from_callback(leaf.shape, sharding, block)
+        _give_back_freed_memory()
+        return array
 
     loaded = {path_to_str(keypath): fill(keypath, leaf, sharding) for (keypath, leaf), sharding in zip(
         jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params))
