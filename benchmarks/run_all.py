@@ -213,6 +213,16 @@ def table() -> str:
                      f"({100 * lora['optimizer_bytes_ratio']:.1f}%); {low['step_s']:.2f} / {full['step_s']:.2f} s "
                      f"({lora['step_time_ratio']:.2f}x); {mb(low['compiled_temp_bytes_per_device'])} / "
                      f"{mb(full['compiled_temp_bytes_per_device'])} | less |")
+    generation = load("generation")
+    if generation:
+        speed = "; ".join(f"{row['new_tokens']}: {row['cache_tokens_per_s']:.0f} vs {row['recompute_tokens_per_s']:.1f} "
+                          f"tok/s ({row['speedup']:.1f}x)" for row in generation["rows"])
+        cache = generation["cache"]
+        lines.append(f"| 19. generation with the key/value cache vs recomputing the prefix, {generation['model']}, one "
+                     f"prompt on one CPU device ({generation['machine']}), greedy (same tokens both ways), by new "
+                     f"tokens; the cache's bytes per device while decoding, {cache['batch']} rows x {cache['length']} "
+                     f"positions on {cache['mesh']}, / 2 L B T kv_heads head_dim bytes / devices | {speed}; "
+                     f"{cache['ratio']:.3f} ({mb(cache['bytes_per_device'])}) | faster; 1 |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -247,6 +257,7 @@ if __name__ == "__main__":
     run(["benchmarks/lora.py"])
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
+        run(["benchmarks/generation.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])

@@ -12,6 +12,10 @@ the transposed weight that covers it.
 What shardax's model does not compute (sliding windows, other RoPE scalings, biases on the
 output projection, mixtures of experts, another activation) is refused in one line naming
 the field of ``config.json``.
+
+``save`` writes a model back (``merge=True`` folds LoRA adapters into the weights they adapt);
+``save_adapters`` writes LoRA adapters alone in PEFT's layout, which ``peft`` puts on the
+original checkpoint.
 """
 
 from __future__ import annotations
