@@ -253,21 +253,27 @@ class Attention(nnx.Module):
         return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[:, None])
 
 
-def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any) -> None:
+def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
+               sharding: Callable[[tuple[int, ...]], Any] | None = None) -> None:
     """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
     positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
-    layers dimension inside a scanned ``LayerStack``."""
+    layers dimension inside a scanned ``LayerStack``. ``sharding(shape)``: where each cache
+    array is made (straight into its shards; default: JAX's default device)."""
+
+    def zeros(shape: tuple[int, ...]) -> nnx.Cache:
+        return nnx.Cache(jnp.zeros(shape, dtype, device=None if sharding is None else sharding(shape)))
+
     done = set()
     for _, stack in blocks_of(model, LayerStack):
         for _, block in blocks_of(stack.layers, Attention):
             leading = (stack.count,) if stack.scan else ()
-            block.cached_keys = nnx.Cache(jnp.zeros((*leading, batch, length, kv_heads, head_dim), dtype))
-            block.cached_values = nnx.Cache(jnp.zeros((*leading, batch, length, kv_heads, head_dim), dtype))
+            block.cached_keys = zeros((*leading, batch, length, kv_heads, head_dim))
+            block.cached_values = zeros((*leading, batch, length, kv_heads, head_dim))
             done.add(id(block))
     for _, block in blocks_of(model, Attention):
         if id(block) not in done:
-            block.cached_keys = nnx.Cache(jnp.zeros((batch, length, kv_heads, head_dim), dtype))
-            block.cached_values = nnx.Cache(jnp.zeros((batch, length, kv_heads, head_dim), dtype))
+            block.cached_keys = zeros((batch, length, kv_heads, head_dim))
+            block.cached_values = zeros((batch, length, kv_heads, head_dim))
 
 
 def blocks_of(model: Any, kind: type) -> list[tuple[str, Any]]:

@@ -183,16 +183,17 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     graphdef, state = nnx.split(model)
     work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
     work.eval()
-    init_cache(work, batch, length, config.kv_heads, config.head_dim, config.dtype)
+    placed = None if mesh is None else (
+        lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)))
+    init_cache(work, batch, length, config.kv_heads, config.head_dim, config.dtype, placed)
     graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
+    del work
     if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
         weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
                                if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
     cache_shardings = None
     if mesh is not None:
-        cache_shardings = jax.tree.map(
-            lambda leaf: NamedSharding(mesh, PartitionSpec(*(None,) * (leaf.ndim - 4), *layout.spec)), cache)
-        cache = jax.device_put(cache, cache_shardings)
+        cache_shardings = jax.tree.map(lambda leaf: leaf.sharding, cache)
 
         def place(array: np.ndarray) -> jax.Array:  # rows over the data axes
             return jax.device_put(array, NamedSharding(mesh, PartitionSpec(layout.spec[0], *(None,) * (array.ndim - 1))))
