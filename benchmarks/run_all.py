@@ -223,6 +223,16 @@ def table() -> str:
                      f"tokens; the cache's bytes per device while decoding, {cache['batch']} rows x {cache['length']} "
                      f"positions on {cache['mesh']}, / 2 L B T kv_heads head_dim bytes / devices | {speed}; "
                      f"{cache['ratio']:.3f} ({mb(cache['bytes_per_device'])}) | faster; 1 |")
+    sample = {row["label"]: row for row in load("default_sample") or []}
+    if "before" in sample and "after" in sample:
+        before, after = sample["before"], sample["after"]
+        lines.append(f"| 20. the default `shardax train`'s closing sample ({after['machine']}): share of its words found in "
+                     f"the corpus, before (bytes, batch 32 x 200 steps, temperature 0.8, top-k 40) / after (BPE of "
+                     f"1024 tokens, batch 16 x 400 steps, temperature 0.7, top-k 10); wall time of a first run; "
+                     f"validation bits per byte | {100 * before['word_share']:.1f}% of {before['words']} / "
+                     f"{100 * after['word_share']:.1f}% of {after['words']} words; {before['wall_s']:.0f} / "
+                     f"{after['wall_s']:.0f} s; {before['val_bits_per_byte']:.3f} / {after['val_bits_per_byte']:.3f} "
+                     f"| more words, about 90 s |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -258,6 +268,7 @@ if __name__ == "__main__":
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])
+    run(["benchmarks/default_sample.py", "after"])  # "before" ran on the previous default's checkout
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])

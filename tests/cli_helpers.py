@@ -8,7 +8,9 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import fcntl
 import tempfile
+from collections.abc import Callable
 
 import pytest
 
@@ -19,8 +21,29 @@ _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 COMPILATION_CACHE = (os.path.join(tempfile.gettempdir(), f"shardax-test-jax-cache-{_RUN}") if _RUN
                      else tempfile.mkdtemp(prefix="shardax-test-jax-cache-"))
 os.makedirs(COMPILATION_CACHE, exist_ok=True)
-# Token shards that `shardax train --tokenizer ...` prepares go to a cache of the test session's own.
+# Token shards that `shardax train --tokenizer ...` prepares go to a cache of the test session's own,
+# and the run directories of runs given no --run-dir to a folder of its own (not the checkout's runs/).
 os.environ.setdefault("SHARDAX_DATA_CACHE", COMPILATION_CACHE.replace("jax-cache", "data-cache"))
+os.environ.setdefault("SHARDAX_RUNS_DIR", COMPILATION_CACHE.replace("jax-cache", "runs"))
+
+
+SHARED = Path(COMPILATION_CACHE.replace("jax-cache", "shared"))
+
+
+def built_once(name: str, build: Callable[[Path], None]) -> Path:
+    """``SHARED/name``, built by ``build(folder)`` once per test session: the first worker to ask
+    builds it under a lock while any other waits, and every later fixture, on any pytest-xdist
+    worker, reuses it (a failed build leaves nothing behind, and the next one tries again)."""
+    folder = SHARED / name
+    SHARED.mkdir(parents=True, exist_ok=True)
+    with open(SHARED / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (SHARED / f"{name}.built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            (SHARED / f"{name}.built").touch()
+    return folder
 
 
 def subprocess_env():

@@ -33,6 +33,7 @@ def workspace(small_corpus, tmp_path_factory):
     run = ("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", root / "text")
     shardax(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
     shutil.copytree(root / "other_run", root / "damaged")
+    shutil.copytree(root / "other_run", root / "a_run" / "checkpoints")  # a run directory
     (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": {"bytes": 1, "sha256": "0"}}}')
     shardax("prepare", root / "text", "--out", root / "shards_bpe", "--tokenizer", "bpe", "--vocab-size", 300)
     shardax("prepare", root / "text", "--out", root / "swapped")  # bytes; a run trains on them ...
@@ -108,7 +109,10 @@ CASES = [
     (["--checkpoint-dir", "{root}/not_shardax", "--resume"], "step 7 is damaged (it is not a checkpoint written by"),
     (["--checkpoint-dir", "{root}/empty", "--resume"], "resume: no checkpoint in"),
     (["--checkpoint-dir", "/proc/shardax/ckpt"], "cannot be created (No such file or directory)"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--resume"], "--resume continues a saved run: name it with --run-dir DIR"),
+    (["--run-dir", "{root}/a_file"], "--run-dir {root}/a_file is a file; give a directory"),
+    (["--run-dir", "{root}/empty", "--resume"], "--run-dir {root}/empty holds no checkpoints to resume"),
+    (["--run-dir", "{root}/a_run"], "--run-dir {root}/a_run already holds checkpoints (latest step 2); pass --resume"),
     (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
     (["--metrics", "{root}/empty"], "is a directory; give a file name"),
     # refused by the first step's trace, before the metrics file or a checkpoint is written
@@ -135,7 +139,7 @@ def test_bad_train_input(args, message, workspace, capsys):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("shardax train: error: ") and message in lines[0], lines[0]
+    assert lines[0].startswith("shardax train: error: ") and message.replace("{root}", str(workspace)) in lines[0], lines[0]
     assert snapshot(workspace) == before
 
 

@@ -18,7 +18,8 @@ from shardax.data.prepare import is_validation, prepare
 from shardax.data.shards import PackedBatches, PreparedData, TokenStream, packed, validation_rows
 from shardax.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardax.errors import UsageError
-from shardax.lm.sampling import sample_tokens
+from shardax.lm.config import TrainConfig, resolve
+from shardax.lm.sampling import sample_tokens, vocabulary, word_share
 from shardax.models.transformer import TransformerConfig, TransformerLM, token_losses
 from shardax.trainer.trainer import Trainer
 
@@ -317,3 +318,23 @@ def test_a_corpus_too_small_for_the_hash_split_still_holds_out_text(count, tmp_p
         assert train == texts[:-1] and validation == texts[-1:]
     counts = done.index["splits"]
     assert counts["train"]["documents"] == len(train) and counts["validation"]["documents"] == 1
+
+
+def test_word_share_is_the_share_of_sampled_words_found_in_the_corpus():
+    known = vocabulary(["def read_file(path):\n    return open(path).read()  # 2x"])
+    assert known == {"def", "read", "file", "path", "return", "open"}  # runs of 2+ letters: not "x"
+    assert word_share("def read_fiel(Path): retrun", known) == (3 / 5, 5)
+    assert word_share("  ( ) 7", known) == (0.0, 0)
+
+
+def test_the_default_run_is_the_one_measured_in_the_readme():
+    """Benchmark 20 measured the default run's sample (its figure is in the README): the default
+    settings are still the ones it ran with."""
+    run = resolve(TrainConfig())
+    assert (run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps) == ("tiny", "bpe", 1024, 16, 400)
+    assert (TrainConfig().sample_temperature, TrainConfig().sample_top_k) == (0.7, 10)
+    rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/default_sample.json").read_text())
+    after = next(row for row in rows if row["label"] == "after")
+    assert "bpe (trained, vocabulary 1024)" in after["run"][0]
+    assert after["run"][1].startswith(f"run: {run.steps} steps x {run.batch_size} sequences x 128 tokens")
+    assert 0 < after["word_share"] <= 1 and after["words"] > 50

@@ -37,8 +37,14 @@ def train_pair(strategy, corpus, tmp_path_factory):
         folder = tmp_path_factory.mktemp(f"pair-{strategy}")
         args = (*RUN, "--data", corpus, "--strategy", strategy)
         one = shardax("train", *args, "--checkpoint-dir", folder / "one", "--metrics", folder / "one.jsonl")
-        two = shardax(*LAUNCH_2x4, "train", *args, "--checkpoint-dir", folder / "two",
-                      "--metrics", folder / "two.jsonl")
+        # the two processes agree on a new run directory (process 0 names it) and checkpoint into it together
+        two = shardax(*LAUNCH_2x4, "train", *args, "--metrics", folder / "two.jsonl",
+                      env={"SHARDAX_RUNS_DIR": str(folder / "runs")})
+        [run] = (folder / "runs").iterdir()
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
+        resume = f"shardax train --run-dir {run} --metrics {folder / 'two.jsonl'} --resume"  # the metrics elsewhere
+        assert two.stdout.count(f"run directory: {run} (resume it with: {resume})") == 1, two.stdout
+        (run / "checkpoints").rename(folder / "two")
         _PAIRS[strategy] = (one, two, folder)
     return _PAIRS[strategy]
 

@@ -19,20 +19,24 @@ def run(code, cwd=None):
     return result.stdout
 
 
-def test_quick_start_runs():
+def test_quick_start_runs_and_prints_a_falling_loss():
     code = snippet("Quick start")
-    assert len(code.strip().splitlines()) <= 25
-    code += "\nassert float(loss) > 0 and loss.sharding.is_fully_replicated\nprint('ok', float(loss))\n"
-    assert run(code).splitlines()[-1].startswith("ok ")
+    assert len(code.strip().splitlines()) <= 30
+    code += "\nassert loss.sharding.is_fully_replicated\n"
+    printed = re.findall(r"^step (\d+): loss (\d+\.\d+)$", run(code), re.M)
+    assert [int(step) for step, _ in printed] == [10, 20, 30]
+    losses = [float(loss) for _, loss in printed]
+    assert losses[2] < losses[1] < losses[0], losses
 
 
-def test_your_own_model_runs_and_learns(tmp_path):
+def test_your_own_model_runs_learns_and_prints_its_held_out_accuracy(tmp_path):
     code = snippet("Your own model")
-    code += ("\nassert result.last_eval['accuracy'] > 0.8, result.last_eval"
-             "\nassert model.dropout.deterministic and model.norm.use_running_average"
+    code += ("\nassert model.dropout.deterministic and model.norm.use_running_average"
              "\nprint('ok', result.last_eval['accuracy'])\n")
     out = run(code, cwd=tmp_path)
     assert out.splitlines()[-1].startswith("ok ")
+    [printed] = re.findall(r"^held-out accuracy (\d\.\d{3})$", out, re.M)
+    assert float(printed) > 0.8
     assert (tmp_path / "runs/classifier/metrics.png").exists() and (tmp_path / "runs/classifier/ckpt/200").is_dir()
 
 
@@ -40,11 +44,12 @@ def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_contex
     code = snippet("Pipeline and context parallelism for your own model")
     model = code.split("def loss_fn", 1)[0]
     assert len(model.strip().splitlines()) <= 50, "the model the README shows stays short"
-    code += ("\nassert result.history[-1]['loss'] < 0.6 * result.history[0]['loss'], result.history"
-             "\nassert trainer.parallel.mesh.shape['context'] == 4"
-             "\nprint('ok', result.history[-1]['loss'])\n")
+    code += "\nassert trainer.parallel.mesh.shape['context'] == 4\n"
     out = run(code)
-    assert out.splitlines()[-1].startswith("ok ")
+    printed = re.findall(r"^(\w+) on (\S+): loss (\d+\.\d\d) -> (\d+\.\d\d)$", out, re.M)
+    assert [(strategy, mesh) for strategy, mesh, _, _ in printed] == [("pp_tp", "stage=2,data=2,model=2"),
+                                                                     ("dp", "data=2,context=4")]
+    assert all(float(last) < 0.6 * float(first) for _, _, first, last in printed), printed
     assert "pipeline: 2 stages x 2 microbatches" in out and "context: each sequence split 4 ways over context" in out
 
 

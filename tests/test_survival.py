@@ -8,6 +8,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -375,17 +376,18 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     shardax("train", *PREEMPTIBLE, "--data", small_corpus, "--checkpoint-dir", straight / "ckpt",
             "--metrics", straight / "m.jsonl")
-    run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--checkpoint-dir", stopped / "ckpt",
-           "--metrics", stopped / "m.jsonl"]
-    code, out, err = preempt(stalled(3, 120, "shardax", *run), stopped / "m.jsonl", 3, sig)
+    run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--run-dir", stopped]
+    code, out, err = preempt(stalled(3, 120, "shardax", *run), stopped / "metrics.jsonl", 3, sig)
     assert code == 75, err[-2000:]
-    assert f"stopped by {sig.name} after step 3: checkpoint of step 3 in {stopped / 'ckpt'}" in out
-    assert saved_steps(stopped / "ckpt") == [3]
-    resumed = shardax(*run, "--resume")
+    assert f"stopped by {sig.name} after step 3: checkpoint of step 3 in {stopped / 'checkpoints'}" in out
+    assert saved_steps(stopped / "checkpoints") == [3]
+    [command] = re.findall(r"^to resume: (shardax train .*)$", out, re.M)  # the command the run printed, as is
+    assert command == f"shardax train --run-dir {stopped} --resume"
+    resumed = shardax(*shlex.split(command)[1:])
     assert "resumed from step 3" in resumed.stdout
     losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
-    assert [r["loss"] for r in read_metrics(stopped / "m.jsonl")] == losses
-    expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "ckpt", 8)
+    assert [r["loss"] for r in read_metrics(stopped / "metrics.jsonl")] == losses
+    expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "checkpoints", 8)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 

@@ -1,6 +1,11 @@
 """`shardax train` end to end: every strategy, metrics, clear errors."""
 
 import math
+import re
+import shlex
+
+import PIL.Image
+import yaml
 
 import pytest
 
@@ -34,11 +39,28 @@ def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys)
     assert main([*run, "--extend-to", "3", "--resume"]) == 0  # the saved run's blocks, in a loop
 
 
-def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
-    metrics = tmp_path / "run" / "metrics.jsonl"
+def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_corpus, tmp_path, capsys,
+                                                                       monkeypatch):
+    """No --run-dir: a new directory under runs/ named by time and strategy holds config.yaml, the
+    metrics, their plot and the checkpoints; the run says where at the start and at the end, and the
+    command it prints continues it with the same settings (fsdp, from config.yaml)."""
+    monkeypatch.setenv("SHARDAX_RUNS_DIR", str(tmp_path / "runs"))
     assert main(["train", *QUICK, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--data", str(small_corpus),
-                 "--metrics", str(metrics)]) == 0
-    records = read_metrics(metrics)
+                 "--strategy", "fsdp"]) == 0
+    [run] = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_fsdp", run.name)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png"]
+    assert (run / "checkpoints" / "6").is_dir()
+    out = capsys.readouterr().out
+    assert out.index(f"run directory: {run} (resume it with: shardax train --run-dir {run} --resume)") < out.index("step      1")
+    assert re.search(r"validation loss +│ \d\.\d{4} nats/byte \(best \d\.\d{4}\); \d\.\d{3} bits/byte", out)
+    assert re.search(r"unigram baseline +│ \d\.\d{4} nats/byte", out)
+    assert out.index("sample") < out.index("summary")  # the sample, then the summary, then what to do next
+    settings = yaml.safe_load((run / "config.yaml").read_text())
+    assert settings["strategy"] == "fsdp" and settings["steps"] == 6 and settings["preset"] == "tiny"
+    assert settings["data"] == [str(small_corpus)] and "resume" not in settings
+
+    records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 6]  # first step, every 2nd, and evaluations (3, 6)
     for record in records:
         if "loss" in record:
@@ -47,10 +69,25 @@ def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [3, 6]
     assert all(math.isclose(r["val_bits_per_byte"], r["val_loss"] / math.log(2), rel_tol=1e-6) for r in evaluated)
-    png = metrics.with_suffix(".png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = PIL.Image.open(run / "metrics.png")
+    assert png.format == "PNG" and "fsdp on mesh data=8" in png.info["Title"]
+    assert png.info["Description"] == "loss on a log scale"
+
+    [command] = re.findall(r"to train further: (shardax train .*)", out)
+    assert command == f"shardax train --run-dir {run} --resume --extend-to 12"
+    assert main(shlex.split(command)[1:]) == 0  # strategy, data... from the run's config.yaml
     out = capsys.readouterr().out
-    assert "validation loss" in out and "unigram baseline" in out and "sample" in out
+    assert "strategy fsdp" in out and f"resumed from step 6 of {run / 'checkpoints'}" in out
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1] == 12
+    assert (run / "checkpoints" / "12").is_dir()
+
+    again = tmp_path / "again"  # the same settings afresh, from the run's config.yaml
+    assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(again), "--steps", "2"]) == 0
+    assert "strategy fsdp" in capsys.readouterr().out
+    assert yaml.safe_load((again / "config.yaml").read_text()) == {**settings, "steps": 2}
+
+    assert main(["train", "--resume"]) == 2
+    assert f"--resume continues a saved run: name it with --run-dir DIR (the latest is {run})" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -60,7 +97,7 @@ def test_metrics_file_and_plot(small_corpus, tmp_path, capsys):
     (["--preset", "huge"], "unknown --preset 'huge'; choose one of tiny, notebook"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--data", "/nonexistent/text"], "--data '/nonexistent/text' does not exist"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--resume"], "--resume continues a saved run: name it with --run-dir DIR"),
     (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
 ])

@@ -26,7 +26,7 @@ def test_bpe_run_follows_the_tokenizer_and_resumes_exactly(bpe_shards, tmp_path)
     straight = shardax("train", *RUN, "--data", bpe_shards, "--checkpoint-dir", tmp_path / "straight",
                        "--metrics", tmp_path / "straight.jsonl")
     assert "bpe (trained, vocabulary 300) tokens" in straight.stdout and "x 32 tokens" in straight.stdout
-    assert "sample (temperature 0.8, top-k 40, seed 0" in straight.stdout
+    assert "sample (temperature 0.7, top-k 10, seed 0" in straight.stdout
     arrays = saved_arrays(tmp_path / "straight", 4)
     embedding = next(value for key, value in arrays.items() if "embedding" in key and "opt" not in key)
     assert embedding.shape[0] == 320  # the tokenizer's 300, padded to a multiple of 64

@@ -28,7 +28,7 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Write a checkpoint of shardax train (a Llama-family model) as config.json and safetensors, "
                     "as Hugging Face transformers reads them.")
     add = parser.add_argument
-    add("checkpoint_dir", help="the run's --checkpoint-dir")
+    add("checkpoint_dir", help="the run's directory (its checkpoints/), or its --checkpoint-dir")
     add("--hf", required=True, metavar="OUT", help="directory to write (new, or empty)")
     add("--step", type=int, help="which checkpoint (default: the latest good one)")
     add("--merge", action="store_true",
@@ -38,6 +38,14 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--max-shard-size", type=int, default=2 << 30, metavar="BYTES", help="bytes per safetensors file")
     add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
     return parser
+
+
+def checkpoints_of(directory: str) -> Path:
+    """A run directory's ``checkpoints/``; any other directory as given (a ``--checkpoint-dir``)."""
+    from shardax.lm.rundir import CHECKPOINTS, CONFIG
+
+    path = Path(directory)
+    return path / CHECKPOINTS if (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir() else path
 
 
 def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tuple[int, dict, Any, Any, Any]:
@@ -50,6 +58,7 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tup
     from shardax.models.transformer import TransformerConfig, TransformerLM
     from shardax.trainer.checkpoint import Checkpointer
 
+    checkpoint_dir = str(checkpoints_of(checkpoint_dir))
     with Checkpointer(checkpoint_dir) as checkpointer:
         checkpointer.lock.check_free()
         if step is None:

@@ -1,6 +1,6 @@
 """``shardax generate``: text from a ``shardax train`` checkpoint or a Hugging Face model.
 
-    shardax generate --checkpoint runs/tiny/ckpt --prompt "def main(" --max-new-tokens 80
+    shardax generate --checkpoint runs/tiny --prompt "def main(" --max-new-tokens 80
     shardax generate --hf tiny-llama --prompt "import json" --temperature 0 --max-new-tokens 40
 
 The model is laid out FSDP over the local devices (a checkpoint's step restored into it, or a
@@ -29,7 +29,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "Llama family, decoding from a key/value cache.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a shardax train --checkpoint-dir")
+    source.add_argument("--checkpoint", metavar="DIR", help="a shardax train run directory, or its --checkpoint-dir")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
                                                     "tokenizer.json)")
     add("--step", type=int, help="with --checkpoint: which step (default: the latest good one)")

@@ -52,8 +52,10 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
                                    "prepare (default: the Python standard library's source)")
     add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
-                            "prepare) and pack documents; default: bytes held in memory")
-    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096)")
+                            "prepare) and pack documents; default: bytes held in memory for --data, a BPE of 1024 "
+                            "tokens for the built-in corpus")
+    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
+                                       "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
@@ -68,24 +70,29 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
     add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     add("--log-every", type=int, help="steps between metric records (default 10)")
-    add("--checkpoint-dir", help="directory for checkpoints")
+    add("--run-dir", metavar="DIR",
+        help="the run's directory: its config.yaml, metrics.jsonl, metrics.png and checkpoints/ (default: a new "
+             "one under runs/, named by the time and strategy); with --resume, the run to continue")
+    add("--checkpoint-dir", help="directory for checkpoints (default: the run directory's checkpoints/)")
     add("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
     add("--keep-checkpoints", type=int, help="how many of the latest checkpoints to keep (default 3)")
     add("--resume", action="store_true", default=None,
-        help="continue the run from its latest good checkpoint: model, seed, batch size, data, schedule and data "
-             "position come from there; strategy, mesh, processes, remat, precision and logging may change")
+        help="continue the run of --run-dir from its latest good checkpoint: model, seed, batch size, data, schedule "
+             "and data position come from there, the other settings from its config.yaml; strategy, mesh, "
+             "processes, remat, precision and logging may change with flags")
     add("--extend-to", type=int, metavar="N",
         help="with --resume: train to step N instead of the saved run's end; past the schedule's end the "
              "learning rate stays at its final value")
     add("--on-nonfinite", choices=("stop", "skip"),
         help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
              "that update and count it (metric skipped_steps)")
-    add("--metrics", help="JSON-lines metrics file; a PNG of the loss curves is written beside it")
+    add("--metrics", help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
+                          "metrics.jsonl)")
     add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
     add("--sample-bytes", type=int, metavar="N",
         help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
-    add("--sample-temperature", type=float, help="sampling temperature (default 0.8; 0: greedy)")
-    add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 40; 0: all)")
+    add("--sample-temperature", type=float, help="sampling temperature (default 0.7; 0: greedy)")
+    add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 10; 0: all)")
     return parser
 
 
@@ -104,11 +111,17 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 
 def train_config(args: argparse.Namespace):
-    """Presets < YAML file < flags, as a ``TrainConfig`` (YAML values coerced to the settings' types)."""
-    from shardax.lm.config import TrainConfig, typed_settings
+    """Presets < the resumed run's config.yaml < YAML file < flags, as a ``TrainConfig`` (YAML values
+    coerced to the settings' types). What defines a resumed run comes from its checkpoint."""
+    from shardax.lm.config import RUN_SETTINGS, TrainConfig, typed_settings
+    from shardax.lm.rundir import saved_settings
 
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    values = typed_settings(_load_yaml(args.config), f"--config {args.config}") if args.config else {}
+    values = {}
+    if args.resume and args.run_dir:
+        values = {k: v for k, v in saved_settings(args.run_dir).items() if k not in RUN_SETTINGS}
+    if args.config:
+        values.update(typed_settings(_load_yaml(args.config), f"--config {args.config}"))
     values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
     return TrainConfig(**values)
 

@@ -54,18 +54,22 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation
     log_every: int = 10  # steps between metric records and progress lines
-    checkpoint_dir: str | None = None  # where checkpoints go (none: no checkpoints)
+    run_dir: str | None = None  # the run's directory (default: a new one under runs/); see lm/rundir.py
+    checkpoint_dir: str | None = None  # where checkpoints go (default: the run directory's checkpoints/)
     checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # how many of the latest checkpoints to keep
     resume: bool = False  # continue from the latest good checkpoint in checkpoint_dir
     extend_to: int | None = None  # with --resume: train to this step instead of the saved run's end
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
-    metrics: str | None = None  # JSON-lines metrics file; a PNG of the curves goes beside it
+    metrics: str | None = None  # JSON-lines metrics file, a PNG of the curves beside it (default: in the run dir)
     devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
     sample_bytes: int = 160  # tokens of text sampled at the end (bytes with the byte tokenizer; 0: none)
-    sample_temperature: float = 0.8  # 0: greedy
-    sample_top_k: int = 40  # draw from the k most likely tokens (0: all)
+    sample_temperature: float = 0.7  # 0: greedy
+    sample_top_k: int = 10  # draw from the k most likely tokens (0: all)
 
+
+# The default run's tokenizer: a byte-level BPE of this many tokens trained on the standard library.
+DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
 RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
@@ -140,8 +144,8 @@ def check_values(config: TrainConfig) -> None:
         raise UsageError(f"--lr {config.lr} must be a positive learning rate, e.g. 3e-3")
     if config.extend_to is not None and not config.resume:
         raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
-    if config.resume and not config.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir (where the run's checkpoints are)")
+    if config.resume and not (config.checkpoint_dir or config.run_dir):
+        raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its --checkpoint-dir)")
     if not config.lora_rank and (config.lora_alpha is not None or config.lora_targets is not None):
         given = "--lora-alpha" if config.lora_alpha is not None else "--lora-targets"
         raise UsageError(f"{given} shapes LoRA adapters, and there are none without --lora-rank; add --lora-rank R "
@@ -203,6 +207,9 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
         config = dataclasses.replace(config, tokenizer=str(own))
     if saved is not None:
         config = _from_record(config, saved)
+    elif config.data is None and config.tokenizer is None and config.init_from is None:
+        # the built-in corpus: a BPE trained on it (once, cached) gives the default run text made of words
+        config = dataclasses.replace(config, tokenizer="bpe", vocab_size=config.vocab_size or DEFAULT_VOCAB)
     preset = get_preset(config.preset or "tiny")
     overrides: dict[str, Any] = {"compute_dtype": config.precision, "attention": config.attention}
     for name in ("seq_len", "remat", "scan_layers"):

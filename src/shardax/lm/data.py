@@ -47,6 +47,7 @@ class ByteText:
     batch_keys = ("tokens",)  # what each batch holds: (batch, seq_len + 1) int32 arrays
 
     tokenizer_fingerprint = None
+    unit = "nats/byte"  # of the loss
 
     def __init__(self, paths: list[str] | None, seq_len: int) -> None:
         self.corpus = load_corpus(paths, min_bytes=seq_len + 1)
@@ -86,8 +87,10 @@ class TokenShards:
     """Shards written by ``shardax prepare``, packed into windows and read lazily."""
 
     batch_keys = ("tokens", "segments", "positions")
+    unit = "nats/token"  # of the loss
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, source: str | None = None) -> None:
+        self.source = source  # what the shards were made from, when not named by the user (the built-in corpus)
         self.data = PreparedData(root)
         self.tokenizer = self.data.tokenizer
         self.vocab = self.tokenizer.vocab_size
@@ -96,7 +99,8 @@ class TokenShards:
         self.token_bytes = self.tokenizer.token_bytes()
 
     def header(self) -> str:
-        return f"data: {self.data.describe()}; unigram baseline {self.unigram_nats():.4f} nats/token"
+        source = f"{self.source}, tokenized into " if self.source else ""
+        return f"data: {source}{self.data.describe()}; unigram baseline {self.unigram_nats():.4f} nats/token"
 
     def unigram_nats(self) -> float:
         return _unigram_nats(self.data.train.read(0, 1 << 22), self.vocab)  # the first 4M tokens
@@ -168,4 +172,4 @@ def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | 
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("shardax data prepared")
-    return TokenShards(root)
+    return TokenShards(root, None if paths else "the Python standard library")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,9 +19,10 @@ import optax
 from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
 
-from shardax.errors import UsageError
+from shardax.errors import Preempted, UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, TokenShards, open_data
+from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import ParallelModel
@@ -29,7 +31,7 @@ from shardax.models.transformer import (TransformerConfig, TransformerLM, attent
                                         weighted_next_token_loss)
 from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
-from shardax.trainer.display import say
+from shardax.trainer.display import say, show_summary
 from shardax.trainer.trainer import Trainer
 
 
@@ -44,6 +46,7 @@ class TrainResult:
     unigram_loss: float
     state: Any
     parallel: ParallelModel
+    directory: RunDirectory
 
 
 def _check_batch(batch: int, grad_accum: int, microbatches: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
@@ -76,8 +79,9 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
         step = checkpointer.latest_step()
         if not config.resume:
             if step is not None:
-                raise UsageError(f"--checkpoint-dir {config.checkpoint_dir} already holds checkpoints (latest step "
-                                 f"{step}); pass --resume to continue it, or choose another directory")
+                where = _checkpoints_flag(config)
+                raise UsageError(f"{where} already holds checkpoints (latest step {step}); pass --resume to continue "
+                                 f"that run, or choose another {where.split()[0]}")
             return None, None, {}
         step, _ = checkpointer.latest_good_step()  # damaged newer ones: the Trainer warns and sets them aside
         record = checkpointer.record(step)
@@ -88,6 +92,13 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
         raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not written by "
                          "shardax train (it has no run record); resume it with shardax.Trainer, or start a new run")
     return saved, step, record
+
+
+def _checkpoints_flag(config: TrainConfig) -> str:
+    """How the user named where the checkpoints are: ``--run-dir D`` or ``--checkpoint-dir C``."""
+    if config.run_dir and Path(config.checkpoint_dir) == Path(config.run_dir) / CHECKPOINTS:
+        return f"--run-dir {config.run_dir}"
+    return f"--checkpoint-dir {config.checkpoint_dir}"
 
 
 def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> list[str]:
@@ -168,21 +179,15 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    trainer, data, run, changes = prepare(config)
+    where = run_directory(config.run_dir, config.strategy, config.checkpoint_dir, config.metrics, config.resume)
+    config = dataclasses.replace(config, checkpoint_dir=str(where.checkpoint_dir), metrics=str(where.metrics))
+    trainer, data, run, changes = prepare(config)  # every setting checked: from here on, the run writes
+    try:
+        fit = _fit(trainer, data, run, config, where, changes)
+    except Preempted:  # stopped by a signal after a checkpoint: say how to go on
+        say(f"to resume: {where.resume_command()}")
+        raise
     model, batch = run.model, run.batch_size
-    sharding = trainer.parallel.layout.batch()
-    validation = data.validation(model.seq_len, batch, config.eval_batches, sharding)
-    fit = trainer.fit(
-        data.batches(model.seq_len, batch, run.seed, sharding), steps=run.train_to, eval_data=validation,
-        eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
-        metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
-        record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
-                        "model_vocab": data.model_vocab},
-                "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
-                "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
-        header=_header(data, model, run.train_to, batch, run.init_from) + changes,
-    )
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = data.prompt(min(48, model.seq_len // 2))
         ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len, vocab=data.vocab,
@@ -190,8 +195,58 @@ def run(config: TrainConfig) -> TrainResult:
         how = ("greedy" if config.sample_temperature == 0 else
                f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed {run.seed}")
         say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
-            rich_escape(data.decode(prompt) + "|" + data.decode(ids)))
+            rich_escape(data.decode(prompt) + "|" + data.decode(ids)), "")
+    rows = dict(fit.summary)
+    if fit.last_eval is not None and "bits_per_byte" in fit.last_eval and "validation loss" in rows:
+        rows["validation loss"] += f"; {fit.last_eval['bits_per_byte']:.3f} bits/byte"
+    show_summary(trainer.name, rows)
+    say(f"run directory {where.path}: {where.contents()}",
+        f"to train further: {where.resume_command(extend_to=fit.end_step + run.steps)}")
     trained = fit.end_step - fit.start_step
     return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s, fit.examples_per_sec * model.seq_len,
                        fit.best_eval_loss, fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(),
-                       fit.state, trainer.parallel)
+                       fit.state, trainer.parallel, where)
+
+
+def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: TrainConfig, where: RunDirectory,
+         changes: list[str]):
+    """The Trainer's loop over the run's data, writing into ``where``; the summary is left to ``run``."""
+    model, batch = run.model, run.batch_size
+    sharding = trainer.parallel.layout.batch()
+    validation = data.validation(model.seq_len, batch, config.eval_batches, sharding)
+    settings = {**dataclasses.asdict(config), **_run_settings(run)}
+    return trainer.fit(
+        data.batches(model.seq_len, batch, run.seed, sharding), steps=run.train_to, eval_data=validation,
+        eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
+        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
+        metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
+        on_log=_config_writer(where, settings),
+        record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
+                        "model_vocab": data.model_vocab},
+                "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
+                "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
+        header=_header(data, model, run.train_to, batch, run.init_from) + changes
+        + [f"run directory: {where.path} (resume it with: {where.resume_command()})"],
+        summary=False, loss_unit=data.unit, baselines={"unigram": data.unigram_nats()},
+    )
+
+
+def _config_writer(where: RunDirectory, settings: dict[str, Any]):
+    """An ``on_log`` that writes the run directory's config.yaml (process 0) once the first step is
+    done: a run refused before it trains (a resume whose checkpoint will not restore, a metrics
+    path that cannot be written) leaves the directory as it was."""
+    if jax.process_index() != 0:
+        return None
+    written = []
+
+    def on_log(record: dict[str, Any]) -> None:
+        if not written:
+            write_config(where.config, settings)
+            written.append(True)
+
+    return on_log
+
+
+def _run_settings(run: Run) -> dict[str, Any]:
+    """The resolved settings that define the run, as ``TrainConfig`` fields (for its config.yaml)."""
+    return {name: value for name, value in run.record().items() if name != "train_to"}

@@ -9,7 +9,8 @@ context goes on from the latest half-context of text, prefilled afresh.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 
 from shardax.errors import UsageError
 from shardax.generation import generate
@@ -32,3 +33,28 @@ def sample_tokens(parallel, state, prompt: Sequence[int], new_tokens: int, conte
                            seed=seed + 7919 * part, vocab=vocab)[0]
         part += 1
     return tokens[start:]
+
+
+# A word: a run of two or more ASCII letters (identifiers split at underscores and digits), lower-cased.
+_WORD = re.compile(r"[A-Za-z]{2,}")
+
+
+def words(text: str) -> list[str]:
+    """The words of ``text``: runs of two or more letters, lower-cased (``get_file2Name(x)``
+    gives ``get``, ``file``, ``name``)."""
+    return [word.lower() for word in _WORD.findall(text)]
+
+
+def vocabulary(texts: Iterable[str]) -> set[str]:
+    """Every word of ``texts`` (a corpus)."""
+    found: set[str] = set()
+    for text in texts:
+        found.update(words(text))
+    return found
+
+
+def word_share(text: str, known: set[str]) -> tuple[float, int]:
+    """The share of ``text``'s words found in ``known`` (a corpus' vocabulary), and how many
+    words there were: how much of a sample is made of real words."""
+    sampled = words(text)
+    return (sum(word in known for word in sampled) / len(sampled) if sampled else 0.0), len(sampled)

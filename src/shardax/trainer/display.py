@@ -37,6 +37,14 @@ def say(*lines: Any) -> None:
             console.print(line)
 
 
+def show_summary(title: str, rows: dict[str, str]) -> None:
+    """The closing table of a run (process 0 prints)."""
+    table = Table(title=f"{title}: summary", show_header=False)
+    for key, value in rows.items():
+        table.add_row(key, value)
+    say(table)
+
+
 class RunDisplay:
     def __init__(self, total_steps: int | None, start_step: int = 0, *, title: str = "shardax") -> None:
         self.title = title
@@ -74,13 +82,6 @@ class RunDisplay:
         others = _metrics_text({k: v for k, v in record.items() if k != "val_loss"}, "val_")
         self.print(f"[bold]eval[/bold] step {step}: validation loss {record['val_loss']:.4f}"
                    + (f"  ({others})" if others else ""))
-
-    def summary(self, rows: dict[str, str]) -> None:
-        self.close()
-        table = Table(title=f"{self.title}: summary", show_header=False)
-        for key, value in rows.items():
-            table.add_row(key, value)
-        self.print(table)
 
     def close(self) -> None:
         if self.progress is not None:

@@ -67,31 +67,46 @@ class MetricsLog:
             with self.path.open("a") as file:
                 file.write(json.dumps(clean) + "\n")
 
-    def plot(self, loss_label: str = "loss") -> Path | None:
-        """``<metrics>.png``: each metric (training and validation) against step, loss first."""
+    def plot(self, *, title: str | None = None, loss_unit: str | None = None,
+             baselines: dict[str, float] | None = None) -> Path | None:
+        """``<metrics>.png``: each metric (training and validation) against step, loss first, on a
+        log scale (the first steps' loss would squash the rest), with ``baselines`` as dashed lines
+        and validation points marked."""
         if self.path is None or not self.records:
             return None
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
 
         names = ["loss"] + sorted({key.removeprefix("val_") for record in self.records for key in record
                                    if key.removeprefix("val_") not in NOT_PLOTTED | {"loss"}})
         names = names[:4]
-        figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+        figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
         for axis, name in zip(axes[0], names):
             for key, style, label in ((name, "-", "training"), (f"val_{name}", "o-", "validation")):
                 points = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
                 if points:
-                    axis.plot(*zip(*points), style, label=f"{label} {name}")
+                    axis.plot(*zip(*points), style, label=f"{label} {name.replace('_', ' ')}", markersize=5)
+            if name == "loss":
+                for label, value in (baselines or {}).items():
+                    axis.axhline(value, linestyle="--", color="grey", label=f"{label} baseline {value:.3g}")
+                if all(r[k] > 0 for r in self.records for k in ("loss", "val_loss") if r.get(k) is not None):
+                    axis.set_yscale("log")  # ticks as plain numbers, not powers of ten
+                    axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+                    axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
             axis.set_xlabel("step")
-            axis.set_ylabel(loss_label if name == "loss" else name)
-            axis.grid(alpha=0.3)
+            axis.set_ylabel(f"{name} ({loss_unit})" if name == "loss" and loss_unit else name.replace("_", " "))
+            axis.set_title(name.replace("_", " "))
+            axis.grid(alpha=0.3, which="both")
             axis.legend()
+        if title:
+            figure.suptitle(title)
         figure.tight_layout()
         image = self.path.with_suffix(".png")
-        figure.savefig(image, dpi=100)
+        figure.savefig(image, dpi=100, metadata={"Title": title or "", "Description": "loss on a log scale" if
+                                                 axes[0][0].get_yscale() == "log" else "loss"})
         plt.close(figure)
         return image
 

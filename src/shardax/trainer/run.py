@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from shardax.errors import NonFiniteError, Preempted, UsageError
 from shardax.sharding.report import format_bytes, report
 from shardax.step.state import TrainState
 from shardax.trainer.checkpoint import Checkpointer
-from shardax.trainer.display import RunDisplay
+from shardax.trainer.display import RunDisplay, show_summary
 from shardax.trainer.metrics import MetricsLog, TensorBoardLog, finite_or_none
 from shardax.trainer.preemption import StopSignals
 from shardax.trainer.sources import BatchSource
@@ -49,6 +50,8 @@ class FitResult:
       last_eval, best_eval_loss: the last evaluation's metrics and the lowest validation loss.
       wall_s: seconds from the first step to the last checkpoint written.
       examples_per_sec: throughput after the first (compiling) step.
+      summary: the closing table's rows (printed unless ``fit(summary=False)``).
+      plot: the PNG of the curves beside the metrics file (``None`` without one).
     """
 
     state: TrainState
@@ -59,6 +62,8 @@ class FitResult:
     best_eval_loss: float | None
     wall_s: float
     examples_per_sec: float
+    summary: dict[str, str] = dataclasses.field(default_factory=dict)
+    plot: Path | None = None
 
 
 @dataclasses.dataclass
@@ -133,7 +138,8 @@ class Run:
 
     def loop(self, source: BatchSource, *, steps: int | None, evaluations: Callable | None, eval_every: int,
              log_every: int, checkpoint_every: int, on_log: Callable | None,
-             tokens_per_example: int | None) -> FitResult:
+             tokens_per_example: int | None, summary: bool = True, loss_unit: str | None = None,
+             baselines: dict[str, float] | None = None) -> FitResult:
         trainer, step_fn = self.trainer, self.trainer.train_step(self.on_nonfinite)
         state, step, done = trainer.state, self.start_step, set()
         clock = _Clock(step, tokens_per_example)
@@ -166,12 +172,15 @@ class Run:
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
         self._check_finite(step)
         wall = clock.finish(self.checkpointer)
-        self.display.summary(self._summary(step, clock, wall))
-        image = self.metrics.plot()
+        rows = self._summary(step, clock, wall, loss_unit, baselines or {})
+        image = self.metrics.plot(title=self.trainer.title(), loss_unit=loss_unit, baselines=baselines)
         if image is not None:
-            self.display.print(f"metrics: {self.metrics.path}, curves: {image}")
+            rows["metrics"] = f"{self.metrics.path}, curves {image}"
+        self.display.close()
+        if summary:
+            show_summary(self.trainer.name, rows)
         return FitResult(state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
-                         clock.examples_per_sec(step))
+                         clock.examples_per_sec(step), rows, image)
 
     def _check_finite(self, step: int) -> None:
         """Stop, naming the step, once a step's loss or gradient norm was not finite (``on_nonfinite="stop"``)."""
@@ -246,15 +255,19 @@ class Run:
                   "processes": jax.process_count(), **self.record}
         self.checkpointer.save(step, self.trainer.state, record, data=self.source.save_args())
 
-    def _summary(self, step: int, clock: _Clock, wall: float) -> dict[str, str]:
+    def _summary(self, step: int, clock: _Clock, wall: float, unit: str | None,
+                 baselines: dict[str, float]) -> dict[str, str]:
         layout = report(self.trainer.parallel)
         rows = {"steps": f"{step - self.start_step} (to step {step})", "examples": f"{clock.examples:,}"}
         if clock.tokens_per_example:
             rows["tokens"] = f"{clock.examples * clock.tokens_per_example:,}"
         rows["wall time"] = f"{wall:.1f} s"
         rows["throughput"] = clock.throughput(step)
-        if self.best_eval_loss is not None:
-            rows["best validation loss"] = f"{self.best_eval_loss:.4f}"
+        unit = f" {unit}" if unit else ""
+        if self.last_eval is not None:
+            rows["validation loss"] = f"{self.last_eval['loss']:.4f}{unit} (best {self.best_eval_loss:.4f})"
+        for name, value in baselines.items():
+            rows[f"{name} baseline"] = f"{value:.4f}{unit}"
         rows["state per device"] = (f"{format_bytes(layout.bytes_per_device)} "
                                     f"(replicated: {format_bytes(layout.replicated_bytes)})")
         if self.checkpointer is not None:

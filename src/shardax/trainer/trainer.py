@@ -188,6 +188,13 @@ class Trainer:
         model.eval()
         return model
 
+    def title(self) -> str:
+        """One line naming the run for plots: name, model, size, strategy, mesh."""
+        parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
+        model = type(self.parallel._abstract_model()).__name__
+        return (f"{self.name}: {model} of {parameters / 1e6:.2f}M parameters, {self.strategy.name} on mesh "
+                f"{describe_mesh(self.mesh)} ({self.mesh.devices.size} {jax.devices()[0].platform} devices)")
+
     def describe(self) -> list[str]:
         """The lines printed at the start of ``fit``: model size, strategy, mesh, state per device."""
         parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
@@ -224,7 +231,8 @@ class Trainer:
             resume: bool = False, keep_checkpoints: int = 3, on_nonfinite: str = "stop",
             metrics: str | None = None, tensorboard: str | None = None,
             on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
-            record: dict[str, Any] | None = None, header: Sequence[str] = ()) -> FitResult:
+            record: dict[str, Any] | None = None, header: Sequence[str] = (), summary: bool = True,
+            loss_unit: str | None = None, baselines: dict[str, float] | None = None) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
 
         Args:
@@ -252,6 +260,10 @@ class Trainer:
           tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
           record: extra JSON saved in each checkpoint (a run's settings).
           header: extra lines printed after the set-up lines.
+          summary: print the closing table (its rows are also ``FitResult.summary``).
+          loss_unit: the loss's unit (``"nats/token"``), in the summary and on the plot's axis.
+          baselines: reference losses by name (``{"unigram": 3.24}``), in the summary and drawn on
+            the plot's loss as dashed lines.
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
@@ -273,7 +285,8 @@ class Trainer:
         try:
             run.display.print(*self.describe(), *header, *run.notes)
             return run.loop(source, steps=steps, evaluations=evaluations, eval_every=eval_every, log_every=log_every,
-                            checkpoint_every=checkpoint_every, on_log=on_log, tokens_per_example=tokens_per_example)
+                            checkpoint_every=checkpoint_every, on_log=on_log, tokens_per_example=tokens_per_example,
+                            summary=summary, loss_unit=loss_unit, baselines=baselines)
         finally:
             run.close()
 
