@@ -27,7 +27,8 @@ sys.path.insert(0, str(HERE))
 
 def train(tokenizer: list[str], steps: int, folder: Path) -> dict:
     metrics = folder / f"{tokenizer[1]}.jsonl"
-    command = [sys.executable, "-m", "shardax.cli", "train", *tokenizer, "--steps", str(steps), "--eval-every", "0",
+    command = [sys.executable, "-m", "shardax.cli", "train", *tokenizer, "--steps", str(steps), "--seq-len", "128",
+               "--eval-every", "0",
                "--eval-batches", "1000", "--metrics", str(metrics), "--sample-bytes", "200"]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ,

@@ -226,13 +226,17 @@ def table() -> str:
     sample = {row["label"]: row for row in load("default_sample") or []}
     if "before" in sample and "after" in sample:
         before, after = sample["before"], sample["after"]
-        lines.append(f"| 20. the default `shardax train`'s closing sample ({after['machine']}): share of its words found in "
-                     f"the corpus, before (bytes, batch 32 x 200 steps, temperature 0.8, top-k 40) / after (BPE of "
-                     f"1024 tokens, batch 16 x 400 steps, temperature 0.7, top-k 10); wall time of a first run; "
-                     f"validation bits per byte | {100 * before['word_share']:.1f}% of {before['words']} / "
-                     f"{100 * after['word_share']:.1f}% of {after['words']} words; {before['wall_s']:.0f} / "
-                     f"{after['wall_s']:.0f} s; {before['val_bits_per_byte']:.3f} / {after['val_bits_per_byte']:.3f} "
-                     f"| more words, about 90 s |")
+
+        def setting(row):
+            return (f"{'BPE of ' + str(row['vocab']) + ' tokens' if row['tokenizer'] else 'bytes'}, batch "
+                    f"{row['batch_size']} x {row['steps']} steps, temperature {row['temperature']:g}, top-k {row['top_k']}")
+
+        lines.append(f"| 20. the default `shardax train`: share of its samples' words found in the corpus (8 samples of "
+                     f"200 tokens, pooled; single samples' range), before ({setting(before)}) / after ({setting(after)}); "
+                     f"seconds to the end of training from an empty data cache ({after['machine']}) | "
+                     f"{100 * before['word_share']:.1f}% ({100 * before['lowest']:.0f}-{100 * before['highest']:.0f}%) / "
+                     f"{100 * after['word_share']:.1f}% ({100 * after['lowest']:.0f}-{100 * after['highest']:.0f}%); "
+                     f"{before['wall_s']:.0f} / {after['wall_s']:.0f} s | more real words, about 90 s |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))

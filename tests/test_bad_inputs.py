@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cli_helpers import QUICK, shardax
+from cli_helpers import QUICK, built_once, shardax
 from shardax.cli import main
 from shardax.trainer.manifest import MANIFEST
 
@@ -15,9 +15,14 @@ pytestmark = pytest.mark.xdist_group("test_bad_inputs")
 
 
 @pytest.fixture(scope="module")
-def workspace(small_corpus, tmp_path_factory):
-    """Text, odd data, YAML files and checkpoint directories (another run's, a damaged one, not shardax's)."""
-    root = tmp_path_factory.mktemp("workspace")
+def workspace(small_corpus):
+    """Text, odd data, YAML files and checkpoint directories (another run's, a damaged one, not
+    shardax's), made once per test session whichever worker asks first (no test changes it)."""
+    return built_once("bad_inputs_workspace", lambda root: _make_workspace(root, small_corpus))
+
+
+def _make_workspace(root, small_corpus):
+    """In this process (``main``), not in new ones: the runs and preparations share its JAX."""
     shutil.copytree(small_corpus, root / "text")
     (root / "empty").mkdir()
     (root / "binary").mkdir()
@@ -31,15 +36,15 @@ def workspace(small_corpus, tmp_path_factory):
     for name, text in yaml.items():
         (root / name).write_text(text)
     run = ("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", root / "text")
-    shardax(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
+    cli(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
     shutil.copytree(root / "other_run", root / "damaged")
     shutil.copytree(root / "other_run", root / "a_run" / "checkpoints")  # a run directory
     (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": {"bytes": 1, "sha256": "0"}}}')
-    shardax("prepare", root / "text", "--out", root / "shards_bpe", "--tokenizer", "bpe", "--vocab-size", 300)
-    shardax("prepare", root / "text", "--out", root / "swapped")  # bytes; a run trains on them ...
-    shardax(*run[:-2], "--data", root / "swapped", "--checkpoint-dir", root / "swapped_run")
-    shardax("prepare", root / "text", "--out", root / "swapped", "--tokenizer", "bpe", "--vocab-size", 300,
-            "--overwrite")  # ... then they are replaced by BPE shards
+    cli("prepare", root / "text", "--out", root / "shards_bpe", "--tokenizer", "bpe", "--vocab-size", 300)
+    cli("prepare", root / "text", "--out", root / "swapped")  # bytes; a run trains on them ...
+    cli(*run[:-2], "--data", root / "swapped", "--checkpoint-dir", root / "swapped_run")
+    cli("prepare", root / "text", "--out", root / "swapped", "--tokenizer", "bpe", "--vocab-size", 300,
+        "--overwrite")  # ... then they are replaced by BPE shards
     (root / "bad").mkdir()
     (root / "bad" / "empty.txt").write_text("")
     (root / "bad" / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
@@ -48,7 +53,10 @@ def workspace(small_corpus, tmp_path_factory):
         __import__("pyarrow").table({"body": ["text under another name"]}), root / "bad" / "other.parquet")
     (root / "not_shardax" / "7").mkdir(parents=True)
     (root / "not_shardax" / "7" / "notes.txt").write_text("someone else's files")
-    return root
+
+
+def cli(*args):
+    assert main(list(map(str, args))) == 0
 
 
 def snapshot(root):

@@ -331,10 +331,12 @@ def test_the_default_run_is_the_one_measured_in_the_readme():
     """Benchmark 20 measured the default run's sample (its figure is in the README): the default
     settings are still the ones it ran with."""
     run = resolve(TrainConfig())
-    assert (run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps) == ("tiny", "bpe", 1024, 16, 400)
+    assert (run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps) == ("tiny", "bpe", 1024, 32, 500)
+    assert run.model.seq_len == 64
     assert (TrainConfig().sample_temperature, TrainConfig().sample_top_k) == (0.7, 10)
     rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/default_sample.json").read_text())
     after = next(row for row in rows if row["label"] == "after")
-    assert "bpe (trained, vocabulary 1024)" in after["run"][0]
-    assert after["run"][1].startswith(f"run: {run.steps} steps x {run.batch_size} sequences x 128 tokens")
-    assert 0 < after["word_share"] <= 1 and after["words"] > 50
+    measured = {key: after[key] for key in ("tokenizer", "batch_size", "steps", "temperature", "top_k")}
+    assert measured == {"tokenizer": run.tokenizer, "batch_size": run.batch_size, "steps": run.steps,
+                        "temperature": TrainConfig().sample_temperature, "top_k": TrainConfig().sample_top_k}
+    assert 0 < after["word_share"] <= 1 and after["words"] > 200

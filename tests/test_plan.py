@@ -78,7 +78,7 @@ def test_cli_json_for_a_billion_parameter_preset():
 
 
 def test_cli_table_and_bad_memory():
-    result = shardax("plan", "--preset", "tiny", "--batch-size", 32, "--strategy", "dp", "--strategy", "fsdp",
+    result = shardax("plan", "--preset", "tiny", "--seq-len", 128, "--strategy", "dp", "--strategy", "fsdp",
                      "--device-memory", "40MB")
     assert "shardax plan: tiny" in result.stdout and "Recommended: fsdp" in result.stdout
     bad = shardax("plan", "--preset", "tiny", "--device-memory", "lots", check=False)
@@ -142,9 +142,9 @@ STRATEGY_MESHES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), (
 @pytest.mark.parametrize("strategy, mesh", STRATEGY_MESHES)
 def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
     """Parameters, gradients, optimizer state, batch, residuals and one layer's working set,
-    from shapes and specs, against the peak of XLA's compiled step (tiny preset, batch 32: the shapes
-    the working-set fit was made on)."""
-    plan = plan_strategy(get_preset("tiny").config(remat=remat), strategy, mesh, batch_size=32)
+    from shapes and specs, against the peak of XLA's compiled step (tiny preset at 128-token sequences,
+    batch 32: the shapes the working-set fit was made on)."""
+    plan = plan_strategy(get_preset("tiny").config(remat=remat, seq_len=128), strategy, mesh, batch_size=32)
     assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE[remat]), (plan.predicted,
                                                                                                   plan.compiled)
 

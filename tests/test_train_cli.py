@@ -54,7 +54,7 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     out = capsys.readouterr().out
     assert out.index(f"run directory: {run} (resume it with: shardax train --run-dir {run} --resume)") < out.index("step      1")
     assert re.search(r"validation loss +│ \d\.\d{4} nats/byte \(best \d\.\d{4}\); \d\.\d{3} bits/byte", out)
-    assert re.search(r"unigram baseline +│ \d\.\d{4} nats/byte", out)
+    assert re.search(r"unigram baseline +│ \d\.\d{4} nats/byte", out) and re.search(r"run directory +│ ", out)
     assert out.index("sample") < out.index("summary")  # the sample, then the summary, then what to do next
     settings = yaml.safe_load((run / "config.yaml").read_text())
     assert settings["strategy"] == "fsdp" and settings["steps"] == 6 and settings["preset"] == "tiny"

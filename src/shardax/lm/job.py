@@ -189,23 +189,31 @@ def run(config: TrainConfig) -> TrainResult:
         raise
     model, batch = run.model, run.batch_size
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
-        prompt = data.prompt(min(48, model.seq_len // 2))
+        prompt = _whole_lines(data, data.prompt(min(48, model.seq_len // 2)))
         ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len, vocab=data.vocab,
                             temperature=config.sample_temperature, top_k=config.sample_top_k, seed=run.seed)
         how = ("greedy" if config.sample_temperature == 0 else
                f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed {run.seed}")
         say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
             rich_escape(data.decode(prompt) + "|" + data.decode(ids)), "")
-    rows = dict(fit.summary)
+    rows = {name: value for name, value in fit.summary.items() if name not in ("checkpoints", "metrics")}
+    rows["run directory"] = f"{where.path}: {where.contents()}"
     if fit.last_eval is not None and "bits_per_byte" in fit.last_eval and "validation loss" in rows:
         rows["validation loss"] += f"; {fit.last_eval['bits_per_byte']:.3f} bits/byte"
     show_summary(trainer.name, rows)
-    say(f"run directory {where.path}: {where.contents()}",
-        f"to train further: {where.resume_command(extend_to=fit.end_step + run.steps)}")
+    say(f"to train further: {where.resume_command(extend_to=fit.end_step + run.steps)}")
     trained = fit.end_step - fit.start_step
     return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s, fit.examples_per_sec * model.seq_len,
                        fit.best_eval_loss, fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(),
                        fit.state, trainer.parallel, where)
+
+
+def _whole_lines(data: ByteText | TokenShards, prompt: list[int]) -> list[int]:
+    """``prompt`` cut after its last line break (the sample then starts a line), if it has one."""
+    for end in range(len(prompt), 0, -1):
+        if data.decode(prompt[:end]).endswith("\n"):
+            return prompt[:end]
+    return prompt
 
 
 def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: TrainConfig, where: RunDirectory,
