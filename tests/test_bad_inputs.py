@@ -22,7 +22,6 @@ def workspace(small_corpus):
 
 
 def _make_workspace(root, small_corpus):
-    """In this process (``main``), not in new ones: the runs and preparations share its JAX."""
     shutil.copytree(small_corpus, root / "text")
     (root / "empty").mkdir()
     (root / "binary").mkdir()
@@ -56,7 +55,9 @@ def _make_workspace(root, small_corpus):
 
 
 def cli(*args):
-    assert main(list(map(str, args))) == 0
+    """``shardax ...`` in a process of its own, as a user runs it (a run's checkpoint writers, the
+    tokenizer's threads and their state stay out of the test worker)."""
+    shardax(*args)
 
 
 def snapshot(root):
