@@ -367,6 +367,25 @@ def _collectives_from(
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
+def _trip_count(computations: dict[str, _Computation], loop: _Instruction) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count`` where it wrote one (CPU, GPU), else
+    the bound of its condition ``counter < N`` (XLA:TPU's form; JAX's loops count up from 0)."""
+    known = _TRIP_COUNT.search(loop.attributes.get("backend_config", ""))
+    if known:
+        return int(known.group(1))
+    condition = computations.get(loop.attributes.get("condition", "").lstrip("%"))
+    if condition is None:
+        return 1
+    by_name = {instruction.name: instruction for instruction in condition.instructions}
+    root = by_name.get(condition.root)
+    if root is None or root.opcode != "compare" or root.attributes.get("direction") != "LT" or len(root.operands) != 2:
+        return 1
+    bound = by_name.get(root.operands[1])
+    if bound is None or bound.opcode != "constant" or not bound.operands or not bound.operands[0].isdigit():
+        return 1
+    return int(bound.operands[0])
+
+
 def _executions(computations: dict[str, _Computation]) -> dict[str, int]:
     """Runs per program execution of each computation: while bodies times their known trip counts."""
     runs = {name: 1 for name in computations}
@@ -374,10 +393,13 @@ def _executions(computations: dict[str, _Computation]) -> dict[str, int]:
         changed = False
         for computation in computations.values():
             for instruction in computation.instructions:
+                if instruction.opcode == "fusion":  # XLA:TPU fuses a reduce-scatter with its all-reduce
+                    called, count = _called_computation(instruction), runs[computation.name]
+                    if called in runs and runs[called] != count:
+                        runs[called], changed = count, True
                 if instruction.opcode != "while":
                     continue
-                trip = _TRIP_COUNT.search(instruction.attributes.get("backend_config", ""))
-                count = runs[computation.name] * (int(trip.group(1)) if trip else 1)
+                count = runs[computation.name] * _trip_count(computations, instruction)
                 for role in ("body", "condition"):
                     called = instruction.attributes.get(role, "").lstrip("%")
                     if called in runs and runs[called] != count:
@@ -391,16 +413,21 @@ def find_collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled HLO module, in program order.
 
     ``hlo_text`` is ``compiled.as_text()`` (``jax.jit(f).lower(*args).compile()``).
-    Instructions of fused computations are skipped. ``replica_groups`` holds the
+    Fused computations are read only where XLA:TPU fuses a collective (a ``kCustom`` fusion:
+    its reduce-scatter is an all-reduce fused with the slice each device keeps), counted as
+    often as the fusion runs. ``replica_groups`` holds the
     attribute as written; collective-permutes, which have none, show their
     ``source_target_pairs`` there instead.
     """
     computations = _parse_module(hlo_text)
     fused = _fused_computation_names(computations)
+    custom = {_called_computation(instruction) for computation in computations.values()
+              for instruction in computation.instructions
+              if instruction.opcode == "fusion" and instruction.attributes.get("kind") == "kCustom"}
     runs = _executions(computations)
     found = []
     for computation in computations.values():
-        if computation.name in fused:
+        if computation.name in fused and computation.name not in custom:
             continue
         for instruction in computation.instructions:
             for collective in _collectives_from(computations, computation, instruction):

@@ -1,8 +1,10 @@
 """``shardax plan``: compile the train step for a target mesh ahead of time and read what it costs.
 
-Nothing runs and no accelerator is needed: the step is lowered and compiled for fake CPU
-devices from abstract shapes, then XLA's ``memory_analysis()`` and the collectives in the
-compiled HLO are set beside shardax's own prediction from shapes and specs.
+Nothing runs and no accelerator is needed: the step is lowered and compiled from abstract
+shapes, for fake CPU devices or, with a ``target`` (see :mod:`shardax.analysis.targets`), by
+XLA:TPU for a TPU slice's devices. XLA's ``memory_analysis()`` and the collectives in the
+compiled HLO are set beside shardax's own prediction from shapes and specs; for a target, its
+cost analysis gives FLOPs and HBM bytes, and the chip's peaks a roofline step time.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import optax
 
 from shardax.analysis.collectives import find_collectives, summarize
 from shardax.analysis.lint import lint
+from shardax.analysis.targets import Target, roofline
 from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.model_parallel import parallelize
+from shardax.models.presets import flops_per_token
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
 from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import STRATEGIES, default_mesh, get_strategy
@@ -51,6 +55,9 @@ class StrategyPlan:
     lint: list[str]
     compile_s: float
     bubble: float | None = None  # pipeline strategies: the fraction of idle stage iterations
+    target: str | None = None  # the accelerator compiled for (None: fake CPU devices)
+    cost: dict[str, float | None] | None = None  # a target's: flops, hbm_bytes, model_flops per device per step
+    roofline: dict[str, Any] | None = None  # a target's: compute_s, memory_s, network_s, step_s, bound, mfu
 
     @property
     def predicted_bytes_per_device(self) -> int:
@@ -76,6 +83,12 @@ def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1, *
     return step.lower(parallel.abstract_state, batch).compile()
 
 
+def out_of_memory(error: Exception) -> bool:
+    """XLA refused to compile because the step needs more memory than the device has (XLA:TPU
+    checks its HBM at compile time)."""
+    return "RESOURCE_EXHAUSTED" in str(error) and "memory" in str(error).lower()
+
+
 def compiled_memory(compiled) -> dict[str, int]:
     """XLA's ``memory_analysis()`` of a compiled step per device, with its peak: arguments,
     temporaries and outputs, less the outputs that reuse (alias) donated arguments."""
@@ -86,16 +99,25 @@ def compiled_memory(compiled) -> dict[str, int]:
     return measured
 
 
+def _parallel(model: TransformerConfig, strategy: Any, mesh_shape: str | None, tx: Any, target: Target | None):
+    devices = target.devices() if target is not None else None
+    mesh = DeviceMeshManager(devices).create_device_mesh(mesh_shape or default_mesh(strategy.name))
+    return parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, strategy)
+
+
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
                   grad_accum: int = 1, device_memory: int | None = None,
                   tx: optax.GradientTransformation | None = None, microbatches: int | None = None,
-                  pipeline_repeats: int = 1, context_attention: str = "all-gather") -> StrategyPlan:
-    """Compile one strategy's step on fake devices and measure it (see the module docstring).
+                  pipeline_repeats: int = 1, context_attention: str = "all-gather",
+                  target: Target | None = None) -> StrategyPlan:
+    """Compile one strategy's step and measure it (see the module docstring).
     ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy;
-    ``context_attention``: how attention spans a sequence split over a ``context`` axis."""
+    ``context_attention``: how attention spans a sequence split over a ``context`` axis;
+    ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
+    the default ``device_memory``."""
     resolved = get_strategy(strategy)
-    mesh = DeviceMeshManager().create_device_mesh(mesh_shape or default_mesh(resolved.name))
-    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, resolved)
+    parallel = _parallel(model, resolved, mesh_shape, tx, target)
+    mesh = parallel.mesh
     # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
     schedule = parallel.schedule(**pipeline)
@@ -113,16 +135,66 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
                for kind, entry in summarize(collectives).items()}
     for collective in collectives:
         summary[collective.kind]["wire_bytes"] += wire_bytes(collective, mesh.devices.size) * collective.executions
-    return StrategyPlan(
+    if target is not None and device_memory is None:
+        device_memory = int(target.per_device()["hbm_bytes"])
+    plan = StrategyPlan(
         strategy=resolved.name, mesh=describe_mesh(mesh), predicted=predicted, compiled=measured,
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
-        theoretical_collective_bytes=theoretical_collective_bytes(parallel.layout, model, batch_size, schedule,
-                                                                  context or "all-gather"),
+        theoretical_collective_bytes=theoretical_collective_bytes(
+            parallel.layout, model, batch_size, schedule, context or "all-gather",
+            gather_matrices_in_bfloat16=target is not None),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
-        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model)
+        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model, target)
               + _bubble_note(schedule)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
+        target=None if target is None else target.name,
     )
+    if target is not None:
+        _add_costs(plan, target, model, resolved, mesh_shape, tx, batch_size, grad_accum, compiled, pipeline)
+    return plan
+
+
+def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, tx: Any, target: Target,
+              batch_size: int, grad_accum: int, compiled: Any) -> tuple[float, float]:
+    """FLOPs and HBM bytes per device of one step, from XLA's cost analysis.
+
+    XLA counts a loop's body once however often it runs, so for scanned layers the step is
+    compiled again with one and with two layers in a Python loop, and the cost extrapolated
+    linearly to the model's depth (every layer costs the same). Gradient accumulation's loop
+    likewise: one microbatch's step is costed and multiplied by ``grad_accum`` (which counts
+    the optimizer's update, a few FLOPs per parameter, that many times too).
+    """
+    if not model.scan_layers and grad_accum == 1:
+        cost = compiled.cost_analysis()
+        return float(cost["flops"]), float(cost["bytes accessed"])
+    costs = []
+    for layers in (1, 2):
+        shallow = dataclasses.replace(model, n_layers=layers, scan_layers=False)
+        parallel = _parallel(shallow, strategy, mesh_shape, tx, target)
+        cost = compile_step(parallel, batch_size // grad_accum, model.seq_len).cost_analysis()
+        costs.append((float(cost["flops"]), float(cost["bytes accessed"])))
+    (flops_1, bytes_1), (flops_2, bytes_2) = costs
+    extra = model.n_layers - 1
+    return (grad_accum * (flops_1 + extra * (flops_2 - flops_1)),
+            grad_accum * (bytes_1 + extra * (bytes_2 - bytes_1)))
+
+
+def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, strategy: Any, mesh_shape: str | None,
+               tx: Any, batch_size: int, grad_accum: int, compiled: Any, pipeline: dict[str, Any]) -> None:
+    devices = len(target.devices())
+    model_flops = flops_per_token(model) * batch_size * model.seq_len / devices
+    if strategy.pipeline_axis or pipeline.get("context_attention"):
+        # a schedule's loop (or the context ring) runs a body of many layers: counted from the model,
+        # with the pipeline's idle stage iterations
+        flops, hbm = None, None
+        compute_flops = model_flops / (1 - (plan.bubble or 0.0))
+        hbm_bytes = float(compiled.cost_analysis()["bytes accessed"])
+    else:
+        flops, hbm = step_cost(model, strategy, mesh_shape, tx, target, batch_size, grad_accum, compiled)
+        compute_flops, hbm_bytes = flops, hbm
+    plan.cost = {"flops": flops, "hbm_bytes": hbm, "model_flops": model_flops}
+    bound = roofline(target, compute_flops, hbm_bytes, plan.collective_bytes, model_flops)
+    plan.roofline = dataclasses.asdict(bound) | {"step_s": bound.step_s, "bound": bound.bound, "mfu": bound.mfu}
 
 
 def _bubble_note(schedule: Any) -> list[str]:
@@ -139,8 +211,8 @@ def _bubble_note(schedule: Any) -> list[str]:
             f"{100 * (schedule.stages - 1) / (schedule.repeats * enough + schedule.stages - 1):.0f}%"]
 
 
-def _bfloat16_note(model: TransformerConfig) -> list[str]:
-    if model.compute_dtype != "bfloat16":
+def _bfloat16_note(model: TransformerConfig, target: Target | None = None) -> list[str]:
+    if model.compute_dtype != "bfloat16" or target is not None:
         return []
     return ["bfloat16 compute on fake CPU devices: XLA:CPU computes bfloat16 in float32 and keeps both widths, "
             "so its compiled peak overstates an accelerator's (the small preset under dp needs 730 MB in bfloat16 "
@@ -174,6 +246,13 @@ def recommend(plans: list[StrategyPlan], device_memory: int | None, model: Trans
     if not plans:
         return "No strategy could be compiled for this mesh."
     fitting = [p for p in plans if p.fits is not False]
+    if fitting and all(p.roofline for p in fitting):  # compiled for a target: the fastest step that fits
+        best = min(fitting, key=lambda p: (p.roofline["step_s"], p.compiled["peak"]))
+        others = ", ".join(f"{p.strategy} {p.roofline['step_s'] * 1e3:.3f} ms" for p in fitting if p is not best)
+        return (f"Recommended: {best.strategy} on mesh {best.mesh}: the shortest roofline step, "
+                f"{best.roofline['step_s'] * 1e3:.3f} ms ({best.roofline['bound']}-bound, MFU at most "
+                f"{100 * best.roofline['mfu']:.1f}%), {format_bytes(best.compiled['peak'])} per device within "
+                f"{format_bytes(device_memory)}" + (f" (others: {others})." if others else "."))
     if fitting:
         best = min(fitting, key=lambda p: (p.collective_bytes, p.compiled["peak"]))
         budget = f"within {format_bytes(device_memory)} per device" if device_memory else "(no --device-memory given)"

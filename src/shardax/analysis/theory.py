@@ -17,6 +17,7 @@ import functools
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from shardax.sharding.layout import Layout
@@ -394,8 +395,15 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
 
 
 def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
-                                 context_attention: str = "all-gather") -> float:
-    """The least a step of this strategy must send per device (see the module docstring)."""
+                                 context_attention: str = "all-gather", gather_matrices_in_bfloat16: bool = False
+                                 ) -> float:
+    """The least a step of this strategy must send per device (see the module docstring).
+
+    ``gather_matrices_in_bfloat16``: the weight matrices FSDP gathers for compute travel in
+    bfloat16, as XLA:TPU compiles them: at JAX's default precision it multiplies float32 in
+    bfloat16 and converts before it gathers (XLA:CPU gathers the stored float32). Vectors
+    travel in the compute dtype; gradients are reduce-scattered in the parameters' dtype.
+    """
     shape = dict(layout.mesh.shape)
     strategy = layout.strategy
     gather = _axes_size(shape, strategy.gather_axes)
@@ -406,12 +414,17 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
     total = context_attention_bytes(layout, model, batch_size, context_attention)
     total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
+    compute = getattr(model, "compute_dtype", None)
     for leaf in layout.leaves.values():
         within_group = _bytes_per_group(leaf, shape, strategy)
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
         staged = stages > 1 and _split_into_stages(leaf, strategy)
+        narrowed = 1.0
+        if gather_matrices_in_bfloat16 and jnp.issubdtype(leaf.dtype, jnp.floating):
+            travels = 2 if len(leaf.shape) >= 2 else jnp.dtype(compute or leaf.dtype).itemsize
+            narrowed = min(travels / jnp.dtype(leaf.dtype).itemsize, 1.0)
         if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
-            total += (2 if staged else 3) * (gather - 1) / gather * within_group
+            total += ((1 if staged else 2) * narrowed + 1) * (gather - 1) / gather * within_group
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
             total += 2 * (gather - 1) / gather * within_group
         if staged and schedule.repeats > 1:  # a circular schedule regroups the stage's layers, and their gradients

@@ -13,8 +13,9 @@ from shardax.cli.devices import configure_jax
 def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan", help="compile the train step for a mesh ahead of time and report memory and communication",
-        description="Compile the train step on fake CPU devices (no accelerator needed) and compare XLA's "
-                    "bytes per device and collectives with shardax's predictions.")
+        description="Compile the train step on fake CPU devices, or with --target for a TPU slice by "
+                    "XLA:TPU itself (no accelerator needed either way), and compare XLA's bytes per device "
+                    "and collectives with shardax's predictions.")
     add = parser.add_argument
     add("--preset", default="tiny", help="model size (default tiny)")
     add("--mesh", help="target mesh, e.g. data=64 or data=8,model=8 (default: each strategy's own)")
@@ -30,6 +31,10 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
         help="meshes with a context axis: attention by all-gather (default) or ring")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
     add("--precision", choices=("float32", "bfloat16"), default="float32")
+    add("--target", help="compile for a TPU slice with XLA:TPU, e.g. tpu-v5p-8, tpu-v5e-16, tpu-v6e-64 "
+                         "(needs pip install \"shardax[tpu-plan]\"): HBM fit, FLOPs, roofline step time and MFU")
+    add("--fit", action="store_true", help="with --target: the largest batch that fits for each remat policy, "
+                                           "and the gradient accumulation that reaches --batch-size")
     add("--json", action="store_true", help="print a JSON list, one object per strategy")
     return parser
 
@@ -91,10 +96,84 @@ def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model
     console.print(recommendation)
 
 
+def _target_row(plan: Any) -> list[str]:
+    from shardax.sharding.report import format_bytes
+
+    cost, bound = plan.cost, plan.roofline
+    ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
+    flops = (f"{cost['flops'] / 1e9:.2f} G ({cost['flops'] / cost['model_flops']:.2f}x)" if cost["flops"]
+             else f"{cost['model_flops'] / 1e9:.2f} G (model)")
+    return [plan.strategy, plan.mesh, format_bytes(plan.compiled["peak"]), "yes" if plan.fits else "no",
+            f"{format_bytes(plan.collective_bytes)} ({ratio:.2f}x)", flops, f"{bound['step_s'] * 1e3:.3f} ms",
+            bound["bound"], f"{100 * bound['mfu']:.1f}%"]
+
+
+def print_target_plans(plans: list[Any], skipped: list[str], target: Any, description: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from shardax.sharding.report import format_bytes
+
+    console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 150))
+    table = Table(title=f"shardax plan: {description} on {target.describe()} (XLA:TPU)")
+    for header in ("strategy", "mesh", "peak per chip", f"fits {format_bytes(target.per_device()['hbm_bytes'])}",
+                   "sent per step (vs theory)", "FLOPs (vs 6N·tokens + attention)", "roofline step", "bound", "MFU"):
+        table.add_column(header)
+    for plan in plans:
+        table.add_row(*_target_row(plan))
+    console.print(table)
+    console.print("Per device, as XLA:TPU compiled the step for this slice. The roofline step is the slowest of "
+                  "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI traffic (bytes "
+                  "sent / two links' bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
+                  "so the MFU is an upper bound. Pipelines count the model's FLOPs over the busy stage iterations.")
+    for plan in plans:
+        for finding in plan.lint:
+            console.print(f"lint [{plan.strategy}]: {finding}", markup=False)
+    for line in skipped:
+        console.print(f"skipped {line}")
+
+
+def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) -> int:
+    from shardax.analysis.fit import accumulation_for, batch_granule, best, fit
+    from shardax.errors import UsageError
+    from shardax.sharding.report import format_bytes
+
+    if not args.strategy or len(args.strategy) != 1:
+        raise UsageError("--fit searches one strategy at a time; add --strategy NAME (e.g. --strategy fsdp)")
+    strategy = args.strategy[0]
+    pipeline = {"microbatches": args.microbatches, "pipeline_repeats": args.pipeline_repeats}
+    results = fit(model, strategy, args.mesh, target, **pipeline)
+    if args.json:
+        json.dump([{"remat": r.remat, "batch_size": r.batch_size, "compiles": r.probes,
+                    "tokens_per_s": r.tokens_per_s, "plan": r.plan.to_json() if r.plan else None}
+                   for r in results], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    print(f"{strategy} on {target.describe()}, sequences of {model.seq_len}, "
+          f"{format_bytes(target.per_device()['hbm_bytes'])} per chip:")
+    for r in results:
+        if not r.batch_size:
+            print(f"  remat {r.remat:<34} nothing fits ({r.probes} compiles)")
+            continue
+        bound = r.plan.roofline
+        print(f"  remat {r.remat:<34} largest batch {r.batch_size:>6}: {format_bytes(r.plan.compiled['peak'])} per "
+              f"chip, roofline {bound['step_s'] * 1e3:.2f} ms ({bound['bound']}-bound), MFU {100 * bound['mfu']:.1f}%, "
+              f"{r.tokens_per_s:,.0f} tokens/s ({r.probes} compiles)")
+    chosen = best(results)
+    line = f"Best: --remat {chosen.remat} --batch-size {chosen.batch_size}"
+    if batch_size > chosen.batch_size:
+        granule = batch_granule(strategy, args.mesh, target, args.microbatches)
+        steps, micro = accumulation_for(batch_size, chosen, granule)
+        line += f"; for a global batch of {batch_size}: --batch-size {batch_size} --grad-accum {steps} (microbatches of {micro})"
+    print(line)
+    return 0
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from shardax.analysis.plan import parse_bytes, plan_all, recommend
     from shardax.models.presets import get_preset, parameter_count
 
+    target = _target(args)
     preset = get_preset(args.preset)
     overrides: dict[str, Any] = {"compute_dtype": args.precision}
     if args.seq_len:
@@ -103,16 +182,39 @@ def run_plan(args: argparse.Namespace) -> int:
         overrides["remat"] = args.remat
     model = preset.config(**overrides)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
-    plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=args.batch_size or preset.batch_size,
+    batch_size = args.batch_size or preset.batch_size
+    if args.fit:
+        return run_fit(args, model, target, batch_size)
+    plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=batch_size,
                               grad_accum=args.grad_accum, device_memory=memory, microbatches=args.microbatches,
-                              pipeline_repeats=args.pipeline_repeats, context_attention=args.context_attention)
+                              pipeline_repeats=args.pipeline_repeats, context_attention=args.context_attention,
+                              target=target)
     if args.json:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {args.batch_size or preset.batch_size}"
+    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {batch_size}"
+    if target is not None:
+        print_target_plans(plans, skipped, target, description)
+        print(recommend(plans, memory or int(target.per_device()["hbm_bytes"]), model))
+        return 0
     print_plans(plans, skipped, recommend(plans, memory, model), description)
     return 0
+
+
+def _target(args: argparse.Namespace) -> Any:
+    """The ``--target`` slice (checked, with XLA:TPU's compiler present), or None."""
+    from shardax.errors import UsageError
+
+    if args.fit and not args.target:
+        raise UsageError("--fit searches against a chip's memory; add --target (e.g. --target tpu-v5p-8)")
+    if not args.target:
+        return None
+    from shardax.analysis.targets import parse_target, require_tpu_compiler
+
+    target = parse_target(args.target)
+    require_tpu_compiler()
+    return target
 
 
 def plan_command(args: argparse.Namespace) -> int:

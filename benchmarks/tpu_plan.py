@@ -1,0 +1,73 @@
+"""Benchmark 21: every preset x strategy compiled by XLA:TPU for a TPU slice, on this CPU host.
+
+    python benchmarks/tpu_plan.py                                  # tiny..large on tpu-v5p-8
+    python benchmarks/tpu_plan.py --target tpu-v5e-64 --preset 1b  # one preset on another slice
+
+Needs ``pip install "shardax[tpu-plan]"`` (libtpu; no TPU). For each preset (its own batch and
+sequence length, float32 weights) and strategy (its default mesh over the slice), ``shardax
+plan``'s ``plan_strategy`` with the target: XLA:TPU's compiled peak per chip and whether it fits
+the chip's HBM, the bytes its collectives send against the strategy's theory, XLA's FLOPs
+(scanned layers extrapolated from 1- and 2-layer compiles) against 6 N tokens + attention, the
+roofline step time and its MFU (an upper bound), and shardax's analytic peak against XLA:TPU's.
+Rows go to ``benchmarks/results/tpu_plan.json`` keyed by target and preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+RESULTS = Path(__file__).parent / "results" / "tpu_plan.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="tpu-v5p-8")
+    parser.add_argument("--preset", action="append", help="default: tiny, small, medium, large")
+    parser.add_argument("--strategy", action="append", help="default: all")
+    args = parser.parse_args()
+
+    from shardax.analysis.plan import out_of_memory, plan_strategy
+    from shardax.analysis.targets import parse_target
+    from shardax.models.presets import get_preset
+    from shardax.sharding.strategies import STRATEGIES
+
+    target = parse_target(args.target)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    for name in args.preset or ["tiny", "small", "medium", "large"]:
+        preset = get_preset(name)
+        rows = []
+        for strategy in args.strategy or list(STRATEGIES):
+            began = time.perf_counter()
+            try:
+                plan = plan_strategy(preset.config(), strategy, None, batch_size=preset.batch_size, target=target)
+            except Exception as error:  # noqa: BLE001 - a row that says why
+                if not out_of_memory(error):
+                    raise
+                rows.append({"strategy": strategy, "fits": False, "error": str(error).splitlines()[0][:200]})
+                print(f"{args.target} {name:<7} {strategy:<8} does not fit: {rows[-1]['error']}", flush=True)
+                continue
+            row = {"strategy": strategy, "mesh": plan.mesh, "peak_gb": plan.compiled["peak"] / 1e9,
+                   "fits": plan.fits, "sent_mb": plan.collective_bytes / 1e6,
+                   "sent_vs_theory": plan.collective_bytes / max(plan.theoretical_collective_bytes, 1),
+                   "flops_vs_model": (plan.cost["flops"] / plan.cost["model_flops"]) if plan.cost["flops"] else None,
+                   "step_ms": plan.roofline["step_s"] * 1e3, "bound": plan.roofline["bound"],
+                   "mfu": plan.roofline["mfu"], "predicted_vs_compiled": plan.predicted["total"] / plan.compiled["peak"],
+                   "seconds": time.perf_counter() - began}
+            rows.append(row)
+            print(f"{args.target} {name:<7} {strategy:<8} {row['peak_gb']:7.3f} GB fits={row['fits']} "
+                  f"sent {row['sent_vs_theory']:.2f}x theory, FLOPs {row['flops_vs_model'] or 0:.3f}x model, "
+                  f"{row['step_ms']:.3f} ms {row['bound']}-bound, MFU {100 * row['mfu']:.1f}%, "
+                  f"analytic peak {row['predicted_vs_compiled']:.2f}x ({row['seconds']:.0f} s)", flush=True)
+        results[f"{args.target} {name}"] = {"batch_size": preset.batch_size, "seq_len": preset.config().seq_len,
+                                           "rows": rows}
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

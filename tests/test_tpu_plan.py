@@ -1,0 +1,119 @@
+"""`shardax plan --target`: the train step compiled by XLA:TPU for TPU slices on this CPU host
+(libtpu's deviceless compile): collectives against theory, FLOPs, roofline, multi-host slices,
+the batch search, and the one-line errors."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from cli_helpers import shardax
+from shardax.analysis.fit import batch_granule, fit
+from shardax.analysis.plan import _parallel, compile_step, compiled_memory, plan_strategy, step_cost
+from shardax.analysis.targets import CHIPS, Target, parse_target, require_tpu_compiler
+from shardax.errors import UsageError
+from shardax.models.presets import flops_per_token
+from shardax.sharding.strategies import get_strategy
+from small_models import tiny_transformer_config
+
+pytestmark = pytest.mark.xdist_group("test_tpu_plan")
+pytest.importorskip("libtpu", reason="the TPU compiler comes with the test extra on Linux x86-64")
+
+# Untied head, as in test_plan: the theory counts one gradient per table.
+MODEL = tiny_transformer_config(vocab_size=256, d_model=128, d_ff=512, seq_len=64, n_layers=4,
+                                tie_embeddings=False)
+
+
+@pytest.mark.parametrize("name, topology, chips, devices", [
+    ("tpu-v5p-8", "v5p:2x2x1", 4, 4), ("tpu-v5p-64", "v5p:2x4x4", 32, 32), ("tpu-v5e-16", "v5e:4x4", 16, 16),
+    ("tpu-v5e-256", "v5e:16x16", 256, 256), ("tpu-v6e-8", "v6e:2x4", 8, 8), ("tpu-v4-8", "v4:2x2x1", 4, 8),
+    ("tpu-v5e:2x4", "v5e:2x4", 8, 8)])
+def test_target_names_follow_cloud_tpu(name, topology, chips, devices):
+    target = parse_target(name)
+    assert (target.topology, target.chips, len(target.devices())) == (topology, chips, devices)
+    # a v4 chip shows XLA two devices, each with half the chip
+    assert target.per_device()["peak_flops"] == pytest.approx(target.chip.peak_flops * chips / devices)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("tpu-v9-8", "--target 'tpu-v9-8' is not a TPU slice; write it like tpu-v5p-8"),
+    ("tpu-v5p-12", "--target 'tpu-v5p-12': v5p slices come in powers of two from v5p-8"),
+    ("tpu-v5e-2", "--target 'tpu-v5e-2': v5e slices come in powers of two from v5e-4")])
+def test_bad_target_names(name, message):
+    with pytest.raises(UsageError) as error:
+        parse_target(name)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_missing_compiler_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # what an install without the extra sees
+    with pytest.raises(UsageError, match=r'libtpu.*pip install "shardax\[tpu-plan\]"'):
+        require_tpu_compiler()
+
+
+@pytest.mark.parametrize("strategy, mesh", [("dp", "data=4"), ("zero2", "data=4"), ("fsdp", "data=4"),
+                                            ("tp", "data=2,model=2"), ("hsdp", "replica=2,data=2"),
+                                            ("pp_fsdp", "stage=2,data=2")])
+def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
+    """XLA:TPU's compiled step sends within 5% of the strategy's theory (its reduce-scatters are
+    fusions, its loops carry no trip count: both read), fits the chip, and costs the model's FLOPs."""
+    target = parse_target("tpu-v5p-8")
+    plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
+    assert plan.target == "tpu-v5p-8" and plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
+    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    model_flops = flops_per_token(MODEL) * 16 * MODEL.seq_len / 4
+    assert plan.cost["model_flops"] == pytest.approx(model_flops)
+    if plan.cost["flops"] is not None:  # XLA's count of the whole step, loops unrolled by extrapolation
+        assert 0.95 <= plan.cost["flops"] / model_flops <= 1.1, plan.cost
+    bound = plan.roofline
+    assert bound["step_s"] == max(bound["compute_s"], bound["memory_s"], bound["network_s"]) > 0
+    assert 0 < bound["mfu"] <= 1
+
+
+def test_flop_extrapolation_matches_an_unrolled_compile():
+    """The FLOPs of a scanned step, extrapolated from compiles of 1 and 2 layers, equal XLA:TPU's
+    count of the same step with its 4 layers unrolled (a depth the extrapolation did not compile)."""
+    target = parse_target("tpu-v5p-8")
+    strategy = get_strategy("fsdp")
+    compiled = compile_step(_parallel(MODEL, strategy, "data=4", None, target), 16, MODEL.seq_len)
+    flops, hbm = step_cost(MODEL, strategy, "data=4", None, target, 16, 1, compiled)
+    unrolled = dataclasses.replace(MODEL, scan_layers=False)
+    cost = compile_step(_parallel(unrolled, strategy, "data=4", None, target), 16, MODEL.seq_len).cost_analysis()
+    assert flops == pytest.approx(cost["flops"], rel=0.01)
+    assert compiled.cost_analysis()["flops"] < 0.8 * flops  # what XLA reports for the scan: one layer
+
+
+@pytest.mark.parametrize("strategy, mesh", [("tp", "data=8,model=2"), ("zero2", "data=16")])
+def test_multi_host_v5e_16(strategy, mesh):
+    """A v5e-16 spans 4 hosts of 4 chips; the step over all 16 chips compiles for it and sends
+    what theory says. (FSDP's gathers there come out 1.8-2.2x theory: see the README.)"""
+    target = parse_target("tpu-v5e-16")
+    assert target.hosts == 4 and len(target.devices()) == 16
+    plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
+    assert plan.mesh == mesh and plan.fits is True
+    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+
+
+def test_fit_finds_the_largest_batch_that_fits():
+    """Against a chip given 48 MB of HBM, the search's batch fits and one more row per device does not."""
+    slice_ = parse_target("tpu-v5p-8")
+    small = Target("tpu-small", dataclasses.replace(CHIPS["v5p"], hbm_bytes=48 * 10**6), "v5p", slice_.topology)
+    [result] = fit(MODEL, "dp", "data=4", small, policies=("none",))
+    granule = batch_granule("dp", "data=4", small)
+    assert granule == 4 and result.batch_size % granule == 0 and result.batch_size >= granule
+    assert result.plan.fits and result.plan.compiled["peak"] <= 48 * 10**6
+    over = compile_step(_parallel(MODEL, get_strategy("dp"), "data=4", None, small),
+                        result.batch_size + granule, MODEL.seq_len)
+    assert compiled_memory(over)["peak"] > 48 * 10**6
+    assert result.tokens_per_s > 0 and result.probes <= 10
+
+
+def test_plan_command_for_a_target():
+    result = shardax("plan", "--target", "tpu-v5p-8", "--preset", "tiny", "--strategy", "fsdp",
+                     "--batch-size", "16", "--json")
+    [plan] = json.loads(result.stdout)
+    assert plan["target"] == "tpu-v5p-8" and plan["mesh"] == "data=4" and plan["fits"] is True
+    assert plan["roofline"]["bound"] in ("compute", "HBM", "ICI") and plan["cost"]["flops"] > 0
+    refused = shardax("plan", "--fit", "--target", "tpu-v5p-8", check=False)
+    assert refused.returncode == 2 and "--fit searches one strategy at a time" in refused.stderr
