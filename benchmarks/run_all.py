@@ -8,6 +8,7 @@ the table is then built from the JSON files only, so every figure in it comes fr
 """
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -237,6 +238,27 @@ def table() -> str:
                      f"{100 * before['word_share']:.1f}% ({100 * before['lowest']:.0f}-{100 * before['highest']:.0f}%) / "
                      f"{100 * after['word_share']:.1f}% ({100 * after['lowest']:.0f}-{100 * after['highest']:.0f}%); "
                      f"{before['wall_s']:.0f} / {after['wall_s']:.0f} s | more real words, about 90 s |")
+    for key, entry in (load("tpu_plan") or {}).items():
+        rows = [row for row in entry["rows"] if "peak_gb" in row]
+
+        def span(field, scale=1.0, digits=2):
+            values = [scale * row[field] for row in rows if row.get(field)]
+            return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "-"
+
+        peaks = ", ".join(f"{row['strategy']} {row['peak_gb']:.2f}" for row in rows)
+        lines.append(f"| 21. {key} (batch {entry['batch_size']} x {entry['seq_len']}) compiled by XLA:TPU on this CPU "
+                     f"host, every strategy: GB per chip; collectives sent vs theory; XLA FLOPs vs 6 N tokens + "
+                     f"attention; roofline MFU (upper bound); shardax's analytic peak vs XLA:TPU's | {peaks}; "
+                     f"{span('sent_vs_theory')}x; {span('flops_vs_model', digits=3)}x; {span('mfu', 100, 1)}%; "
+                     f"{span('predicted_vs_compiled')}x | all fit; within 5% of theory; ~1; -; within 5% (not yet) |")
+    decisions = load("tpu_decisions") or {}
+    for key, rows in decisions.items():
+        shipped = rows["as shipped"]
+        parts = [f"{name.removeprefix('without ')}: peak {shipped['peak_bytes'] / 1e9:.3f} vs "
+                 f"{row['peak_bytes'] / 1e9:.3f} GB, roofline {shipped['step_ms']:.3f} vs {row['step_ms']:.3f} ms"
+                 for name, row in rows.items() if name != "as shipped"]
+        lines.append(f"| 22. {key}, dp, bfloat16: choices made on XLA:CPU, as shipped vs undone, by XLA:TPU's compile "
+                     f"| {'; '.join(parts)} | keep what helps |")
     mfu = load("mfu")
     if mfu:
         top = "; ".join(f"{row['hlo_op']} {100 * row['share']:.0f}%" for row in mfu.get("top_ops", []))
@@ -273,6 +295,9 @@ if __name__ == "__main__":
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])
     run(["benchmarks/default_sample.py", "after"])  # "before" ran on the previous default's checkout
+    if importlib.util.find_spec("libtpu"):  # the tpu-plan extra: XLA:TPU compiles here, no TPU needed
+        run(["benchmarks/tpu_plan.py", "--preset", "tiny", "--preset", "small"])
+        run(["benchmarks/tpu_decisions.py"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])

@@ -64,8 +64,11 @@ def main() -> None:
                   f"sent {row['sent_vs_theory']:.2f}x theory, FLOPs {row['flops_vs_model'] or 0:.3f}x model, "
                   f"{row['step_ms']:.3f} ms {row['bound']}-bound, MFU {100 * row['mfu']:.1f}%, "
                   f"analytic peak {row['predicted_vs_compiled']:.2f}x ({row['seconds']:.0f} s)", flush=True)
+        kept = [row for row in results.get(f"{args.target} {name}", {}).get("rows", [])
+                if row["strategy"] not in {new["strategy"] for new in rows}]  # rows of strategies not rerun
+        order = list(STRATEGIES)
         results[f"{args.target} {name}"] = {"batch_size": preset.batch_size, "seq_len": preset.config().seq_len,
-                                           "rows": rows}
+                                           "rows": sorted(kept + rows, key=lambda row: order.index(row["strategy"]))}
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 

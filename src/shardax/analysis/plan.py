@@ -23,7 +23,7 @@ from shardax.analysis.targets import Target, roofline
 from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
-from shardax.mesh import DeviceMeshManager, describe_mesh
+from shardax.mesh import DeviceMeshManager, describe_mesh, parse_mesh_shape
 from shardax.model_parallel import parallelize
 from shardax.models.presets import flops_per_token
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
@@ -164,7 +164,7 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     likewise: one microbatch's step is costed and multiplied by ``grad_accum`` (which counts
     the optimizer's update, a few FLOPs per parameter, that many times too).
     """
-    if not model.scan_layers and grad_accum == 1:
+    if not model.scan_layers and grad_accum == 1 and compiled is not None:
         cost = compiled.cost_analysis()
         return float(cost["flops"]), float(cost["bytes accessed"])
     costs = []
@@ -179,16 +179,26 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
             grad_accum * (bytes_1 + extra * (bytes_2 - bytes_1)))
 
 
+_WITHOUT_PIPELINE = {"pp": "dp", "pp_fsdp": "fsdp", "pp_tp": "tp"}
+
+
 def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, strategy: Any, mesh_shape: str | None,
                tx: Any, batch_size: int, grad_accum: int, compiled: Any, pipeline: dict[str, Any]) -> None:
     devices = len(target.devices())
     model_flops = flops_per_token(model) * batch_size * model.seq_len / devices
-    if strategy.pipeline_axis or pipeline.get("context_attention"):
-        # a schedule's loop (or the context ring) runs a body of many layers: counted from the model,
-        # with the pipeline's idle stage iterations
+    if strategy.pipeline_axis:
+        # XLA counts the schedule's loop body once: cost the same step without the pipeline (its
+        # stage axis folded into data) and spread it over the busy stage iterations
+        mesh = dict(parse_mesh_shape(plan.mesh))
+        mesh["data"] = mesh.get("data", 1) * mesh.pop(strategy.pipeline_axis)
+        flat = ",".join(f"{axis}={size}" for axis, size in mesh.items())
+        work = step_cost(model, get_strategy(_WITHOUT_PIPELINE.get(strategy.name, "dp")), flat, tx, target,
+                         batch_size, grad_accum, None)
         flops, hbm = None, None
-        compute_flops = model_flops / (1 - (plan.bubble or 0.0))
-        hbm_bytes = float(compiled.cost_analysis()["bytes accessed"])
+        compute_flops, hbm_bytes = (value / (1 - (plan.bubble or 0.0)) for value in work)
+    elif pipeline.get("context_attention"):  # the ring's loop: the model's FLOPs, HBM traffic not estimated
+        flops, hbm = None, None
+        compute_flops, hbm_bytes = model_flops, 0.0
     else:
         flops, hbm = step_cost(model, strategy, mesh_shape, tx, target, batch_size, grad_accum, compiled)
         compute_flops, hbm_bytes = flops, hbm

@@ -125,7 +125,8 @@ def print_target_plans(plans: list[Any], skipped: list[str], target: Any, descri
     console.print("Per device, as XLA:TPU compiled the step for this slice. The roofline step is the slowest of "
                   "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI traffic (bytes "
                   "sent / two links' bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
-                  "so the MFU is an upper bound. Pipelines count the model's FLOPs over the busy stage iterations.")
+                  "so the MFU is an upper bound. A pipeline's compute and HBM traffic are those of the same step "
+                  "without the pipeline, spread over its busy stage iterations (XLA counts a loop's body once).")
     for plan in plans:
         for finding in plan.lint:
             console.print(f"lint [{plan.strategy}]: {finding}", markup=False)
