@@ -176,7 +176,7 @@ def test_bad_prepare_input(name, extra, message, workspace, capsys):
     (["launch", "-n", "two", "--", "true"], "argument -n/--num-processes: invalid int value: 'two'"),
     (["plan", "--device-memory", "lots"], "--device-memory 'lots' is not a size"),
     (["plan", "--strategy", "zero4"], "argument --strategy: invalid choice: 'zero4'"),
-    (["plan", "--target", "tpu-v9-8"], "--target 'tpu-v9-8' is not a TPU slice; write it like tpu-v5p-8"),
+    (["plan", "--target", "tpu-v9-8"], "--target 'tpu-v9-8' is not a TPU slice or GPU host; write it like tpu-v5p-8"),
     (["plan", "--target", "tpu-v5p-6"], "v5p slices come in powers of two from v5p-8"),
     (["plan", "--fit", "--strategy", "dp"], "--fit searches against a chip's memory; add --target"),
 ])

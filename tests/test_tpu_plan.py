@@ -1,6 +1,6 @@
-"""`shardax plan --target`: the train step compiled by XLA:TPU for TPU slices on this CPU host
-(libtpu's deviceless compile): collectives against theory, FLOPs, roofline, multi-host slices,
-the batch search, and the one-line errors."""
+"""`shardax plan --target`: the train step compiled by XLA:TPU for TPU slices, and by XLA:GPU for
+H100s, on this CPU host (deviceless compiles): collectives against theory, FLOPs, roofline,
+multi-host slices, the batch search, and the one-line errors."""
 
 import dataclasses
 import json
@@ -37,9 +37,10 @@ def test_target_names_follow_cloud_tpu(name, topology, chips, devices):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("tpu-v9-8", "--target 'tpu-v9-8' is not a TPU slice; write it like tpu-v5p-8"),
+    ("tpu-v9-8", "--target 'tpu-v9-8' is not a TPU slice or GPU host; write it like tpu-v5p-8"),
     ("tpu-v5p-12", "--target 'tpu-v5p-12': v5p slices come in powers of two from v5p-8"),
-    ("tpu-v5e-2", "--target 'tpu-v5e-2': v5e slices come in powers of two from v5e-4")])
+    ("tpu-v5e-2", "--target 'tpu-v5e-2': v5e slices come in powers of two from v5e-4"),
+    ("h100-12", "--target 'h100-12': GPUs come 1, 2, 4 or 8 to a host, or in whole hosts of 8")])
 def test_bad_target_names(name, message):
     with pytest.raises(UsageError) as error:
         parse_target(name)
@@ -117,3 +118,19 @@ def test_plan_command_for_a_target():
     assert plan["roofline"]["bound"] in ("compute", "HBM", "ICI") and plan["cost"]["flops"] > 0
     refused = shardax("plan", "--fit", "--target", "tpu-v5p-8", check=False)
     assert refused.returncode == 2 and "--fit searches one strategy at a time" in refused.stderr
+
+
+@pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")])
+def test_xla_gpu_on_h100_8(strategy, mesh):
+    """JAX's CUDA plugin compiles for 8 H100s it cannot see (a GpuTargetConfigProto describes
+    them): the step fits 80 GB, sends what theory says, and its roofline counts NVLink."""
+    # the gpu-plan extra; not in the test extra (see pyproject.toml): run with it installed
+    pytest.importorskip("jax_cuda12_plugin", reason="pip install shardax[gpu-plan] to compile for H100s")
+    target = parse_target("h100-8")
+    assert target.describe() == "h100-8: 8 NVIDIA H100 SXM GPUs on 1 host" and len(target.devices()) == 8
+    plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
+    assert plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
+    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    assert plan.cost["flops"] is None  # XLA:GPU's cost analysis needs a GPU: the model's FLOPs are used
+    assert plan.roofline["bound"] in ("compute", "NVLink")
+    assert plan.roofline["compute_s"] == pytest.approx(plan.cost["model_flops"] / 989e12)

@@ -65,7 +65,7 @@ def _scheduler(env: Mapping[str, str]) -> ClusterSpec | None:
         host = re.search(r"tcp4?://([^:,;/]+)", uri)
         address = f"{host.group(1)}:{_port(env)}" if host else None
         return ClusterSpec("openmpi", address, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]))
-    if "TPU_WORKER_HOSTNAMES" in env and "TPU_WORKER_ID" in env:
+    if "TPU_WORKER_HOSTNAMES" in env and env.get("TPU_WORKER_ID", "").isdigit():
         hosts = env["TPU_WORKER_HOSTNAMES"].split(",")
         return ClusterSpec("tpu-pod", f"{hosts[0]}:{_port(env)}", len(hosts), int(env["TPU_WORKER_ID"]))
     if "JOB_COMPLETION_INDEX" in env and "KUBERNETES_SERVICE_HOST" in env:

@@ -142,7 +142,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
         theoretical_collective_bytes=theoretical_collective_bytes(
             parallel.layout, model, batch_size, schedule, context or "all-gather",
-            gather_matrices_in_bfloat16=target is not None),
+            gather_matrices_in_bfloat16=target is not None and target.chip.platform == "tpu"),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model, target)
               + _bubble_note(schedule)),
@@ -155,7 +155,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
 
 
 def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, tx: Any, target: Target,
-              batch_size: int, grad_accum: int, compiled: Any) -> tuple[float, float]:
+              batch_size: int, grad_accum: int, compiled: Any) -> tuple[float | None, float | None]:
     """FLOPs and HBM bytes per device of one step, from XLA's cost analysis.
 
     XLA counts a loop's body once however often it runs, so for scanned layers the step is
@@ -164,6 +164,8 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     likewise: one microbatch's step is costed and multiplied by ``grad_accum`` (which counts
     the optimizer's update, a few FLOPs per parameter, that many times too).
     """
+    if target.chip.platform == "cuda":  # XLA:GPU has no cost analysis without a GPU
+        return None, None
     if not model.scan_layers and grad_accum == 1 and compiled is not None:
         cost = compiled.cost_analysis()
         return float(cost["flops"]), float(cost["bytes accessed"])
@@ -195,13 +197,14 @@ def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, str
         work = step_cost(model, get_strategy(_WITHOUT_PIPELINE.get(strategy.name, "dp")), flat, tx, target,
                          batch_size, grad_accum, None)
         flops, hbm = None, None
+        work = (model_flops, 0.0) if work[0] is None else work
         compute_flops, hbm_bytes = (value / (1 - (plan.bubble or 0.0)) for value in work)
     elif pipeline.get("context_attention"):  # the ring's loop: the model's FLOPs, HBM traffic not estimated
         flops, hbm = None, None
         compute_flops, hbm_bytes = model_flops, 0.0
     else:
         flops, hbm = step_cost(model, strategy, mesh_shape, tx, target, batch_size, grad_accum, compiled)
-        compute_flops, hbm_bytes = flops, hbm
+        compute_flops, hbm_bytes = (model_flops, 0.0) if flops is None else (flops, hbm)
     plan.cost = {"flops": flops, "hbm_bytes": hbm, "model_flops": model_flops}
     bound = roofline(target, compute_flops, hbm_bytes, plan.collective_bytes, model_flops)
     plan.roofline = dataclasses.asdict(bound) | {"step_s": bound.step_s, "bound": bound.bound, "mfu": bound.mfu}

@@ -22,20 +22,30 @@ v6e  918e12             32 GB        1.64e12 B/s    9e10 B/s (4 links)    cloud.
 
 (ICI per link: "How to Scale Your Model", jax-ml.github.io/scaling-book, part 2; the Cloud TPU
 pages give 4800 Gbps per v5p chip, 1600 per v5e and 3584 per v6e in all links together.)
+
+GPUs the same way, with JAX's CUDA plugin (``pip install "shardax[gpu-plan]"``: the plugin
+alone, no CUDA libraries, no GPU) and a description of the GPU for XLA:GPU's compiler (a
+``GpuTargetConfigProto``): ``h100-8`` is one host of 8 H100 SXM GPUs, ``h100-16`` two. H100
+SXM: 989e12 dense bf16 FLOP/s, 80 GB of HBM3 at 3.35e12 B/s, NVLink 4 at 900 GB/s both ways
+together, so 450e9 B/s sent per GPU (NVIDIA's H100 datasheet); XLA:GPU's cost analysis is not
+available without a GPU, so FLOPs are the model's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from shardax.errors import UsageError
 
 INSTALL_HINT = 'pip install "shardax[tpu-plan]"'
+GPU_INSTALL_HINT = 'pip install "shardax[gpu-plan]"'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +59,9 @@ class Chip:
     ici_link_bandwidth: float  # bytes/s one way, per link
     torus_dims: int  # 3: v4/v5p cubes; 2: v5e/v6e planes
     counts_cores: bool  # slice names count TensorCores (two per chip), not chips
+    platform: str = "tpu"
+    sent_bandwidth: float | None = None  # bytes/s one device sends in a collective (default: two ICI links)
+    network: str = "ICI"
 
 
 CHIPS: dict[str, Chip] = {
@@ -56,7 +69,25 @@ CHIPS: dict[str, Chip] = {
     "v5e": Chip("TPU v5e", 197e12, 16 * 10**9, 8.19e11, 4.5e10, 2, False),
     "v5p": Chip("TPU v5p", 459e12, 95 * 10**9, 2.765e12, 9e10, 3, True),
     "v6e": Chip("TPU v6e", 918e12, 32 * 10**9, 1.64e12, 9e10, 2, False),
+    "h100": Chip("NVIDIA H100 SXM", 989e12, 80 * 10**9, 3.35e12, 4.5e11, 0, False, "cuda", 4.5e11, "NVLink"),
 }
+
+GPUS_PER_HOST = 8
+
+# What XLA:GPU's compiler needs to know of an H100 SXM to compile for one it cannot see
+# (stream_executor.GpuTargetConfigProto, text form; figures from NVIDIA's H100 documentation).
+H100_TARGET_CONFIG = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: 232448 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3350000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 85520809984 cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +104,9 @@ class Target:
         return math.prod(int(size) for size in self.topology.split(":")[1].split("x"))
 
     def devices(self) -> list[Any]:
-        """The slice's devices as XLA:TPU sees them (no TPU needed): what a mesh is laid over."""
+        """The slice's devices as XLA sees them (no accelerator needed): what a mesh is laid over."""
+        if self.chip.platform == "cuda":
+            return list(_gpu_topology(self.topology).devices)
         return list(_topology(self.generation, self.topology).devices)
 
     @property
@@ -86,13 +119,16 @@ class Target:
         return {"peak_flops": self.chip.peak_flops * share, "hbm_bytes": self.chip.hbm_bytes * share,
                 "hbm_bandwidth": self.chip.hbm_bandwidth * share,
                 # a ring along one mesh axis uses that axis's links both ways
-                "ici_bandwidth": 2 * self.chip.ici_link_bandwidth * share}
+                "ici_bandwidth": (self.chip.sent_bandwidth or 2 * self.chip.ici_link_bandwidth) * share}
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.chips} {self.chip.name} chips ({self.topology}), {len(self.devices())} devices "
-                f"on {self.hosts} host{'s' if self.hosts > 1 else ''}")
+        hosts = f"on {self.hosts} host{'s' if self.hosts > 1 else ''}"
+        if self.chip.platform == "cuda":
+            return f"{self.name}: {self.chips} {self.chip.name} GPUs {hosts}"
+        return f"{self.name}: {self.chips} {self.chip.name} chips ({self.topology}), {len(self.devices())} devices {hosts}"
 
 
+_GPU = re.compile(r"^(?:gpu-)?(?P<gen>h100)-(?P<count>\d+)$")
 _NAMED = re.compile(r"^(?:tpu-)?(?P<gen>v4|v5e|v5p|v6e)-(?P<count>\d+)$")
 _RAW = re.compile(r"^(?:tpu-)?(?P<gen>v4|v5e|v5p|v6e):(?P<dims>\d+(?:x\d+){1,2})$")
 
@@ -111,6 +147,14 @@ def topology_for(generation: str, chips: int) -> str:
 def parse_target(text: str) -> Target:
     """``tpu-v5p-8``, ``tpu-v5e-256`` or ``tpu-v6e:4x4``: a :class:`Target` (checked against the chip table)."""
     name = text.strip().lower()
+    gpu = _GPU.match(name)
+    if gpu:
+        count = int(gpu["count"])
+        if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST) or (count < GPUS_PER_HOST and count & (count - 1)):
+            raise UsageError(f"--target {text!r}: GPUs come 1, 2, 4 or 8 to a host, or in whole hosts of "
+                             f"{GPUS_PER_HOST}; try h100-8 or h100-16")
+        hosts, per_host = max(count // GPUS_PER_HOST, 1), min(count, GPUS_PER_HOST)
+        return Target(text, CHIPS["h100"], "h100", f"h100:{hosts}x{per_host}")
     named, raw = _NAMED.match(name), _RAW.match(name)
     if raw:
         return Target(text, CHIPS[raw["gen"]], raw["gen"], f"{raw['gen']}:{raw['dims']}")
@@ -123,8 +167,29 @@ def parse_target(text: str) -> Target:
                              f"{smallest}; try tpu-{generation}-{smallest} or a topology such as tpu-{generation}:"
                              f"{topology_for(generation, 16).split(':')[1]}")
         return Target(text, CHIPS[generation], generation, topology_for(generation, chips))
-    raise UsageError(f"--target {text!r} is not a TPU slice; write it like tpu-v5p-8, tpu-v5e-16, tpu-v6e-64 "
-                     f"or tpu-v4-32 (chips: {', '.join(CHIPS)})")
+    raise UsageError(f"--target {text!r} is not a TPU slice or GPU host; write it like tpu-v5p-8, tpu-v5e-16, "
+                     f"tpu-v6e-64, tpu-v4-32 or h100-8 (chips: {', '.join(CHIPS)})")
+
+
+def require_compiler(target: Target) -> None:
+    """Refuse in one line when the compiler for the target's platform is not installed."""
+    if target.chip.platform != "cuda":
+        return require_tpu_compiler()
+    import importlib.util
+
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        raise UsageError(f"--target {target.name}: needs XLA:GPU's compiler (JAX's CUDA plugin), which is not "
+                         f"installed; {GPU_INSTALL_HINT} installs it (no GPU or CUDA libraries needed)")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_topology(topology: str) -> Any:
+    hosts, per_host = topology.split(":")[1].split("x")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name="", platform="cuda", topology=f"1 x {hosts} x {per_host}",
+                                        target_config=H100_TARGET_CONFIG)
 
 
 def require_tpu_compiler() -> None:
@@ -136,19 +201,33 @@ def require_tpu_compiler() -> None:
                          f"{INSTALL_HINT} installs it (no TPU needed)") from None
 
 
-@functools.lru_cache(maxsize=None)
-def _topology(generation: str, topology: str) -> Any:
-    require_tpu_compiler()
-    # libtpu looks for a TPU host's metadata when it loads; none is needed to compile
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+@contextlib.contextmanager
+def _libtpu_environment(generation: str) -> Iterator[None]:
+    """What libtpu needs to load on a host without TPUs, and the process environment put back
+    as it was afterwards: libtpu writes warnings into ``TPU_WORKER_ID`` and the like when it
+    finds no TPU host, which would make this process (and those it starts) look like a pod."""
+    saved = dict(os.environ)
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU host metadata server to ask
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{generation}-8")
+    os.environ.setdefault("TPU_WORKER_ID", "0")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu takes a lock file so that one process owns the host's TPUs; compiling owns none
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@functools.lru_cache(maxsize=None)
+def _topology(generation: str, topology: str) -> Any:
+    require_tpu_compiler()
     from jax.experimental import topologies
 
     try:
-        return topologies.get_topology_desc(topology_name=topology, platform="tpu")
+        with _libtpu_environment(generation):
+            return topologies.get_topology_desc(topology_name=topology, platform="tpu")
     except Exception as error:  # libtpu's own message says which shapes it takes
         raise UsageError(f"--target {topology!r}: XLA:TPU does not describe this slice ({str(error).splitlines()[0]})"
                          ) from None
@@ -164,6 +243,7 @@ class Roofline:
     network_s: float
     model_flops: float  # the model's useful FLOPs per device per step (6 N tokens + attention)
     peak_flops: float
+    network: str = "ICI"
 
     @property
     def step_s(self) -> float:
@@ -171,7 +251,7 @@ class Roofline:
 
     @property
     def bound(self) -> str:
-        times = {"compute": self.compute_s, "HBM": self.memory_s, "ICI": self.network_s}
+        times = {"compute": self.compute_s, "HBM": self.memory_s, self.network: self.network_s}
         return max(times, key=times.get)
 
     @property
@@ -184,4 +264,4 @@ def roofline(target: Target, flops: float, hbm_bytes: float, wire_bytes: float, 
     peaks = target.per_device()
     return Roofline(compute_s=flops / peaks["peak_flops"], memory_s=hbm_bytes / peaks["hbm_bandwidth"],
                     network_s=wire_bytes / peaks["ici_bandwidth"], model_flops=model_flops,
-                    peak_flops=peaks["peak_flops"])
+                    peak_flops=peaks["peak_flops"], network=target.chip.network)

@@ -32,7 +32,8 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
     add("--precision", choices=("float32", "bfloat16"), default="float32")
     add("--target", help="compile for a TPU slice with XLA:TPU, e.g. tpu-v5p-8, tpu-v5e-16, tpu-v6e-64 "
-                         "(needs pip install \"shardax[tpu-plan]\"): HBM fit, FLOPs, roofline step time and MFU")
+                         "(needs pip install \"shardax[tpu-plan]\"), or for H100s with XLA:GPU, e.g. h100-8 "
+                         "(needs shardax[gpu-plan]): HBM fit, FLOPs, roofline step time and MFU")
     add("--fit", action="store_true", help="with --target: the largest batch that fits for each remat policy, "
                                            "and the gradient accumulation that reaches --batch-size")
     add("--json", action="store_true", help="print a JSON list, one object per strategy")
@@ -115,16 +116,17 @@ def print_target_plans(plans: list[Any], skipped: list[str], target: Any, descri
     from shardax.sharding.report import format_bytes
 
     console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 150))
-    table = Table(title=f"shardax plan: {description} on {target.describe()} (XLA:TPU)")
+    compiler = "XLA:GPU" if target.chip.platform == "cuda" else "XLA:TPU"
+    table = Table(title=f"shardax plan: {description} on {target.describe()} ({compiler})")
     for header in ("strategy", "mesh", "peak per chip", f"fits {format_bytes(target.per_device()['hbm_bytes'])}",
                    "sent per step (vs theory)", "FLOPs (vs 6N·tokens + attention)", "roofline step", "bound", "MFU"):
         table.add_column(header)
     for plan in plans:
         table.add_row(*_target_row(plan))
     console.print(table)
-    console.print("Per device, as XLA:TPU compiled the step for this slice. The roofline step is the slowest of "
-                  "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI traffic (bytes "
-                  "sent / two links' bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
+    console.print(f"Per device, as {compiler} compiled the step for this target. The roofline step is the slowest of "
+                  "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI or NVLink traffic "
+                  "(bytes sent / bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
                   "so the MFU is an upper bound. A pipeline's compute and HBM traffic are those of the same step "
                   "without the pipeline, spread over its busy stage iterations (XLA counts a loop's body once).")
     for plan in plans:
@@ -211,10 +213,10 @@ def _target(args: argparse.Namespace) -> Any:
         raise UsageError("--fit searches against a chip's memory; add --target (e.g. --target tpu-v5p-8)")
     if not args.target:
         return None
-    from shardax.analysis.targets import parse_target, require_tpu_compiler
+    from shardax.analysis.targets import parse_target, require_compiler
 
     target = parse_target(args.target)
-    require_tpu_compiler()
+    require_compiler(target)
     return target
 
 
