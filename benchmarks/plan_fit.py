@@ -12,8 +12,11 @@ end on the held-out shapes.
 
     python benchmarks/plan_fit.py            # compile what is not in the cache (minutes), fit, report
     python benchmarks/plan_fit.py --fresh    # compile everything again (after a model change)
+    python benchmarks/plan_fit.py --target tpu-v5p-16   # the same, compiled by XLA:TPU for 8 chips
 
-The figures are XLA:CPU's: an estimate for an accelerator, not a measurement of one.
+The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (``theory.WORKING_SET_TPU``; needs
+``pip install "shardax[tpu-plan]"``): its training cases are fewer (``tpu_training_cases``,
+chosen before any XLA:TPU fit), its held-out cases the same shapes.
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  # noqa: E402
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
-from shardax.analysis.plan import plan_strategy  # noqa: E402
-from shardax.analysis.theory import WORKING_SET, WORKING_SET_TERMS, working_set_class, working_set_terms  # noqa: E402
+from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
+from shardax.analysis.targets import parse_target  # noqa: E402
+from shardax.analysis.theory import (WORKING_SET_TERMS, WORKING_SETS, predict_memory,  # noqa: E402
+                                     working_set_class, working_set_terms)
 from shardax.models.presets import get_preset  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
 
@@ -87,6 +92,26 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
     return cases
 
 
+def tpu_training_cases() -> list[tuple[dict, str, str, int, int]]:
+    """The cases fitted to XLA:TPU, fewer than XLA:CPU's (a shorter compile budget) and chosen
+    before any XLA:TPU fit was made: blocks in a loop (tiny, small) and scanned layers (tiny,
+    small) under every strategy, ``medium`` and the long and wide shapes under a few, one chip
+    holding the whole batch, and gradient accumulation."""
+    every, some = STRATEGY_MESHES, [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]
+    policies = ("none", "full", "dots_saveable")
+    cases = []
+    for name in ("tiny", "small"):
+        batch = get_preset(name).batch_size
+        cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, batch, 1)
+                  for remat in ("none", "full") for s, m in every]
+        cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for remat in policies for s, m in every]
+        cases += [({"preset": name, "remat": remat}, "dp", "data=1", batch, 1) for remat in policies]
+    cases += [({"preset": "medium", "remat": remat}, s, m, 64, 1) for remat in policies for s, m in some]
+    cases += [({**shape, "remat": remat}, "fsdp", "data=8", 16, 1) for shape in [*SEQUENCES, WIDE] for remat in policies]
+    cases += [({"preset": "small", "remat": remat}, "fsdp", "data=8", 64, 4) for remat in ("none", "full")]
+    return cases
+
+
 def model_of(settings: dict) -> TransformerConfig:
     settings = dict(settings)
     if "preset" in settings:
@@ -95,28 +120,32 @@ def model_of(settings: dict) -> TransformerConfig:
     return TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **settings})
 
 
-def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: int) -> dict:
-    """One compiled case: its peak, the prediction without the working set, and the terms."""
+def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: int, target=None) -> dict:
+    """One compiled case (for fake CPU devices or ``target``): its peak, the prediction without
+    the working set, and the terms."""
     model = model_of(settings)
-    plan = plan_strategy(model, strategy, mesh, batch_size=batch, grad_accum=microbatches)
-    parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3),
-                           DeviceMeshManager().create_device_mesh(mesh), strategy)
+    parallel = transformer_for(model, strategy, mesh, target=target)
+    peak = compiled_memory(compile_step(parallel, batch, model.seq_len, microbatches))["peak"]
+    prediction = predict_memory(parallel, model, batch, model.seq_len, microbatches)
     terms = working_set_terms(parallel.layout, model, batch, microbatches)
-    base = plan.predicted["total"] - plan.predicted["activations"] + terms.pop("kept")
-    print(f"{settings} {strategy} {mesh} batch {batch}/{microbatches}: {plan.compiled['peak'] / 1e6:.1f} MB",
-          flush=True)
+    base = prediction.total - prediction.activations + terms.pop("kept")
+    print(f"{settings} {strategy} {mesh} batch {batch}/{microbatches}: {peak / 1e6:.1f} MB", flush=True)
     return {"settings": settings, "strategy": strategy, "mesh": mesh, "batch_size": batch,
-            "grad_accum": microbatches, "class": working_set_class(model), "peak": plan.compiled["peak"],
+            "grad_accum": microbatches, "class": working_set_class(model), "peak": peak,
             "base": base, "terms": terms}
 
 
-def measured(cases: list[tuple], cache: dict[str, dict]) -> list[dict]:
-    """Each case measured, or taken from ``cache`` (keyed by the case) when it is there."""
+def measured(cases: list[tuple], cache: dict[str, dict], target=None, keep: Path | None = None) -> list[dict]:
+    """Each case measured, or taken from ``cache`` (keyed by the case) when it is there; with
+    ``keep``, every case measured is written there at once (a stopped run resumes from it)."""
     rows = []
     for case in cases:
         key = json.dumps(case, sort_keys=True)  # the same form as case_key
-        rows.append(with_terms(cache[key]) if key in cache else measure(*case))
+        fresh = key not in cache
+        rows.append(measure(*case, target=target) if fresh else with_terms(cache[key]))
         cache[key] = rows[-1]
+        if fresh and keep is not None:
+            keep.write_text(json.dumps({"training": list(cache.values())}) + "\n")
     return rows
 
 
@@ -168,24 +197,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fresh", action="store_true", help="compile every case again (after a model change)")
     parser.add_argument("--no-held-out", action="store_true", help="fit only; do not compile the held-out shapes")
+    parser.add_argument("--target", help="compile for this TPU slice (8 chips, e.g. tpu-v5p-16) instead")
     options = parser.parse_args()
-    saved = {} if options.fresh or not RESULTS.exists() else json.loads(RESULTS.read_text())
+    target = parse_target(options.target) if options.target else None
+    name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}"
+    compiler = "cpu" if target is None else target.chip.platform
+    results = RESULTS.parent / f"{name}.json"
+    saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())
     cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
-    training = measured(training_cases(), cache)
-    held_out = [] if options.no_held_out else measured(held_out_cases(), cache)
-    report = {"training": training, "held_out": held_out, "factors": {}, "errors": {}}
+    partial = results.with_suffix(".partial.json")  # what a stopped run measured
+    if partial.exists() and not options.fresh:
+        cache |= {case_key(row): row for row in json.loads(partial.read_text())["training"]}
+    training = measured(training_cases() if target is None else tpu_training_cases(), cache, target, partial)
+    held_out = [] if options.no_held_out else measured(held_out_cases(), cache, target, partial)
+    shipped_factors = WORKING_SETS[compiler]
+    report = {"target": options.target, "training": training, "held_out": held_out, "factors": {}, "errors": {}}
     for name in ("none", "full", "dots", "looped"):
         rows = [row for row in training if row["class"] == name]
         factors, worst = fit(rows, WORKING_SET_TERMS[name])
         report["factors"][name] = factors
         report["errors"][name] = {"training_cases": len(rows), "training_worst": worst,
-                                  "shipped_factors": list(WORKING_SET[name])}
+                                  "shipped_factors": list(shipped_factors[name])}
         large = {json.dumps(case, sort_keys=True) for case in held_out_cases()[len(held_out_cases()) - len(
             held_out_large_rows()):]}
         for label, wanted in (("held_out", False), ("held_out_large_rows", True)):
             tested = [row for row in held_out if row["class"] == name and (case_key(row) in large) == wanted]
             errors = [abs(ratio(row, factors) - 1) for row in tested]
-            shipped = [abs(ratio(row, WORKING_SET[name]) - 1) for row in tested]
+            shipped = [abs(ratio(row, shipped_factors[name]) - 1) for row in tested]
             report["errors"][name] |= {
                 f"{label}_cases": len(tested), f"{label}_worst": max(errors, default=None),
                 f"{label}_median": statistics.median(errors) if errors else None,
@@ -196,8 +234,9 @@ def main() -> None:
                           f"{report['errors'][name][label + '_worst_with_shipped']}) over "
                           f"{report['errors'][name][label + '_cases']}" for label in ("held_out", "held_out_large_rows")),
               flush=True)
-    save("plan_fit", report)
-    print("WORKING_SET = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
+    save(name, report)
+    partial.unlink(missing_ok=True)
+    print(("WORKING_SET" if target is None else "WORKING_SET_TPU") + " = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
 
 
 if __name__ == "__main__":

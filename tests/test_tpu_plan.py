@@ -10,7 +10,7 @@ import pytest
 
 from cli_helpers import shardax
 from shardax.analysis.fit import batch_granule, fit
-from shardax.analysis.plan import _parallel, compile_step, compiled_memory, plan_strategy, step_cost
+from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy, step_cost, transformer_for
 from shardax.analysis.targets import CHIPS, Target, parse_target, require_tpu_compiler
 from shardax.errors import UsageError
 from shardax.models.presets import flops_per_token
@@ -77,10 +77,10 @@ def test_flop_extrapolation_matches_an_unrolled_compile():
     count of the same step with its 4 layers unrolled (a depth the extrapolation did not compile)."""
     target = parse_target("tpu-v5p-8")
     strategy = get_strategy("fsdp")
-    compiled = compile_step(_parallel(MODEL, strategy, "data=4", None, target), 16, MODEL.seq_len)
+    compiled = compile_step(transformer_for(MODEL, strategy, "data=4", None, target), 16, MODEL.seq_len)
     flops, hbm = step_cost(MODEL, strategy, "data=4", None, target, 16, 1, compiled)
     unrolled = dataclasses.replace(MODEL, scan_layers=False)
-    cost = compile_step(_parallel(unrolled, strategy, "data=4", None, target), 16, MODEL.seq_len).cost_analysis()
+    cost = compile_step(transformer_for(unrolled, strategy, "data=4", None, target), 16, MODEL.seq_len).cost_analysis()
     assert flops == pytest.approx(cost["flops"], rel=0.01)
     assert compiled.cost_analysis()["flops"] < 0.8 * flops  # what XLA reports for the scan: one layer
 
@@ -104,7 +104,7 @@ def test_fit_finds_the_largest_batch_that_fits():
     granule = batch_granule("dp", "data=4", small)
     assert granule == 4 and result.batch_size % granule == 0 and result.batch_size >= granule
     assert result.plan.fits and result.plan.compiled["peak"] <= 48 * 10**6
-    over = compile_step(_parallel(MODEL, get_strategy("dp"), "data=4", None, small),
+    over = compile_step(transformer_for(MODEL, get_strategy("dp"), "data=4", None, small),
                         result.batch_size + granule, MODEL.seq_len)
     assert compiled_memory(over)["peak"] > 48 * 10**6
     assert result.tokens_per_s > 0 and result.probes <= 10

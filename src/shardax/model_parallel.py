@@ -131,6 +131,7 @@ class ParallelModel:
             layer_layout=self._layer_layout,
             nonfinite=nonfinite,
             trainable=self.trainable,
+            select_update=self.mesh.devices.flat[0].platform == "tpu" and self.layout.strategy.pipeline_axis is None,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(

@@ -57,9 +57,9 @@ def batch_granule(strategy: str, mesh_shape: str | None, target: Target, microba
 def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, target: Target, batch: int,
           **options: Any) -> float:
     """The compiled peak per device at this batch; infinity where XLA:TPU refuses, out of HBM."""
-    from shardax.analysis.plan import _parallel, compile_step, compiled_memory, out_of_memory
+    from shardax.analysis.plan import compile_step, compiled_memory, out_of_memory, transformer_for
 
-    parallel = _parallel(model, get_strategy(strategy), mesh_shape, None, target)
+    parallel = transformer_for(model, get_strategy(strategy), mesh_shape, None, target)
     pipeline = {key: value for key, value in options.items() if get_strategy(strategy).pipeline_axis}
     try:
         return compiled_memory(compile_step(parallel, batch, model.seq_len, **pipeline))["peak"]

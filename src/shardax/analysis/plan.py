@@ -99,7 +99,12 @@ def compiled_memory(compiled) -> dict[str, int]:
     return measured
 
 
-def _parallel(model: TransformerConfig, strategy: Any, mesh_shape: str | None, tx: Any, target: Target | None):
+def transformer_for(model: TransformerConfig, strategy: Any, mesh_shape: str | None = None, tx: Any = None,
+                    target: Target | None = None):
+    """``TransformerLM(model)`` parallelized by ``strategy`` (a name or a ``Strategy``) over
+    ``mesh_shape`` (default: the strategy's own) of fake CPU devices or a ``target``'s devices,
+    built abstractly: what ``shardax plan`` compiles."""
+    strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
     devices = target.devices() if target is not None else None
     mesh = DeviceMeshManager(devices).create_device_mesh(mesh_shape or default_mesh(strategy.name))
     return parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, strategy)
@@ -116,7 +121,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
     the default ``device_memory``."""
     resolved = get_strategy(strategy)
-    parallel = _parallel(model, resolved, mesh_shape, tx, target)
+    parallel = transformer_for(model, resolved, mesh_shape, tx, target)
     mesh = parallel.mesh
     # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
@@ -128,7 +133,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
-    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule, context or "all-gather")
+    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
+                                context or "all-gather", "cpu" if target is None else target.chip.platform)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
@@ -172,7 +178,7 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     costs = []
     for layers in (1, 2):
         shallow = dataclasses.replace(model, n_layers=layers, scan_layers=False)
-        parallel = _parallel(shallow, strategy, mesh_shape, tx, target)
+        parallel = transformer_for(shallow, strategy, mesh_shape, tx, target)
         cost = compile_step(parallel, batch_size // grad_accum, model.seq_len).cost_analysis()
         costs.append((float(cost["flops"]), float(cost["bytes accessed"])))
     (flops_1, bytes_1), (flops_2, bytes_2) = costs

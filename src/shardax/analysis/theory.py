@@ -207,6 +207,16 @@ WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"
 # on them, and their earlier factors stay.
 WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
                "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
+# The same terms fitted to XLA:TPU's compiled peak (``benchmarks/plan_fit.py --target``): a TPU
+# target's plan uses these; any other compiler XLA:CPU's.
+WORKING_SET_TPU = dict(WORKING_SET)
+WORKING_SETS = {"cpu": WORKING_SET, "tpu": WORKING_SET_TPU}
+
+
+def working_set_factors(kind: str, compiler: str = "cpu") -> tuple[float, ...]:
+    """The fitted factors of a working-set class (``working_set_class``) for ``compiler``
+    (``"cpu"`` or ``"tpu"``; others use XLA:CPU's)."""
+    return WORKING_SETS.get(compiler, WORKING_SET)[kind]
 
 
 def working_set_class(model: Any) -> str:
@@ -238,17 +248,18 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
             "gathered": weights if gathers else 0}
 
 
-def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
+def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1, compiler: str = "cpu") -> int:
     """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
-    model's remat policy, plus the working set of one layer's backward pass (see above)."""
+    model's remat policy, plus the working set of one layer's backward pass (see above), with
+    the factors fitted to ``compiler``."""
     if model is None:
         return 0
     terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
-    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind],
-                                                                               WORKING_SET[kind])))
+    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(
+        WORKING_SET_TERMS[kind], working_set_factors(kind, compiler))))
 
 
-def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
+def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any, compiler: str = "cpu") -> int:
     """Activation memory per device of ``TransformerLM`` run as a pipeline (``schedule``).
 
     Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
@@ -266,7 +277,8 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
                         if _split_into_stages(leaf, strategy))
     copies = 1 + (1 if groups > 1 else 0)
-    return int(activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
+    activations = activation_bytes(layout, virtual, rows * groups, compiler=compiler)
+    return int(activations + (schedule.microbatches + 2) * boundary
                + copies * stage_weights)
 
 
@@ -282,27 +294,29 @@ def _sharded_bytes(abstract: Any, shardings: Any) -> int:
 
 
 def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
-                             variant: str = "all-gather") -> int:
+                             variant: str = "all-gather", compiler: str = "cpu") -> int:
     """``activation_bytes`` with the sequence split over a ``context`` axis of C: each device keeps
     1/C of every activation (under ``all-gather`` its scores are its share of the queries against
     the whole sequence); ``ring`` keeps no scores at all (its backward pass recomputes them)."""
     shards = dict(layout.mesh.shape).get("context", 1)
     if shards == 1 or model is None:
-        return activation_bytes(layout, model, batch_size, grad_accum)
+        return activation_bytes(layout, model, batch_size, grad_accum, compiler)
     if variant == "ring":
         terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
         if kind != "looped":
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
-        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
+        factors = working_set_factors(kind, compiler)
+        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], factors))
         return int(whole) // shards
-    return activation_bytes(layout, model, batch_size, grad_accum) // shards
+    return activation_bytes(layout, model, batch_size, grad_accum, compiler) // shards
 
 
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
-                   schedule: Any = None, context_attention: str = "all-gather") -> MemoryPrediction:
+                   schedule: Any = None, context_attention: str = "all-gather", compiler: str = "cpu"
+                   ) -> MemoryPrediction:
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
-    pipeline ``schedule``, if it runs one)."""
+    pipeline ``schedule``, if it runs one), with the working set fitted to ``compiler``."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
     looped = model is not None and not model.scan_layers
@@ -321,8 +335,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
-        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
-                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
+        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule, compiler) if schedule is not None
+                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention, compiler)),
     )
 
 
