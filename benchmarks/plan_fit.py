@@ -200,9 +200,9 @@ def main() -> None:
     parser.add_argument("--target", help="compile for this TPU slice (8 chips, e.g. tpu-v5p-16) instead")
     options = parser.parse_args()
     target = parse_target(options.target) if options.target else None
-    name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}"
+    report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}"
     compiler = "cpu" if target is None else target.chip.platform
-    results = RESULTS.parent / f"{name}.json"
+    results = RESULTS.parent / f"{report_name}.json"
     saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())
     cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
     partial = results.with_suffix(".partial.json")  # what a stopped run measured
@@ -234,7 +234,7 @@ def main() -> None:
                           f"{report['errors'][name][label + '_worst_with_shipped']}) over "
                           f"{report['errors'][name][label + '_cases']}" for label in ("held_out", "held_out_large_rows")),
               flush=True)
-    save(name, report)
+    save(report_name, report)
     partial.unlink(missing_ok=True)
     print(("WORKING_SET" if target is None else "WORKING_SET_TPU") + " = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
 
