@@ -72,6 +72,17 @@ def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
     assert 0 < bound["mfu"] <= 1
 
 
+@pytest.mark.parametrize("strategy, mesh, tpu, branches", [
+    ("dp", "data=4", True, 0), ("pp_fsdp", "stage=2,data=2", True, 1), ("dp", "data=4", False, 1)])
+def test_the_update_is_selected_on_tpus_and_branched_elsewhere(strategy, mesh, tpu, branches):
+    """Benchmark 22's decision in the compiled program: on TPUs the optimizer update is computed
+    and selected (no conditional in XLA:TPU's program); under a pipeline, and on XLA:CPU, it is
+    one branch of a conditional that runs only for a finite step."""
+    target = parse_target("tpu-v5p-8") if tpu else None
+    text = compile_step(transformer_for(MODEL, strategy, mesh, target=target), 16, MODEL.seq_len).as_text()
+    assert text.count(" conditional(") == branches
+
+
 def test_flop_extrapolation_matches_an_unrolled_compile():
     """The FLOPs of a scanned step, extrapolated from compiles of 1 and 2 layers, equal XLA:TPU's
     count of the same step with its 4 layers unrolled (a depth the extrapolation did not compile)."""
