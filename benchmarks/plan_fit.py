@@ -14,7 +14,7 @@ end on the held-out shapes.
     python benchmarks/plan_fit.py --fresh    # compile everything again (after a model change)
     python benchmarks/plan_fit.py --target tpu-v5p-16   # the same, compiled by XLA:TPU for 8 chips
 
-The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (``theory.WORKING_SET_TPU``; needs
+The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (compared with the shipped factors; needs
 ``pip install "shardax[tpu-plan]"``): its training cases are fewer (``tpu_training_cases``,
 chosen before any XLA:TPU fit), its held-out cases the same shapes.
 """
@@ -42,7 +42,7 @@ from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  #
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target  # noqa: E402
-from shardax.analysis.theory import (WORKING_SET_TERMS, WORKING_SETS, predict_memory,  # noqa: E402
+from shardax.analysis.theory import (WORKING_SET, WORKING_SET_TERMS, predict_memory,  # noqa: E402
                                      working_set_class, working_set_terms)
 from shardax.models.presets import get_preset  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
@@ -201,7 +201,6 @@ def main() -> None:
     options = parser.parse_args()
     target = parse_target(options.target) if options.target else None
     report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}"
-    compiler = "cpu" if target is None else target.chip.platform
     results = RESULTS.parent / f"{report_name}.json"
     saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())
     cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
@@ -210,7 +209,7 @@ def main() -> None:
         cache |= {case_key(row): row for row in json.loads(partial.read_text())["training"]}
     training = measured(training_cases() if target is None else tpu_training_cases(), cache, target, partial)
     held_out = [] if options.no_held_out else measured(held_out_cases(), cache, target, partial)
-    shipped_factors = WORKING_SETS[compiler]
+    shipped_factors = WORKING_SET
     report = {"target": options.target, "training": training, "held_out": held_out, "factors": {}, "errors": {}}
     for name in ("none", "full", "dots", "looped"):
         rows = [row for row in training if row["class"] == name]
@@ -236,7 +235,7 @@ def main() -> None:
               flush=True)
     save(report_name, report)
     partial.unlink(missing_ok=True)
-    print(("WORKING_SET" if target is None else "WORKING_SET_TPU") + " = " + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
+    print(("WORKING_SET = " if target is None else "factors fitted to XLA:TPU: ") + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
 
 
 if __name__ == "__main__":

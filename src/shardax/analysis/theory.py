@@ -207,21 +207,13 @@ WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"
 # on them, and their earlier factors stay.
 WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
                "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
-# Per compiler. ``benchmarks/plan_fit.py --target tpu-v5p-16`` fits the same terms to XLA:TPU's
-# compiled peak (96 steps, 80 held out; results/plan_fit_tpu.json) and they do not describe it:
-# worst error 13-62% on the steps fitted, 17-39% held out (with a factor on the kept residuals
-# too, scanned layers: 11-30% and 21-39%), no better on held-out shapes than XLA:CPU's factors for three of the
+# ``benchmarks/plan_fit.py --target tpu-v5p-16`` fits the same terms to XLA:TPU's compiled peak
+# (96 steps, 80 held out; results/plan_fit_tpu.json) and they do not describe it: worst error
+# 13-62% on the steps fitted, 17-39% held out (with a factor on the kept residuals too, scanned
+# layers: 11-30% and 21-39%), no better on held-out shapes than these factors for three of the
 # four classes. XLA:TPU keeps less than autodiff's residuals on some steps (state and residuals
 # alone reach 1.16x its peak) and far more on others. Until a model that holds is found, a TPU
-# target's plan uses XLA:CPU's factors and reports XLA:TPU's compiled peak beside them.
-WORKING_SET_TPU = dict(WORKING_SET)
-WORKING_SETS = {"cpu": WORKING_SET, "tpu": WORKING_SET_TPU}
-
-
-def working_set_factors(kind: str, compiler: str = "cpu") -> tuple[float, ...]:
-    """The fitted factors of a working-set class (``working_set_class``) for ``compiler``
-    (``"cpu"`` or ``"tpu"``; others use XLA:CPU's)."""
-    return WORKING_SETS.get(compiler, WORKING_SET)[kind]
+# target's plan uses these factors and reports XLA:TPU's compiled peak beside them.
 
 
 def working_set_class(model: Any) -> str:
@@ -253,18 +245,17 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
             "gathered": weights if gathers else 0}
 
 
-def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1, compiler: str = "cpu") -> int:
+def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
     """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
-    model's remat policy, plus the working set of one layer's backward pass (see above), with
-    the factors fitted to ``compiler``."""
+    model's remat policy, plus the working set of one layer's backward pass (see above)."""
     if model is None:
         return 0
     terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
-    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(
-        WORKING_SET_TERMS[kind], working_set_factors(kind, compiler))))
+    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind],
+                                                                               WORKING_SET[kind])))
 
 
-def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any, compiler: str = "cpu") -> int:
+def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
     """Activation memory per device of ``TransformerLM`` run as a pipeline (``schedule``).
 
     Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
@@ -282,8 +273,7 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
                         if _split_into_stages(leaf, strategy))
     copies = 1 + (1 if groups > 1 else 0)
-    activations = activation_bytes(layout, virtual, rows * groups, compiler=compiler)
-    return int(activations + (schedule.microbatches + 2) * boundary
+    return int(activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
                + copies * stage_weights)
 
 
@@ -299,29 +289,27 @@ def _sharded_bytes(abstract: Any, shardings: Any) -> int:
 
 
 def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
-                             variant: str = "all-gather", compiler: str = "cpu") -> int:
+                             variant: str = "all-gather") -> int:
     """``activation_bytes`` with the sequence split over a ``context`` axis of C: each device keeps
     1/C of every activation (under ``all-gather`` its scores are its share of the queries against
     the whole sequence); ``ring`` keeps no scores at all (its backward pass recomputes them)."""
     shards = dict(layout.mesh.shape).get("context", 1)
     if shards == 1 or model is None:
-        return activation_bytes(layout, model, batch_size, grad_accum, compiler)
+        return activation_bytes(layout, model, batch_size, grad_accum)
     if variant == "ring":
         terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
         if kind != "looped":
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
-        factors = working_set_factors(kind, compiler)
-        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], factors))
+        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
         return int(whole) // shards
-    return activation_bytes(layout, model, batch_size, grad_accum, compiler) // shards
+    return activation_bytes(layout, model, batch_size, grad_accum) // shards
 
 
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
-                   schedule: Any = None, context_attention: str = "all-gather", compiler: str = "cpu"
-                   ) -> MemoryPrediction:
+                   schedule: Any = None, context_attention: str = "all-gather") -> MemoryPrediction:
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
-    pipeline ``schedule``, if it runs one), with the working set fitted to ``compiler``."""
+    pipeline ``schedule``, if it runs one)."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
     looped = model is not None and not model.scan_layers
@@ -340,8 +328,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped)),
         batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
-        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule, compiler) if schedule is not None
-                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention, compiler)),
+        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
+                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
     )
 
 
