@@ -96,10 +96,11 @@ def test_flop_extrapolation_matches_an_unrolled_compile():
     assert compiled.cost_analysis()["flops"] < 0.8 * flops  # what XLA reports for the scan: one layer
 
 
-@pytest.mark.parametrize("strategy, mesh", [("tp", "data=8,model=2"), ("zero2", "data=16")])
+@pytest.mark.parametrize("strategy, mesh", [("tp", "data=8,model=2"), ("zero2", "data=16"), ("fsdp", "data=16")])
 def test_multi_host_v5e_16(strategy, mesh):
     """A v5e-16 spans 4 hosts of 4 chips; the step over all 16 chips compiles for it and sends
-    what theory says. (FSDP's gathers there come out 1.8-2.2x theory: see the README.)"""
+    what theory says. (There XLA:TPU spreads FSDP's gathers over chains of fusions, a copy of
+    the gather in each: counted once per chain.)"""
     target = parse_target("tpu-v5e-16")
     assert target.hosts == 4 and len(target.devices()) == 16
     plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)

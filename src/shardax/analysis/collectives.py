@@ -9,7 +9,10 @@ Give :func:`find_collectives` the text of a compiled program::
 Every collective is listed once with the bytes of its result on one device. Asynchronous
 pairs (``all-reduce-start`` / ``all-reduce-done`` and the like, as GPU programs show them)
 count once, with the shape of the ``-done`` result. Collectives inside loop bodies are
-listed once each, however many times the loop runs.
+listed once each, however many times the loop runs. XLA:TPU can spread one collective over a
+chain of fusions that overlap it with compute (its ``AsyncCollectiveStart`` ... ``Done``
+custom calls); each fusion of the chain holds a copy of the collective with the same
+``channel_id`` and ``chain_id``, and the chain is listed once.
 
 On the CPU backend the SPMD partitioner writes a reduce-scatter as an all-reduce of the
 full tensor whose only uses are dynamic-slices down to the local shard. Such an all-reduce
@@ -425,14 +428,29 @@ def find_collectives(hlo_text: str) -> list[Collective]:
               for instruction in computation.instructions
               if instruction.opcode == "fusion" and instruction.attributes.get("kind") == "kCustom"}
     runs = _executions(computations)
-    found = []
+    found, chains = [], set()
     for computation in computations.values():
         if computation.name in fused and computation.name not in custom:
             continue
         for instruction in computation.instructions:
-            for collective in _collectives_from(computations, computation, instruction):
-                found.append(dataclasses.replace(collective, executions=runs[computation.name]))
+            chain = _chain(instruction)
+            if chain is not None and chain in chains:
+                continue  # another fusion's copy of a collective already counted
+            described = _collectives_from(computations, computation, instruction)
+            if described and chain is not None:
+                chains.add(chain)
+            found.extend(dataclasses.replace(collective, executions=runs[computation.name])
+                         for collective in described)
     return found
+
+
+_CHAIN_ID = re.compile(r'chain_id="(\d+)"')
+
+
+def _chain(instruction: _Instruction) -> tuple[str, str] | None:
+    """``(channel_id, chain_id)`` of a collective that XLA:TPU spread over a chain of fusions."""
+    chain = _CHAIN_ID.search(instruction.attributes.get("frontend_attributes", ""))
+    return (instruction.attributes.get("channel_id", ""), chain.group(1)) if chain else None
 
 
 def summarize(collectives: Iterable[Collective]) -> dict[str, dict[str, int]]:
