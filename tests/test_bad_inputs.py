@@ -124,6 +124,9 @@ CASES = [
     (["--run-dir", "{root}/a_run"], "--run-dir {root}/a_run already holds checkpoints (latest step 2); pass --resume"),
     (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
     (["--metrics", "{root}/empty"], "is a directory; give a file name"),
+    (["--tracker", "neptune:{root}/runs"], "--tracker got 'neptune:{root}/runs'; write it as KIND:DIRECTORY with KIND "
+                                           "one of tensorboard, mlflow, wandb"),
+    (["--tracker", "mlflow:/proc/shardax/mlflow"], "mlflow directory /proc/shardax/mlflow cannot be created"),
     # refused by the first step's trace, before the metrics file or a checkpoint is written
     (["--mesh", "data=2,context=4", "--seq-len", "30", "--metrics", "{root}/new.jsonl", "--checkpoint-dir",
       "{root}/new"], "of 30 tokens does not cut into 8 equal chunks"),

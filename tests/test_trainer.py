@@ -1,5 +1,6 @@
 """``shardax.Trainer``: any NNX model, any data source; metrics, evaluation, checkpoints, exact resume."""
 
+import json
 import struct
 
 import jax
@@ -35,11 +36,52 @@ def tensorboard_scalars(directory):
     return scalars
 
 
+def mlflow_metrics(directory):
+    """``{(tag, step): value}`` of the one run in the MLflow file store at ``directory``, read by MLflow's client."""
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=directory.resolve().as_uri())
+    [run] = client.search_runs([client.get_experiment_by_name("shardax").experiment_id])
+    assert run.info.status == "FINISHED"
+    return {(tag, m.step): m.value for tag in run.data.metrics for m in client.get_metric_history(run.info.run_id, tag)}
+
+
+def wandb_history(directory):
+    """``{(tag, step): value}`` from the offline W&B run under ``directory``: its transaction log
+    (LevelDB-style framing: 7-byte header, 32 KiB blocks, records of crc, length, type) holds
+    ``wandb.proto`` Records, the history rows among them."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = directory.glob("wandb/offline-run-*/run-*.wandb")
+    data, rows, pending = path.read_bytes(), {}, b""
+    for block_start in range(7, len(data), 32768):
+        block, offset = data[block_start:block_start + 32768], 0
+        while offset + 7 <= len(block):
+            length, kind = struct.unpack("<HB", block[offset + 4:offset + 7])
+            if kind == 0:
+                break
+            pending += block[offset + 7:offset + 7 + length]
+            offset += 7 + length
+            if kind in (1, 4):  # a whole record, or the last piece of one
+                record = wandb_internal_pb2.Record.FromString(pending)
+                pending = b""
+                if record.WhichOneof("record_type") == "history":
+                    items = {item.nested_key and "/".join(item.nested_key) or item.key: json.loads(item.value_json)
+                             for item in record.history.item}
+                    rows.update({(tag, items["_step"]): value for tag, value in items.items() if "/" in tag})
+    return rows
+
+
 def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsys):
     batches, held_out = list(vector_batches(6)), list(vector_batches(2, seed=9))
     logged = []
-    run = trainer().fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
-                        metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb", on_log=logged.append)
+    trackers = [f"mlflow:{tmp_path / 'mlflow'}", f"wandb:{tmp_path / 'wandb'}"]
+    run = trainer(trackers=trackers).fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
+                                         metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb",
+                                         on_log=logged.append)
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -50,9 +92,12 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert run.last_eval == {"loss": records[-1]["val_loss"], "accuracy": records[-1]["val_accuracy"]}
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
-    events = tensorboard_scalars(tmp_path / "tb")
-    assert events[("train/loss", 6)] == pytest.approx(records[-1]["loss"], rel=1e-6)
-    assert events[("eval/accuracy", 3)] == pytest.approx(records[2]["val_accuracy"], rel=1e-6)
+    # every tracker holds every record, read back by its own client (TensorBoard: its protos)
+    for logged_by in (tensorboard_scalars(tmp_path / "tb"), mlflow_metrics(tmp_path / "mlflow"),
+                      wandb_history(tmp_path / "wandb")):
+        assert logged_by[("train/loss", 6)] == pytest.approx(records[-1]["loss"], rel=1e-6)
+        assert logged_by[("eval/accuracy", 3)] == pytest.approx(records[2]["val_accuracy"], rel=1e-6)
+        assert {step for tag, step in logged_by if tag == "train/loss"} == {1, 2, 4, 6}
     out = capsys.readouterr().out
     assert "strategy fsdp" in out and "eval step 3: validation loss" in out and "summary" in out
     assert (run.start_step, run.end_step) == (0, 6) and run.examples_per_sec > 0

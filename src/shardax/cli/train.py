@@ -88,6 +88,9 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
              "that update and count it (metric skipped_steps)")
     add("--metrics", help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
                           "metrics.jsonl)")
+    add("--tracker", action="append", metavar="KIND:DIR",
+        help="also log the run to tensorboard:DIR, mlflow:DIR (a local MLflow file store) or wandb:DIR (W&B, "
+             "offline); repeat for several")
     add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
     add("--sample-bytes", type=int, metavar="N",
         help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")

@@ -62,6 +62,7 @@ class TrainConfig:
     extend_to: int | None = None  # with --resume: train to this step instead of the saved run's end
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
     metrics: str | None = None  # JSON-lines metrics file, a PNG of the curves beside it (default: in the run dir)
+    tracker: list[str] | None = None  # also log to tensorboard:DIR, mlflow:DIR or wandb:DIR (offline)
     devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
     sample_bytes: int = 160  # tokens of text sampled at the end (bytes with the byte tokenizer; 0: none)
     sample_temperature: float = 0.7  # 0: greedy

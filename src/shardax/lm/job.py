@@ -32,6 +32,7 @@ from shardax.models.transformer import (TransformerConfig, TransformerLM, attent
 from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say, show_summary
+from shardax.trainer.trackers import parse_tracker
 from shardax.trainer.trainer import Trainer
 
 
@@ -173,8 +174,16 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=mesh,
                       strategy=strategy, grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
-                      learning_rate=schedule, name="shardax train", example_batch=example, init_from=run.init_from)
+                      learning_rate=schedule, name="shardax train", example_batch=example, init_from=run.init_from,
+                      trackers=_trackers(config.tracker))
     return trainer, data, run, _changes(record, config, mesh, model)
+
+
+def _trackers(specs: list[str] | None) -> list[str]:
+    """``--tracker`` values checked, named as the flag (the Trainer checks them again as ``trackers``)."""
+    for spec in specs or ():
+        parse_tracker(spec, label="--tracker")
+    return list(specs or ())
 
 
 def run(config: TrainConfig) -> TrainResult:

@@ -109,30 +109,3 @@ class MetricsLog:
                                                  axes[0][0].get_yscale() == "log" else "loss"})
         plt.close(figure)
         return image
-
-
-class TensorBoardLog:
-    """Scalars of every record as TensorBoard event files (through ``tensorboardX``)."""
-
-    def __init__(self, directory: str | Path) -> None:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise UsageError(f"tensorboard={str(directory)!r} needs the tensorboardX package; "
-                             "pip install 'shardax[tensorboard]' (or tensorboardX)") from None
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"tensorboard directory {directory} cannot be created ({error.strerror}); "
-                             "give a directory you can write to") from None
-        self.writer = SummaryWriter(str(directory))
-
-    def write(self, record: dict[str, Any]) -> None:
-        for key, value in finite_or_none(record).items():
-            if key != "step" and isinstance(value, (int, float)):
-                tag = f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
-                self.writer.add_scalar(tag, value, record["step"])
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()

@@ -21,9 +21,10 @@ from shardax.sharding.report import format_bytes, report
 from shardax.step.state import TrainState
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import RunDisplay, show_summary
-from shardax.trainer.metrics import MetricsLog, TensorBoardLog, finite_or_none
+from shardax.trainer.metrics import MetricsLog, finite_or_none
 from shardax.trainer.preemption import StopSignals
 from shardax.trainer.sources import BatchSource
+from shardax.trainer.trackers import Tracker, open_tracker
 
 if TYPE_CHECKING:
     from shardax.trainer.trainer import Trainer
@@ -73,7 +74,7 @@ class Run:
     start_step: int
     display: RunDisplay
     metrics: MetricsLog
-    tensorboard: TensorBoardLog | None
+    trackers: list[Tracker]
     checkpointer: Checkpointer | None
     record: dict[str, Any]
     notes: list[str]
@@ -132,7 +133,7 @@ class Run:
             trainer=trainer, source=source, start_step=start,
             display=RunDisplay(steps, start, title=trainer.name),
             metrics=metrics_log,
-            tensorboard=TensorBoardLog(tensorboard) if tensorboard and first else None,
+            trackers=_open_trackers(trainer, tensorboard, record) if first else [],
             checkpointer=checkpointer, record=dict(record or {}), notes=notes,
         )
 
@@ -243,8 +244,8 @@ class Run:
             record = finite_or_none(record)  # JSON has no NaN: a non-finite value is written as null
             self.history.append(record)
             self.metrics.write(record)
-            if self.tensorboard is not None:
-                self.tensorboard.write(record)
+            for tracker in self.trackers:
+                tracker.write(record)
             if on_log is not None:
                 on_log(record)
         if due["save"]:
@@ -276,10 +277,25 @@ class Run:
 
     def close(self) -> None:
         self.display.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
+
+
+def _open_trackers(trainer: Trainer, tensorboard: str | None, record: dict[str, Any] | None) -> list[Tracker]:
+    """The trainer's trackers (and ``fit(tensorboard=DIR)``'s), opened on process 0; any that
+    opened are closed again if one fails."""
+    specs = [*trainer.trackers, *([f"tensorboard:{tensorboard}"] if tensorboard else [])]
+    opened: list[Tracker] = []
+    try:
+        for spec in specs:
+            opened.append(open_tracker(spec, name=trainer.name, settings=dict(record or {})))
+    except BaseException:
+        for tracker in opened:
+            tracker.close()
+        raise
+    return opened
 
 
 def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> list[str]:

@@ -36,6 +36,7 @@ from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.state import TrainState
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
+from shardax.trainer.trackers import parse_tracker
 
 
 class Trainer:
@@ -81,6 +82,9 @@ class Trainer:
         projections of a ``TransformerLM`` (shardax's, or a Hugging Face checkpoint's): the base
         weights are frozen (no gradient, no optimizer state), the adapters are split like the
         weights they adapt. Any model holding Flax's ``nnx.LoRAParam`` trains those alone anyway.
+      trackers: where each ``fit`` also logs its records, on process 0: ``"tensorboard:DIR"``,
+        ``"mlflow:DIR"`` (a local MLflow file store), ``"wandb:DIR"`` (W&B in offline mode), or
+        objects with ``write(record)`` and ``close()``; see ``shardax.trainer.trackers``.
     """
 
     def __init__(self, model: ModelFactory | None, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
@@ -89,8 +93,12 @@ class Trainer:
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
                  axis_names: AxisNames = None, example_batch: Any = None,
-                 init_from: str | Path | None = None, lora: LoRA | None = None) -> None:
+                 init_from: str | Path | None = None, lora: LoRA | None = None,
+                 trackers: Sequence[Any] = ()) -> None:
         strategy = get_strategy(strategy)
+        for tracker in trackers:
+            parse_tracker(tracker)  # a bad one refused now, before any work; each fit opens them
+        self.trackers = list(trackers)
         if model is None:
             if init_from is None:
                 raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
@@ -255,7 +263,9 @@ class Trainer:
             raises ``NonFiniteError`` naming it, at the next log or checkpoint step, and nothing
             after it is applied or saved; ``"skip"`` goes on and counts it (``skipped_steps``).
           metrics: a JSON-lines file of records; a PNG of the curves is written beside it.
-          tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``).
+          tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``): the
+            same as ``Trainer(trackers=["tensorboard:DIR"])``, which also takes MLflow and W&B
+            (see ``shardax.trainer.trackers``).
           on_log: called with each record (every process, the same record).
           tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
           record: extra JSON saved in each checkpoint (a run's settings).
