@@ -86,7 +86,7 @@ CASES = [
     (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
     (["--precision", "float16"], "argument --precision: invalid choice: 'float16'"),
     (["--attention", "cudnn"], "--attention cudnn: it needs a GPU (this is cpu); it needs bfloat16 compute"),
-    (["--preset", "huge"], "unknown --preset 'huge'; choose one of tiny, notebook"),
+    (["--preset", "huge"], "unknown --preset huge; choose one of tiny, notebook"),
     (["--extend-to", "9"], "--extend-to 9 continues a saved run; add --resume"),
     # meshes
     (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
@@ -177,7 +177,7 @@ def test_bad_prepare_input(name, extra, message, workspace, capsys):
     (["launch", "-n", "0", "--", "shardax", "train"], "-n 0 and --devices-per-process 8 must be at least 1"),
     (["launch", "-n", "2", "--devices-per-process", "0", "--", "shardax", "train"], "must be at least 1"),
     (["launch", "-n", "two", "--", "true"], "argument -n/--num-processes: invalid int value: 'two'"),
-    (["plan", "--device-memory", "lots"], "--device-memory 'lots' is not a size"),
+    (["plan", "--device-memory", "lots"], "--device-memory lots is not a size"),
     (["plan", "--strategy", "zero4"], "argument --strategy: invalid choice: 'zero4'"),
     (["plan", "--target", "tpu-v9-8"], "--target 'tpu-v9-8' is not a TPU slice or GPU host; write it like tpu-v5p-8"),
     (["plan", "--target", "tpu-v5p-6"], "v5p slices come in powers of two from v5p-8"),

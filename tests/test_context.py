@@ -262,9 +262,9 @@ def test_bad_context_settings_are_one_line_errors():
     parallel = parallelize(factory, optax.adamw(1e-3), mesh_of("data=1,context=8"), "dp")
     step = parallel.train_step(next_token_loss)
     batch = {"tokens": np.zeros((2, 13), np.int32)}
-    with pytest.raises(UsageError, match=r"12 tokens does not cut into 16 equal chunks.*--seq-len 16"):
+    with pytest.raises(UsageError, match=r"12 tokens does not cut into 16 equal chunks.*`seq_len=16`"):
         step(parallel.init(), parallel.place_batch(batch))
-    with pytest.raises(UsageError, match="--context-attention ring is for meshes with a 'context' axis"):
+    with pytest.raises(UsageError, match="`context_attention='ring'` is for meshes with a 'context' axis"):
         parallelize(factory, optax.adamw(1e-3), mesh_of("data=8"), "dp").train_step(next_token_loss,
                                                                                    context_attention="ring")
     with pytest.raises(UsageError, match="use one of all-gather, ring"):

@@ -55,7 +55,7 @@ def test_global_batch_rows_land_on_their_devices(mesh8):
 
 
 def test_too_little_text_for_one_window():
-    with pytest.raises(ValueError, match="shorter than one window of --seq-len 64"):
+    with pytest.raises(ValueError, match="shorter than one window of `seq_len=64`"):
         WindowSampler(np.zeros(30, np.uint8), seq_len=64, batch_size=4, seed=0)
 
 

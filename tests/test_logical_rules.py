@@ -60,7 +60,7 @@ def test_strategies_are_values_and_unknown_names_fail():
 def test_strategy_that_needs_a_missing_mesh_axis():
     mesh = DeviceMeshManager().create_device_mesh("data=8")
     with pytest.raises(ValueError, match=r"strategy 'fsdp_tp' needs mesh axes \('data', 'model'\) but the mesh is "
-                                         r"data=8; use e.g. --mesh data=-1,model=2"):
+                                         r"data=8; use e.g. `mesh='data=-1,model=2'`"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.sgd(0.1), mesh, "fsdp_tp")
 
 

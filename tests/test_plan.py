@@ -60,7 +60,7 @@ def test_parse_bytes(text, expected):
 
 
 def test_parse_bytes_rejects_nonsense():
-    with pytest.raises(ValueError, match="--device-memory 'lots' is not a size; write it like 80GB"):
+    with pytest.raises(ValueError, match="`device_memory='lots'` is not a size; write it like 80GB"):
         parse_bytes("lots")
 
 

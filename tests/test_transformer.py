@@ -268,7 +268,7 @@ def test_attention_kernel_matches_attention_written_out(packed, monkeypatch):
 @pytest.mark.parametrize("attention, precision, heads, platform, expected", [
     ("auto", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),
     ("auto", "bfloat16", 4, "cpu", ("xla", "cuDNN does not apply: it needs a GPU (this is cpu)")),
-    ("auto", "float32", 4, "gpu", ("xla", "it needs bfloat16 compute (this is float32; --precision bfloat16)")),
+    ("auto", "float32", 4, "gpu", ("xla", "it needs bfloat16 compute (this is float32; `compute_dtype='bfloat16'`)")),
     ("auto", "bfloat16", 3, "gpu", ("xla", "multiple of 8 and at most 256 (this is 20)")),
     ("xla", "bfloat16", 4, "gpu", ("xla", "asked for")),
     ("cudnn", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),
@@ -286,5 +286,5 @@ def test_cudnn_attention_where_it_cannot_run_is_a_one_line_error():
     from shardax.errors import UsageError
     from shardax.models.transformer import attention_implementation
 
-    with pytest.raises(UsageError, match=r"--attention cudnn: it needs a GPU \(this is cpu\); it needs bfloat16"):
+    with pytest.raises(UsageError, match=r"`attention='cudnn'`: it needs a GPU \(this is cpu\); it needs bfloat16"):
         attention_implementation(TransformerConfig(attention="cudnn"), "cpu")

@@ -159,7 +159,7 @@ class ParallelModel:
         if axis is None:
             if microbatches is not None or pipeline_repeats != 1:
                 raise UsageError(f"microbatches/pipeline repeats are for pipeline strategies; {self.strategy.name!r} "
-                                 "is not one (use --grad-accum to split a batch into microbatches)")
+                                 "is not one (use `grad_accum=N` to split a batch into microbatches)")
             return None
         stages = self.mesh.shape[axis]
         schedule = Schedule(stages, stages if microbatches is None else microbatches, pipeline_repeats)
@@ -172,15 +172,15 @@ class ParallelModel:
         """How attention spans a sequence split over the mesh's ``context`` axis (None: no such
         axis of more than one device)."""
         if variant not in CONTEXT_VARIANTS:
-            raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(CONTEXT_VARIANTS)}")
+            raise UsageError(f"`context_attention={variant!r}`; use one of {', '.join(CONTEXT_VARIANTS)}")
         if self.mesh.shape.get(CONTEXT_AXIS, 1) == 1:
             if variant != "all-gather":
-                raise UsageError(f"--context-attention {variant} is for meshes with a {CONTEXT_AXIS!r} axis; this "
-                                 f"mesh has none (e.g. --mesh data=2,{CONTEXT_AXIS}=4)")
+                raise UsageError(f"`context_attention={variant!r}` is for meshes with a {CONTEXT_AXIS!r} axis; this "
+                                 f"mesh has none (e.g. `mesh='data=2,{CONTEXT_AXIS}=4'`)")
             return None
         if self.strategy.pipeline_axis is not None:
             raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis does not combine with pipeline strategies yet; use "
-                             f"dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from --mesh")
+                             f"dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from the mesh")
         if not blocks_of(self._abstract_model(), Attention):
             raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis splits sequences for models that attend through "
                              "shardax.blocks.Attention, and this model has none, so every device of "

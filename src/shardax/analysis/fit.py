@@ -140,6 +140,6 @@ def accumulation_for(wanted: int, fit: Fit, granule: int) -> tuple[int, int]:
     while wanted % steps or (wanted // steps) % granule:
         steps += 1
         if steps > wanted:
-            raise UsageError(f"--batch-size {wanted} does not split into microbatches of whole rows for "
+            raise UsageError(f"`batch_size={wanted}` does not split into microbatches of whole rows for "
                              f"{granule} data-parallel devices; use a multiple of {granule}")
     return steps, wanted // steps

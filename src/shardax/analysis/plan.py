@@ -38,7 +38,7 @@ def parse_bytes(text: str) -> int:
     """``"80GB"``, ``"16GiB"``, ``"512MB"`` or a plain number of bytes."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise UsageError(f"--device-memory {text!r} is not a size; write it like 80GB, 16GiB or 512MB")
+        raise UsageError(f"`device_memory={text!r}` is not a size; write it like 80GB, 16GiB or 512MB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

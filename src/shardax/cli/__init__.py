@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn
 
 from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError,
-                                NonFiniteError, Preempted, UsageError)
+                                NonFiniteError, Preempted, UsageError, in_flags)
 from shardax.cli.export import add_export_parser, export_command
 from shardax.cli.generate import add_generate_parser, generate_command
 from shardax.cli.launch import add_launch_parser, launch_command
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return {"train": train, "prepare": prepare_command, "plan": plan_command,
                 "launch": launch_command, "export": export_command, "generate": generate_command}[args.command](args)
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
-        print(f"shardax {args.command}: error: {error}", file=sys.stderr)
+        # the library names its parameters; here they are this command's flags
+        print(f"shardax {args.command}: error: {in_flags(str(error), subparsers.choices[args.command])}",
+              file=sys.stderr)
         if "checkpoint" in str(error) and "shardax.trainer.checkpoint" in sys.modules:
             from shardax.cli.errors import silence_abandoned_writers
 

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import re
 import sys
 import threading
 import warnings
@@ -25,7 +27,36 @@ from shardax.errors import (EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, Cluste
 EXIT_BAD_INPUT = 2
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CLUSTER", "EXIT_NONFINITE", "EXIT_PREEMPTED", "ClusterError", "NonFiniteError",
-           "Preempted", "UsageError", "end_cluster_wait", "quiet_failed_writers", "silence_abandoned_writers"]
+           "Preempted", "UsageError", "end_cluster_wait", "in_flags", "quiet_failed_writers",
+           "silence_abandoned_writers"]
+
+# a library parameter given a value, as its errors write it: `seq_len=30`, `mesh='data=2,context=4'`
+_PARAMETER = re.compile(r"`(?P<name>[a-z][a-z_]*)=(?P<value>[^`]+)`")
+# library parameters a command's flag spells differently
+_RENAMED = {"compute_dtype": "precision"}
+
+
+def in_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """A library error as the command line says it: each `` `parameter=value` `` that one of
+    ``parser``'s flags sets becomes ``--flag value`` (`` `seq_len=30` `` -> ``--seq-len 30``)."""
+    flags = {}
+    for action in parser._actions:  # noqa: SLF001 - argparse lists a parser's flags nowhere else
+        long = [option for option in action.option_strings if option.startswith("--")]
+        if long and action.nargs != 0:
+            flags.setdefault(action.dest, long[0])
+    for name, dest in _RENAMED.items():
+        if dest in flags:
+            flags.setdefault(name, flags[dest])
+
+    def spell(match: re.Match) -> str:
+        flag, value = flags.get(match["name"]), match["value"]
+        if flag is None:
+            return match[0]
+        if value[:1] in "'\"" and " " not in value:
+            value = value[1:-1]
+        return f"{flag} {value}"
+
+    return _PARAMETER.sub(spell, message)
 
 
 def end_cluster_wait(message: str) -> None:

@@ -28,8 +28,8 @@ class WindowSampler:
         self.windows = (len(tokens) - 1) // seq_len
         if self.windows < 1:
             raise UsageError(
-                f"the text has {len(tokens)} bytes, shorter than one window of --seq-len {seq_len} + 1; "
-                "give more text or a shorter --seq-len"
+                f"the text has {len(tokens)} bytes, shorter than one window of `seq_len={seq_len}` + 1; "
+                "give more text or a shorter seq_len"
             )
 
     @functools.lru_cache(maxsize=2)

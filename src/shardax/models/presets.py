@@ -50,7 +50,7 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise UsageError(f"unknown --preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown `preset={name!r}`; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 

@@ -170,7 +170,7 @@ def attention_implementation(config: TransformerConfig, platform: str | None = N
     if platform != "gpu":
         problems.append(f"it needs a GPU (this is {platform})")
     if config.compute_dtype != "bfloat16":
-        problems.append(f"it needs bfloat16 compute (this is {config.compute_dtype}; --precision bfloat16)")
+        problems.append(f"it needs bfloat16 compute (this is {config.compute_dtype}; `compute_dtype='bfloat16'`)")
     if config.head_dim % 8 or config.head_dim > 256:
         problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {config.head_dim})")
     if config.attention == "xla":
@@ -178,7 +178,7 @@ def attention_implementation(config: TransformerConfig, platform: str | None = N
     if not problems:
         return "cudnn", "fused cuDNN kernel"
     if config.attention == "cudnn":
-        raise UsageError(f"--attention cudnn: {'; '.join(problems)}; use --attention auto or xla")
+        raise UsageError(f"`attention='cudnn'`: {'; '.join(problems)}; use `attention='auto'` or `attention='xla'`")
     return "xla", "cuDNN does not apply: " + "; ".join(problems)
 
 

@@ -56,7 +56,7 @@ class ContextLayout:
         """Sequences split over ``axis``; rows over ``batch_axes`` and attention heads over
         ``heads_axes`` (those the mesh has)."""
         if variant not in VARIANTS:
-            raise UsageError(f"--context-attention {variant!r}; use one of {', '.join(VARIANTS)}")
+            raise UsageError(f"`context_attention={variant!r}`; use one of {', '.join(VARIANTS)}")
         return cls(mesh, axis, variant, tuple(batch_axes), tuple(a for a in heads_axes if a in mesh.shape))
 
     @property
@@ -70,7 +70,7 @@ class ContextLayout:
             lower, upper = length - length % chunks, length - length % chunks + chunks
             nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
             raise UsageError(f"{what} of {length} tokens does not cut into {chunks} equal chunks ({self.axis}="
-                             f"{self.shards} shares of two chunks each); use --seq-len {nearest}")
+                             f"{self.shards} shares of two chunks each); use `seq_len={nearest}`")
 
     @property
     def rows(self) -> Any:

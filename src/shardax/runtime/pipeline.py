@@ -46,10 +46,10 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.microbatches < 1 or self.repeats < 1:
-            raise UsageError(f"--microbatches {self.microbatches} and --pipeline-repeats {self.repeats} must be at "
+            raise UsageError(f"`microbatches={self.microbatches}` and `pipeline_repeats={self.repeats}` must be at "
                              "least 1")
         if self.repeats > 1 and self.microbatches < self.stages:
-            raise UsageError(f"--pipeline-repeats {self.repeats} needs --microbatches of at least the {self.stages} "
+            raise UsageError(f"`pipeline_repeats={self.repeats}` needs microbatches of at least the {self.stages} "
                              f"stages (a microbatch comes back to stage 0), not {self.microbatches}")
 
     @property
@@ -172,7 +172,7 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
     rows = x.shape[0]
     if rows % (groups * schedule.microbatches):
         raise UsageError(f"a batch of {rows} rows does not split into {groups} data-parallel groups x "
-                         f"--microbatches {schedule.microbatches}; use a batch size that is a multiple of "
+                         f"`microbatches={schedule.microbatches}`; use a batch size that is a multiple of "
                          f"{groups * schedule.microbatches}")
     spmd = (batch if len(batch) > 1 else batch[0]) if batch else None
 

@@ -64,7 +64,7 @@ class Strategy:
             example = ",".join(f"{axis}={'-1' if i == 0 else 2}" for i, axis in enumerate(self.required_axes))
             raise UsageError(
                 f"strategy {self.name!r} needs mesh axes {self.required_axes} but the mesh is "
-                f"{describe_mesh(mesh)}; use e.g. --mesh {example}"
+                f"{describe_mesh(mesh)}; use e.g. `mesh='{example}'`"
             )
 
     def tensor_axis(self, mesh: Mesh) -> str | None:

@@ -225,7 +225,7 @@ class Checkpointer:
             raise UsageError(f"resume: no checkpoint in {self.directory}; start without resuming to create one")
         raise UsageError(f"no good checkpoint in {self.directory}: "
                          + "; ".join(f"step {step} is damaged ({problem})" for step, problem in damaged.items())
-                         + "; nothing was loaded: start a new run in another --checkpoint-dir")
+                         + "; nothing was loaded: start a new run in another checkpoint directory")
 
     def set_aside(self, steps: list[int]) -> None:
         """Rename damaged checkpoints to ``<step>.damaged`` (kept for inspection, no longer steps)."""

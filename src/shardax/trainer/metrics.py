@@ -56,7 +56,7 @@ class MetricsLog:
                                  "from a run that stopped while appending); dropped it")
                     break
                 raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the file aside "
-                                 "or give another --metrics") from None
+                                 "or give another metrics file") from None
             records.append(record)
         return records
 
