@@ -266,6 +266,43 @@ def plan_held_out() -> dict:
         "within_10_percent": sum(e <= 0.10 for e in errors) / len(errors)})
 
 
+# Pipeline steps the plan's pipeline term was never worked out on, fixed here before their results
+# were seen: (model overrides, strategy, mesh, batch, microbatches, repeats). Run on XLA:CPU's 8
+# devices and, with the tpu-plan extra, on XLA:TPU's 8 chips of a v5p-16.
+PIPELINE_HELD_OUT = [
+    (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp", "stage=2,data=4", 32, 4, 1),
+    (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp_fsdp", "stage=4,data=2", 32, 4, 1),
+    (dict(d_model=384, n_heads=6, n_layers=6, d_ff=1536, seq_len=256), "pp_tp", "stage=2,data=2,model=2", 16, 2, 1),
+    (dict(d_model=512, n_heads=8, n_layers=8, d_ff=2048, seq_len=128), "pp", "stage=2,data=4", 32, 8, 1),
+    (dict(d_model=320, n_heads=5, n_layers=4, d_ff=1280, seq_len=96), "pp_fsdp", "stage=2,data=4", 24, 3, 1),
+    (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp", "stage=4,data=2", 32, 4, 2),
+    (dict(d_model=640, n_heads=10, n_layers=4, d_ff=2560, seq_len=256), "pp", "stage=2,data=4", 16, 2, 1),
+    (dict(d_model=256, n_heads=4, n_layers=12, d_ff=1024, seq_len=64, remat="full"), "pp_fsdp", "stage=2,data=4",
+     64, 4, 1),
+]
+
+
+def pipeline_held_out(target_name: str | None = None) -> dict:
+    """The plan's predicted / compiled peak of pipeline steps on ``PIPELINE_HELD_OUT``, on
+    XLA:CPU or (``target_name``) XLA:TPU."""
+    from shardax.analysis.targets import parse_target
+
+    target = parse_target(target_name) if target_name else None
+    rows = []
+    for overrides, strategy, mesh, batch, microbatches, repeats in PIPELINE_HELD_OUT:
+        model = TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **overrides})
+        plan = plan_strategy(model, strategy, mesh, batch_size=batch, microbatches=microbatches,
+                             pipeline_repeats=repeats, target=target)
+        rows.append({**overrides, "strategy": strategy, "mesh": mesh, "batch_size": batch,
+                     "microbatches": microbatches, "repeats": repeats, "predicted_peak": plan.predicted["total"],
+                     "compiled_peak": plan.compiled["peak"], "peak_ratio": plan.predicted["total"] / plan.compiled["peak"]})
+        print(f"{overrides} {strategy} {mesh} M{microbatches} R{repeats}: {rows[-1]['peak_ratio']:.3f}", flush=True)
+    name = "pipeline_held_out" + (f"_{target_name}" if target_name else "")
+    return save(name.replace("-", "_"), {"target": target_name or "XLA:CPU, 8 devices", "cases": rows,
+                                         "ratio_range": [min(r["peak_ratio"] for r in rows),
+                                                         max(r["peak_ratio"] for r in rows)]})
+
+
 def pipeline_bubble() -> dict:
     """The bubble of the pipeline as compiled: stage iterations of the compiled loops (XLA's trip
     counts) against the R*M that do work, for M = S, 2S, 4S on stage=4,data=2 (and a circular
@@ -346,7 +383,8 @@ def longest_sequence(budget_bytes: int = 2 * 10**9) -> dict:
 
 BENCHMARKS = {"overhead": overhead, "memory_and_communication": memory_and_communication,
               "compile_time": compile_time, "largest_model": largest_model, "plan_accuracy": plan_accuracy,
-              "plan_held_out": plan_held_out, "pipeline_bubble": pipeline_bubble,
+              "plan_held_out": plan_held_out, "pipeline_held_out": pipeline_held_out,
+              "pipeline_held_out_tpu": lambda: pipeline_held_out("tpu-v5p-16"), "pipeline_bubble": pipeline_bubble,
               "longest_sequence": longest_sequence}
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def test_layers_that_do_not_split_into_stages_are_refused_with_the_nearest_count
     with pytest.raises(UsageError, match=r"^6 layers do not split into 4 stages; use 4 or 8 layers, or a stage count "
                                          r"that divides 6$"):
         parallel.train_step(next_token_loss)
-    with pytest.raises(UsageError, match=r"--pipeline-repeats 2 needs --microbatches of at least the 4 stages"):
+    with pytest.raises(UsageError, match=r"`pipeline_repeats=2` needs microbatches of at least the 4 stages"):
         Schedule(4, 2, 2)
 
 
@@ -209,8 +209,9 @@ def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, me
     stages = int(re.search(r"stage=(\d+)", mesh_shape).group(1))
     assert plan.bubble == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
     assert plan.predicted["state"] == plan.compiled["arguments"]
-    # the memory estimate (XLA:CPU) stays in its band: 0.87 to 1.03 of the compiled peak here
-    assert 0.85 <= plan.predicted["total"] / plan.compiled["peak"] <= 1.05, (plan.predicted, plan.compiled)
+    # the memory estimate (XLA:CPU) stays in its band: 0.94 to 1.03 of the compiled peak here
+    # (0.87 to 1.03 before it counted the copy of one iteration's residuals that nested scans make)
+    assert 0.92 <= plan.predicted["total"] / plan.compiled["peak"] <= 1.05, (plan.predicted, plan.compiled)
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=within), plan.collectives
     bubbles = [note for note in plan.lint if note.startswith("pipeline bubble")]
     if plan.bubble > 0.25:

@@ -263,7 +263,10 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     would. Besides: stage 0's store (every microbatch of the group at the stage boundary) and
     the rolling buffer, and the stage's weights as the loop uses them: their gradient summed
     through the iterations, and, where the loop runs on a copy (one per data-parallel group,
-    or FSDP's gathered weights), the copy."""
+    or FSDP's gathered weights), the copy. And, when a chunk has several layers, one iteration's
+    residuals again: the scan over the chunk stacks them inside the loop over iterations, and
+    they are copied into (and, for the backward pass, out of) the loop's stack, as XLA:CPU and
+    XLA:TPU both compile it."""
     shape, strategy = dict(layout.mesh.shape), layout.strategy
     groups = _axes_size(shape, strategy.batch_axes)
     rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
@@ -273,8 +276,11 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
                         if _split_into_stages(leaf, strategy))
     copies = 1 + (1 if groups > 1 else 0)
-    return int(activation_bytes(layout, virtual, rows * groups) + (schedule.microbatches + 2) * boundary
-               + copies * stage_weights)
+    kept = activation_bytes(layout, virtual, rows * groups)
+    # a chunk of one layer is no scan: its residuals go straight into the loop's stack
+    one_fewer = activation_bytes(layout, dataclasses.replace(virtual, n_layers=virtual.n_layers - chunk),
+                                 rows * groups) if chunk > 1 else kept
+    return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
 
 
 def _sharded_bytes(abstract: Any, shardings: Any) -> int:
