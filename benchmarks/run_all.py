@@ -1,4 +1,4 @@
-"""Run every benchmark and write benchmarks/results/README.md (the table the README shows).
+"""Run every benchmark and write benchmarks/results/README.md (the table docs/benchmarks.md shows).
 
     python benchmarks/run_all.py [--skip-slow]
 
@@ -238,6 +238,14 @@ def table() -> str:
                      f"{100 * before['word_share']:.1f}% ({100 * before['lowest']:.0f}-{100 * before['highest']:.0f}%) / "
                      f"{100 * after['word_share']:.1f}% ({100 * after['lowest']:.0f}-{100 * after['highest']:.0f}%); "
                      f"{before['wall_s']:.0f} / {after['wall_s']:.0f} s | more real words, about 90 s |")
+    for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
+        pipelines = load(name)
+        if pipelines:
+            ratios = [case["peak_ratio"] for case in pipelines["cases"]]
+            close = sum(abs(r - 1) <= 0.05 for r in ratios)
+            lines.append(f"| 2. plan's peak, predicted/compiled ({compiler}), pipeline steps never worked out on: "
+                         f"{len(ratios)} shapes x pp/pp_fsdp/pp_tp, microbatches, a circular schedule | "
+                         f"{min(ratios):.3f} to {max(ratios):.3f} ({close} of {len(ratios)} within 5%) | 1 +- 0.05 |")
     for key, entry in (load("tpu_plan") or {}).items():
         rows = [row for row in entry["rows"] if "peak_gb" in row]
 
@@ -245,7 +253,8 @@ def table() -> str:
             values = [scale * row[field] for row in rows if row.get(field)]
             return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "-"
 
-        peaks = ", ".join(f"{row['strategy']} {row['peak_gb']:.2f}" for row in rows)
+        peaks = ", ".join(f"{row['strategy']} {row['peak_gb']:.2f}" if "peak_gb" in row else
+                          f"{row['strategy']} does not fit" for row in entry["rows"])
         lines.append(f"| 21. {key} (batch {entry['batch_size']} x {entry['seq_len']}) compiled by XLA:TPU on this CPU "
                      f"host, every strategy: GB per chip; collectives sent vs theory; XLA FLOPs vs 6 N tokens + "
                      f"attention; roofline MFU (upper bound); shardax's analytic peak vs XLA:TPU's | {peaks}; "
@@ -284,7 +293,8 @@ if __name__ == "__main__":
     parser.add_argument("--skip-slow", action="store_true", help="skip the largest-model search, the plan-accuracy cases, the 512 MB data benchmark and the nnx.vmap compiles (minutes)")
     options = parser.parse_args()
     names = ["overhead", "memory_and_communication", "compile_time", "pipeline_bubble"] + (
-        [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out", "longest_sequence"])
+        [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out", "pipeline_held_out",
+                                      "longest_sequence"])
     for name in names:
         run(["benchmarks/suite.py", name])
     run(["benchmarks/notebook_step_time.py"])
@@ -304,6 +314,7 @@ if __name__ == "__main__":
     if importlib.util.find_spec("libtpu"):  # the tpu-plan extra: XLA:TPU compiles here, no TPU needed
         run(["benchmarks/tpu_plan.py", "--preset", "tiny", "--preset", "small"])
         run(["benchmarks/tpu_decisions.py"])
+        run(["benchmarks/suite.py", "pipeline_held_out_tpu"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])
