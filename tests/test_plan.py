@@ -131,7 +131,7 @@ def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
 # refit with many rows per device traded the tiny preset's 8% for 7.5% instead of 14% on shapes it
 # never saw), 2.7% dots, 21% for blocks in a Python loop), rounded up where a tested case needs it.
 # These tests keep the fit from drifting; how well it predicts shapes it never saw is benchmark
-# plan_held_out's (README).
+# plan_held_out's (docs/plan.md).
 TOLERANCE = {"none": 0.05, "full": 0.12, "dots_saveable": 0.05, "looped": 0.2}
 
 STRATEGY_MESHES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),

@@ -1,16 +1,31 @@
-"""The README's Python snippets run as written, in a fresh interpreter."""
+"""The README and the documentation site: every Python block runs as written in a fresh
+interpreter (or is marked a fragment), and the site builds with ``mkdocs build --strict``."""
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+FRAGMENT = "<!-- fragment: shows a call on a model of your own; not run -->\n"
+PYTHON_BLOCK = re.compile(r"(?P<mark><!-- fragment:[^\n]*-->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def snippet(section):
-    text = README.read_text().split(f"## {section}", 1)[1]
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+def section(title, pages=PAGES):
+    """The text after the heading ``title`` (any level) on the first page that has it."""
+    for page in pages:
+        found = re.search(rf"^#+ {re.escape(title)}\n", page.read_text(), re.M)
+        if found:
+            return page.read_text()[found.end():]
+    raise AssertionError(f"no page has a heading {title!r}")
+
+
+def snippet(title, pages=PAGES):
+    return PYTHON_BLOCK.search(section(title, pages)).group("code")
 
 
 def run(code, cwd=None):
@@ -19,9 +34,40 @@ def run(code, cwd=None):
     return result.stdout
 
 
+# the sections whose blocks the tests below run; every other block must be marked a fragment
+RUN = {"Quick start", "A first data-parallel step with the seed API", "Your own model", "Strategies",
+       "Pipelines and long sequences: `LayerStack` and `Attention`", "Fine-tune a Hugging Face model", "Trackers"}
+
+
+def test_every_python_block_runs_or_is_marked_a_fragment():
+    ran = {snippet(title) for title in RUN}
+    for page in PAGES:
+        for block in PYTHON_BLOCK.finditer(page.read_text()):
+            assert block["code"] in ran or block["mark"] == FRAGMENT, (page.name, block["code"][:200])
+    assert snippet("Quick start", [README]) == snippet("Quick start", [ROOT / "docs/getting-started.md"])
+
+
+def test_the_site_builds_strict(tmp_path):
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT,
+                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    reference = (tmp_path / "site/reference/index.html").read_text()
+    # the API reference is generated from the docstrings
+    assert "shardax.parallelize" in reference and "trackers" in reference and "Hugging Face" in reference
+
+
 def test_quick_start_runs_and_prints_a_falling_loss():
-    code = snippet("Quick start")
+    code = snippet("Quick start", [README])
     assert len(code.strip().splitlines()) <= 30
+    [printed] = re.findall(r"^\[([\d., ]+)\]$", run(code), re.M)
+    losses = [float(loss) for loss in printed.split(",")]
+    # steps 1, 20, 40 and 60
+    assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1 * losses[0], losses
+
+
+def test_the_seed_api_step_runs_and_prints_a_falling_loss():
+    code = snippet("A first data-parallel step with the seed API")
     code += "\nassert loss.sharding.is_fully_replicated\n"
     printed = re.findall(r"^step (\d+): loss (\d+\.\d+)$", run(code), re.M)
     assert [int(step) for step, _ in printed] == [10, 20, 30]
@@ -40,10 +86,21 @@ def test_your_own_model_runs_learns_and_prints_its_held_out_accuracy(tmp_path):
     assert (tmp_path / "runs/classifier/metrics.png").exists() and (tmp_path / "runs/classifier/ckpt/200").is_dir()
 
 
+def test_the_strategies_page_trains_reports_and_reshards():
+    out = run(snippet("Strategies"))
+    assert "per device vs" in out and re.search(r"^loss \d+\.\d{3}; resharded to tp: [\d,]+ bytes per device$", out, re.M)
+
+
+def test_trackers_page_logs_to_mlflow_and_reads_it_back(tmp_path):
+    out = run(snippet("Trackers"), cwd=tmp_path)
+    pairs = re.findall(r"\((\d+), (\d+\.\d+)\)", out.splitlines()[-1])
+    assert [int(step) for step, _ in pairs] == [1, 5, 10, 15, 20] and float(pairs[-1][1]) < float(pairs[0][1])
+
+
 def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_context():
-    code = snippet("Pipeline and context parallelism for your own model")
+    code = snippet("Pipelines and long sequences: `LayerStack` and `Attention`")
     model = code.split("def loss_fn", 1)[0]
-    assert len(model.strip().splitlines()) <= 50, "the model the README shows stays short"
+    assert len(model.strip().splitlines()) <= 50, "the model the docs show stays short"
     code += "\nassert trainer.parallel.mesh.shape['context'] == 4\n"
     out = run(code)
     printed = re.findall(r"^(\w+) on (\S+): loss (\d+\.\d\d) -> (\d+\.\d\d)$", out, re.M)
@@ -57,15 +114,14 @@ def test_fine_tuning_a_hugging_face_model(tmp_path):
     out = run(snippet("Fine-tune a Hugging Face model"), cwd=tmp_path)
     assert out.splitlines()[-1].startswith("loaded 2 layers, read ")
     assert sorted(p.name for p in (tmp_path / "tiny-llama-again").iterdir()) == ["config.json", "model.safetensors"]
-    command = README.read_text().split("## Fine-tune a Hugging Face model", 1)[1].split("```bash\n", 1)[1].split("\n")[0]
+    commands = section("Fine-tune a Hugging Face model").split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    command, lora, *exports = commands
     assert command.startswith("shardax train --init-from tiny-llama")
     trained = subprocess.run([sys.executable, "-m", "shardax.cli", *command.split()[1:], "--steps", "2",
                               "--batch-size", "8", "--eval-every", "0", "--sample-bytes", "0"],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "model: fine-tuning the Hugging Face checkpoint" in trained.stdout
-    lora, *exports = README.read_text().split("## Fine-tune a Hugging Face model", 1)[1].split("```bash\n", 1)[1].split(
-        "```", 1)[0].splitlines()[1:]
     assert "--lora-rank" in lora and len(exports) == 2
     for line in (lora.replace("--steps 50", "--steps 2 --batch-size 8 --eval-every 0 --sample-bytes 0"), *exports):
         done = subprocess.run([sys.executable, "-m", "shardax.cli", *line.split("#")[0].split()[1:]],

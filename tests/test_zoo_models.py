@@ -178,12 +178,12 @@ def test_what_the_first_step_would_refuse_is_refused_by_fit_before_anything_is_w
     assert not (tmp_path / "run").exists()
 
 
-# The README's own Llama-style model, built from shardax.blocks (LayerStack, Attention), run as
-# the README shows it: under the pipelines and a context axis it must train like plain NNX.
+# The documentation's own Llama-style model, built from shardax.blocks (LayerStack, Attention), run as
+# the docs show it: under the pipelines and a context axis it must train like plain NNX.
 def readme_blocks_model():
     from test_readme import snippet
 
-    code = snippet("Pipeline and context parallelism for your own model").split("def loss_fn", 1)[0]
+    code = snippet("Pipelines and long sequences: `LayerStack` and `Attention`").split("def loss_fn", 1)[0]
     namespace = {}
     exec(code.replace('jax.config.update("jax_num_cpu_devices", 8)', ""), namespace)  # noqa: S102
     return namespace["Llama"]

@@ -193,7 +193,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, 
 # layer's activations live whatever the remat policy (XLA:CPU schedules the recomputation
 # early), and a gathering strategy gathers every layer's weights up front: their activations
 # are taken to be linear in all the residuals autodiff names (XLA fuses some of them away) and
-# in every layer's gathered weights. That model is rough (see the README).
+# in every layer's gathered weights. That model is rough (see docs/plan.md).
 WORKING_SET_TERMS = {"none": ("layer", "scores", "unsplit", "weights", "gathered"),
                      "looped": ("residuals", "gathered_layers")}
 WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"]
@@ -201,7 +201,7 @@ WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"
 # compiled steps of every preset from tiny to 1b, sequences of 512 and 1024, a 1024-wide model,
 # under every strategy, with microbatches and a 2x4 tensor mesh, and the shapes tests/test_plan.py
 # checks. The shapes of benchmarks/suite.py HELD_OUT_SHAPES (and held_out_large_rows) were never
-# fitted on: the README reports the error there. "full" comes from the refit that added steps
+# fitted on: docs/plan.md reports the error there. "full" comes from the refit that added steps
 # with many rows per device (one device holding the whole batch); it was better on both held-out
 # sets (worst 11.0% -> 7.6% and 14.2% -> 7.5%). For the other classes that refit was no better
 # on them, and their earlier factors stay.

@@ -96,7 +96,7 @@ class PipelineRun:
 
 # How the stages' layers are applied side by side: ``jax.vmap`` over the stacked arrays.
 # ``nnx.vmap`` compiles to the same program but needs the layers' Variables made anew inside the
-# loop (benchmarks/pipeline_vmap.py compiles the step both ways; the README has its figures).
+# loop (benchmarks/pipeline_vmap.py compiles the step both ways; docs/benchmarks.md has its figures).
 vmap_stages: Callable[..., Any] = jax.vmap
 
 # Ops that only move or relabel a value's elements: cheaper to run again than to keep. Batching
