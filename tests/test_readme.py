@@ -36,6 +36,7 @@ def run(code, cwd=None):
 
 # the sections whose blocks the tests below run; every other block must be marked a fragment
 RUN = {"Quick start", "A first data-parallel step with the seed API", "Your own model", "Strategies",
+       "Checkpoints are orbax trees",
        "Pipelines and long sequences: `LayerStack` and `Attention`", "Fine-tune a Hugging Face model", "Trackers"}
 
 
@@ -84,6 +85,15 @@ def test_your_own_model_runs_learns_and_prints_its_held_out_accuracy(tmp_path):
     [printed] = re.findall(r"^held-out accuracy (\d\.\d{3})$", out, re.M)
     assert float(printed) > 0.8
     assert (tmp_path / "runs/classifier/metrics.png").exists() and (tmp_path / "runs/classifier/ckpt/200").is_dir()
+
+
+def test_a_checkpoint_restores_with_orbax_alone(tmp_path):
+    """The docs' recipe: plain orbax (no shardax) restores a Trainer checkpoint into nnx.state(model)."""
+    code = snippet("Checkpoints are orbax trees")
+    restoring = code.split("# orbax alone", 1)[1].split("\n", 1)[1].split("same =", 1)[0]
+    assert "shardax" not in restoring and "trainer" not in restoring and "ocp.PyTreeCheckpointer" in restoring
+    out = run(code, cwd=tmp_path)
+    assert out.splitlines()[-1] == "restored with orbax alone: out.kernel (32, 4), equal to the trained one: True"
 
 
 def test_the_strategies_page_trains_reports_and_reshards():

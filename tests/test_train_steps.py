@@ -122,7 +122,7 @@ def test_shard_map_step_compiles_one_all_reduce_per_gradient(mesh8):
 
 
 def _lower_text(loss_fn, state, batch, mesh):
-    from shardax.step.data_parallel import _compiled_step
+    from shardax.compat.steps import _compiled_step
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     placed = place_batch_on_shards(batch, NamedSharding(mesh, P("data")))

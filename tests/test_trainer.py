@@ -10,7 +10,7 @@ import pytest
 
 from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer
-from shardax.trainer.checkpoint import saved_steps
+from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
 
 pytestmark = pytest.mark.xdist_group("test_trainer")
@@ -178,6 +178,31 @@ def test_a_checkpoint_resumes_into_another_strategy(tmp_path):
                                                              resume=True)  # tp reads the split off the model
     np.testing.assert_allclose([r["loss"] for r in moved.history], [r["loss"] for r in straight.history[3:]],
                                rtol=1e-5)
+
+
+def test_a_checkpoint_of_the_older_flat_layout_still_resumes(tmp_path):
+    """Checkpoints written before the state tree (a flat dict of dotted names, RNG keys as raw
+    bits) resume as before: the same step 6 as from the current layout."""
+    import orbax.checkpoint as ocp
+
+    from shardax.trainer.checkpoint import Checkpointer, _SaveState, flatten_state
+
+    first = trainer()
+    first.fit(BATCHES, steps=3, checkpoint_dir=tmp_path / "tree")
+    with Checkpointer(tmp_path / "tree") as tree:
+        record = tree.record(3)
+        assert set(tree.saved_arrays(3)) == {"params", "rest", "opt_state", "step", "skipped"}
+    with Checkpointer(tmp_path / "flat") as flat:  # as shardax wrote them before
+        flat.make_writable()
+        flat.manager.save(3, args=ocp.args.Composite(state=_SaveState(flatten_state(first.state)),
+                                                     record=ocp.args.JsonSave(record)))
+        flat.wait()
+        assert "params.hidden.kernel" in flat.saved_arrays(3)
+    runs = [trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_dir=tmp_path / name, resume=True)
+            for name in ("tree", "flat")]
+    assert runs[1].start_step == 3 and [r["loss"] for r in runs[1].history] == [r["loss"] for r in runs[0].history]
+    jax.tree.map(np.testing.assert_array_equal, on_host(runs[1].state), on_host(runs[0].state))
+    assert saved_arrays(tmp_path / "flat", 3).keys() == saved_arrays(tmp_path / "tree", 3).keys()
 
 
 def test_data_that_runs_out_ends_the_run_at_its_last_step(tmp_path, capsys):

@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # each public name and the module it lives in
 _EXPORTS = {
-    "DataParallel": "shardax.data_parallel",
-    "create_data_parallel_sharding": "shardax.data_parallel",
-    "data_parallel_rules": "shardax.data_parallel",
-    "data_parallel_train_step": "shardax.data_parallel",
-    "model_state_shardings": "shardax.data_parallel",
-    "place_batch_on_shards": "shardax.data_parallel",
-    "place_model_state_on_shards": "shardax.data_parallel",
-    "place_nnx_state_on_shards": "shardax.data_parallel",
-    "reduce_gradient_tree": "shardax.data_parallel",
-    "reduce_gradients_across_devices": "shardax.data_parallel",
-    "spmd_train_step": "shardax.data_parallel",
+    "DataParallel": "shardax.compat",
+    "create_data_parallel_sharding": "shardax.compat",
+    "data_parallel_rules": "shardax.compat",
+    "data_parallel_train_step": "shardax.compat",
+    "model_state_shardings": "shardax.compat",
+    "place_batch_on_shards": "shardax.compat",
+    "place_model_state_on_shards": "shardax.compat",
+    "place_nnx_state_on_shards": "shardax.compat",
+    "reduce_gradient_tree": "shardax.compat",
+    "reduce_gradients_across_devices": "shardax.compat",
+    "spmd_train_step": "shardax.compat",
     "ClusterSpec": "shardax.distributed",
     "detect_cluster": "shardax.distributed",
     "init_distributed": "shardax.distributed",
@@ -65,17 +65,17 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
-    from shardax.data_parallel import DataParallel as DataParallel
-    from shardax.data_parallel import create_data_parallel_sharding as create_data_parallel_sharding
-    from shardax.data_parallel import data_parallel_rules as data_parallel_rules
-    from shardax.data_parallel import data_parallel_train_step as data_parallel_train_step
-    from shardax.data_parallel import model_state_shardings as model_state_shardings
-    from shardax.data_parallel import place_batch_on_shards as place_batch_on_shards
-    from shardax.data_parallel import place_model_state_on_shards as place_model_state_on_shards
-    from shardax.data_parallel import place_nnx_state_on_shards as place_nnx_state_on_shards
-    from shardax.data_parallel import reduce_gradient_tree as reduce_gradient_tree
-    from shardax.data_parallel import reduce_gradients_across_devices as reduce_gradients_across_devices
-    from shardax.data_parallel import spmd_train_step as spmd_train_step
+    from shardax.compat import DataParallel as DataParallel
+    from shardax.compat import create_data_parallel_sharding as create_data_parallel_sharding
+    from shardax.compat import data_parallel_rules as data_parallel_rules
+    from shardax.compat import data_parallel_train_step as data_parallel_train_step
+    from shardax.compat import model_state_shardings as model_state_shardings
+    from shardax.compat import place_batch_on_shards as place_batch_on_shards
+    from shardax.compat import place_model_state_on_shards as place_model_state_on_shards
+    from shardax.compat import place_nnx_state_on_shards as place_nnx_state_on_shards
+    from shardax.compat import reduce_gradient_tree as reduce_gradient_tree
+    from shardax.compat import reduce_gradients_across_devices as reduce_gradients_across_devices
+    from shardax.compat import spmd_train_step as spmd_train_step
     from shardax.distributed import ClusterSpec as ClusterSpec
     from shardax.distributed import detect_cluster as detect_cluster
     from shardax.distributed import init_distributed as init_distributed

@@ -1,10 +1,13 @@
 """Checkpoints with orbax: asynchronous saves, restores straight into a target layout.
 
-A checkpoint holds the whole ``TrainState`` (parameters, optimizer state, step, the model's
-other variables) as a flat dict of arrays, a JSON record (data position, the run's settings)
-and, when the data comes from Grain, each process's iterator state. Restoring into another
-strategy or mesh is restoring into that layout's abstract state: orbax reads each device's
-pieces where they now belong. RNG keys are stored as their raw bits and wrapped again on restore.
+A checkpoint holds the whole ``TrainState`` in its item ``state``, saved with orbax's
+``StandardSave`` as the tree ``{"params": nnx.State, "rest": nnx.State, "opt_state": ...,
+"step": ..., "skipped": ...}`` (``params``: the model's ``nnx.Param`` state, ``rest``: its other
+variables, RNG keys included), a JSON record (data position, the run's settings) and, when the
+data comes from Grain, each process's iterator state. Restoring into another strategy or mesh
+is restoring into that layout's abstract state: orbax reads each device's pieces where they now
+belong. orbax alone restores a model's parameters from it (``restore_params``' recipe).
+Checkpoints of shardax before 0.2 (a flat dict of dotted names, RNG keys as raw bits) still load.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
@@ -40,7 +44,7 @@ def _flat_name(keypath: Any) -> str:
 
 
 def flatten_state(tree: Any) -> dict[str, Any]:
-    """``{"params.blocks.qkv": leaf, ...}``: a flat dict orbax stores as one array each (keys as bits)."""
+    """``{"params.blocks.qkv": leaf, ...}``: the flat dict older checkpoints hold (keys as bits)."""
     def stored(leaf: Any) -> Any:
         if not _is_key(leaf):
             return leaf
@@ -76,10 +80,40 @@ def unflatten_state(template: Any, flat: dict[str, Any]) -> Any:
     return jax.tree_util.tree_unflatten(treedef, [restored(k, leaf) for k, leaf in keypaths])
 
 
+TREE_KEYS = ("params", "rest", "opt_state", "step", "skipped")
+
+
+def as_tree(state: Any) -> dict[str, Any]:
+    """A ``TrainState`` as the tree a checkpoint holds."""
+    return {key: getattr(state, key) for key in TREE_KEYS}
+
+
+def _is_tree(saved: dict[str, Any]) -> bool:
+    """Whether a checkpoint's saved arrays are the state tree (else the flat dict of older ones)."""
+    return set(saved) == set(TREE_KEYS)
+
+
+def _dotted(keypath: Any) -> str:
+    """``params.hidden.kernel``: a leaf's path, without the ``value`` of its NNX Variable (an
+    attribute in a live state, a key in a checkpoint's metadata)."""
+    name = _flat_name(keypath)
+    return name.removesuffix(".value") if len(keypath) > 1 else name
+
+
+def _named(tree: Any) -> dict[str, Any]:
+    """A tree's leaves (arrays or their metadata) by dotted name, as older checkpoints named them."""
+    def is_leaf(leaf: Any) -> bool:  # an array, or the metadata orbax keeps of one
+        return hasattr(leaf, "shape") and not isinstance(leaf, nnx.Variable)
+
+    return {_dotted(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+
+
 def _check_shapes(saved: dict[str, Any], target: dict[str, Any], directory: Path) -> None:
     """One line naming the first array whose saved shape is not the model's."""
     for name, leaf in target.items():
         old = saved.get(name)
+        if _is_key(leaf):  # stored as its raw bits
+            leaf = jax.eval_shape(jax.random.key_data, leaf)
         if old is not None and tuple(old.shape) != tuple(leaf.shape):
             raise UsageError(f"the checkpoint in {directory} holds a different model: {name} has shape "
                              f"{tuple(old.shape)} there but {tuple(leaf.shape)} here; resume with the model it was saved from")
@@ -256,7 +290,7 @@ class Checkpointer:
         if self._saving is not None:  # a failure of the write still under way is that step's, said as such
             with self._writing(self._saving):
                 self.manager.wait_until_finished()
-        items = {"state": _SaveState(flatten_state(state)), "record": ocp.args.JsonSave(record)}
+        items = {"state": _SaveState(as_tree(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
         with self._writing(step):
@@ -289,29 +323,33 @@ class Checkpointer:
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
             abstract_state, shardings,
         )
-        flat_target = flatten_state(target)
-        _check_shapes(self.saved_arrays(step), flat_target, self.directory)
-        items = {"state": _RestoreState(flat_target), "record": ocp.args.JsonRestore()}
+        saved = self.saved_arrays(step)
+        tree = _is_tree(saved)
+        wanted = as_tree(target) if tree else flatten_state(target)
+        _check_shapes(_named(saved) if tree else saved, _named(wanted) if tree else wanted, self.directory)
+        items = {"state": _RestoreState(wanted), "record": ocp.args.JsonRestore()}
         if data is not None:
             items["data"] = data
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return unflatten_state(target, restored["state"]), dict(restored["record"])
+        state = target.replace(**restored["state"]) if tree else unflatten_state(target, restored["state"])
+        return state, dict(restored["record"])
 
     def saved_arrays(self, step: int) -> dict[str, Any]:
-        """The saved arrays of ``step`` as ``{name: metadata with .shape and .dtype}`` (nothing is read)."""
+        """The saved arrays of ``step``: their metadata (``.shape``, ``.dtype``) in the saved tree
+        (a flat dict for checkpoints of shardax before 0.2); nothing is read."""
         metadata = self.manager.item_metadata(step)["state"]
         return dict(getattr(metadata, "tree", metadata))
 
     def arrays(self, step: int) -> dict[str, Any]:
-        """The saved arrays of ``step`` as a flat dict on this process's first device (for inspection).
-
-        Works whatever topology wrote the checkpoint (a target layout is built from its metadata).
-        """
+        """The saved arrays of ``step`` by dotted name (``params.hidden.kernel``, ``step``), on this
+        process's first device, RNG keys as their raw bits (for inspection). Works whatever
+        topology wrote the checkpoint (a target layout is built from its metadata)."""
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = {key: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
-                  for key, leaf in self.saved_arrays(step).items()}
+        target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+                              self.saved_arrays(step), is_leaf=lambda leaf: hasattr(leaf, "shape"))  # metadata
         restored = self.manager.restore(step, args=ocp.args.Composite(state=_RestoreState(target)))
-        return dict(restored["state"])
+        return {name: jax.random.key_data(leaf) if _is_key(leaf) else leaf
+                for name, leaf in _named(restored["state"]).items()}
 
     def record(self, step: int) -> dict[str, Any]:
         return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])

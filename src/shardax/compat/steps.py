@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import place_batch
-from shardax.step.gradients import check_reduce_type, reduce_gradients_across_devices
+from shardax.compat.gradients import check_reduce_type, reduce_gradients_across_devices
 
 
 def spmd_train_step(

@@ -1,4 +1,4 @@
-"""The data-parallel contract: datarax's functions and artifex's ``DataParallel``, one implementation.
+"""artifex's ``DataParallel`` and datarax's placement functions, one implementation.
 
 The names and signatures follow the seed documents; the behaviour is the one a careful user
 expects: numpy batches are placed, sizes are checked up front, ``"shard"`` never crashes on a
@@ -18,8 +18,8 @@ from shardax.mesh import describe_mesh
 from shardax.sharding import modes
 from shardax.sharding.place import place_batch, place_tree
 from shardax.sharding.rules import data_parallel_rules
-from shardax.step.data_parallel import data_parallel_train_step, spmd_train_step
-from shardax.step.gradients import reduce_gradient_tree, reduce_gradients_across_devices
+from shardax.compat.steps import data_parallel_train_step, spmd_train_step
+from shardax.compat.gradients import reduce_gradient_tree, reduce_gradients_across_devices
 
 __all__ = [
     "DataParallel",
