@@ -1,0 +1,30 @@
+"""Hugging Face checkpoints of the Llama family, loaded straight into shards.
+
+``load(path, mesh=..., strategy=...)`` reads ``config.json`` (``model_type`` llama, mistral,
+qwen2 or qwen3), builds the matching ``TransformerLM`` laid out by ``parallelize`` and fills
+each parameter device by device: a device's slice is read from the safetensors files
+(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) with
+safetensors' lazy slicing, so a process reads only the rows and columns its own devices hold
+and never the whole model. Hugging Face stores a linear layer's weight as ``[out, in]``;
+shardax keeps ``[in, heads, head_dim]`` and friends, so each slice is read as the block of
+the transposed weight that covers it.
+
+What shardax's model does not compute (sliding windows, other RoPE scalings, biases on the
+output projection, mixtures of experts, another activation) is refused in one line naming
+the field of ``config.json``.
+
+``save`` writes a model back (``merge=True`` folds LoRA adapters into the weights they adapt);
+``save_adapters`` writes LoRA adapters alone in PEFT's layout, which ``peft`` puts on the
+original checkpoint.
+
+The package: ``names`` (``config.json`` and where each parameter comes from), ``files``
+(safetensors read by slice and written), ``load`` and ``save``.
+"""
+
+from shardax.hf.files import DTYPES, SafeTensors
+from shardax.hf.load import Loaded, factory, initial_state, load
+from shardax.hf.names import FAMILY, config_json, hf_names, is_adapter, read_config
+from shardax.hf.save import save, save_adapters
+
+__all__ = ["DTYPES", "FAMILY", "Loaded", "SafeTensors", "config_json", "factory", "hf_names", "initial_state",
+           "is_adapter", "load", "read_config", "save", "save_adapters"]

@@ -1,0 +1,152 @@
+"""A Hugging Face checkpoint loaded into shards: each device reads only its own slice."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardax.errors import UsageError
+from shardax.mesh import DeviceMeshManager
+from shardax.model_parallel import ParallelModel, parallelize, trained_part
+from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
+from shardax.sharding.paths import path_to_str
+from shardax.step.state import TrainState
+from shardax.hf.files import SafeTensors, _give_back_freed_memory
+from shardax.hf.names import (_check_names, _normalize, _parameter_source, _sources, is_adapter,
+                               read_config)
+from shardax.hf.save import save
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint in shards: its config, its layout and its state (``state.params`` filled)."""
+
+    config: TransformerConfig
+    parallel: ParallelModel
+    state: TrainState
+    bytes_read: int
+    hf_config: dict[str, Any] | None = None  # config.json as it was read
+
+    def save(self, out: str | Path, **options: Any) -> Path:
+        """``save(out, self.state.params, self.config)`` keeping ``config.json``'s other fields."""
+        return save(out, self.state.params, self.config, hf_config=self.hf_config, **options)
+
+    def model(self) -> TransformerLM:
+        """The model as a module (its parameters stay where they are)."""
+        return nnx.merge(self.parallel.graphdef, self.state.params, self.state.rest)
+
+
+def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Any:
+    """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s
+    options), with ``lora``'s adapters if given."""
+    config = read_config(path, **options)
+    config = config if lora is None else lora.applied(config)
+    return lambda rngs: TransformerLM(config, rngs=rngs)
+
+
+def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> tuple[TrainState, int]:
+    """A ``TrainState`` for ``parallel`` whose parameters are the checkpoint's in ``path``, each
+    device's slice read straight from the files; the optimizer's state starts from them. Returns
+    it and the bytes this process read. ``parallel``'s model must be the checkpoint's (a
+    ``TransformerLM`` of its config, scanned or looped, any remat or precision, with or
+    without LoRA adapters, which start from ``seed`` as ``parallel.init`` makes them)."""
+    path = Path(path)
+    abstract, shardings = parallel.abstract_state, parallel.state_shardings
+    model = nnx.merge(parallel.graphdef, abstract.params, abstract.rest)
+    config = getattr(model, "config", None)
+    if not isinstance(model, TransformerLM) or not isinstance(config, TransformerConfig):
+        raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM (shardax.hf.factory(path) "
+                         f"makes the checkpoint's); got {type(model).__name__}")
+    expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype, remat=config.remat,
+                           scan_layers=config.scan_layers, attention=config.attention, lora_rank=config.lora_rank,
+                           lora_alpha=config.lora_alpha, lora_targets=config.lora_targets)
+    if expected != config:
+        differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
+        raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
+                         f"checkpoint's config.json gives {getattr(expected, differ[0])!r}; build the model with "
+                         "shardax.hf.factory(path)")
+    tensors = SafeTensors(path)
+    _check_names(tensors, config)
+
+    def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+        name = path_to_str(keypath)
+        source, layer, below = _parameter_source(name, config)
+
+        def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+            return tuple((s.start, s.stop) for s in _normalize(index, leaf.shape))
+
+        # devices that hold the same slice read it once; a slice is let go once its last device has it
+        wanted = collections.Counter(key(index) for index in
+                                     sharding.addressable_devices_indices_map(leaf.shape).values())
+        blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            at = key(index)
+            if at not in blocks:
+                blocks[at] = read(_normalize(index, leaf.shape))
+                tensors.release()
+            wanted[at] -= 1
+            return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            """One device's slice, filled a layer at a time: besides the slice itself, only one
+            layer's part of it is ever held."""
+            out = np.empty(tuple(s.stop - s.start for s in index), leaf.dtype)
+            if source is not None:
+                out[...] = source.read(tensors, index)
+            elif layer is not None:
+                out[...] = _sources(config, layer)[below].read(tensors, index)
+            else:
+                for row, at in enumerate(range(config.n_layers)[index[0]]):
+                    out[row] = _sources(config, at)[below].read(tensors, index[1:])
+            return out
+
+        array = jax.make_array_from_callback(leaf.shape, sharding, block)
+        _give_back_freed_memory()
+        return array
+
+    loaded = {path_to_str(keypath): fill(keypath, leaf, sharding) for (keypath, leaf), sharding in zip(
+        jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params))
+        if not is_adapter(path_to_str(keypath))}
+    tensors.close()
+
+    # the rest of the state in its shards: the step, the adapters, the optimizer's state over the
+    # trained weights and the model's other variables (the random weights init would make for
+    # the loaded ones are never computed)
+    def start(loaded: dict[str, jax.Array]) -> TrainState:
+        fresh = parallel.init(seed)
+        params = jax.tree_util.tree_map_with_path(lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf),
+                                                  fresh.params)
+        return dataclasses.replace(fresh, params=params, opt_state=parallel.tx.init(
+            trained_part(params, parallel.trainable)))
+
+    state = jax.jit(start, out_shardings=shardings, donate_argnums=0)(loaded)
+    return state, tensors.bytes_read
+
+
+def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
+         tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
+         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True,
+         lora: LoRA | None = None, seed: int = 0) -> Loaded:
+    """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
+    slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
+    ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
+    optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train."""
+    path = Path(path)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
+    config = config if lora is None else lora.applied(config)
+    if mesh is None or isinstance(mesh, str):
+        mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
+    SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
+    state, read = initial_state(parallel, path, seed)
+    return Loaded(config, parallel, state, read, json.loads((path / "config.json").read_text()))
