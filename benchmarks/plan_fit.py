@@ -2,12 +2,12 @@
 
 The plan predicts a step's peak memory per device as the state (exact), the residuals autodiff
 keeps (traced) and one layer's backward working set, taken to be linear in a few quantities
-per class of model (``shardax.analysis.theory.WORKING_SET_TERMS``: scanned layers by remat
+per class of model (``shardax.analysis.memory.WORKING_SET_TERMS``: scanned layers by remat
 policy, and blocks in a Python loop). This script compiles the ``training_cases`` on 8 fake
 CPU devices, fits each class's factors by minimax relative error (a linear program), and
 reports the error of those factors on ``benchmarks/suite.py``'s ``HELD_OUT_SHAPES``, which were
 fixed before any result was seen and are never fitted on. The factors go into
-``theory.WORKING_SET`` by hand; ``suite.py plan_held_out`` then checks the shipped code end to
+``memory.WORKING_SET`` by hand; ``suite.py plan_held_out`` then checks the shipped code end to
 end on the held-out shapes.
 
     python benchmarks/plan_fit.py            # compile what is not in the cache (minutes), fit, report
@@ -42,7 +42,7 @@ from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  #
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target  # noqa: E402
-from shardax.analysis.theory import (WORKING_SET, WORKING_SET_TERMS, predict_memory,  # noqa: E402
+from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, predict_memory,  # noqa: E402
                                      working_set_class, working_set_terms)
 from shardax.models.presets import get_preset  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402

@@ -197,7 +197,7 @@ def test_residuals_are_what_autodiff_keeps():
     shapes (one device: nothing split), and tensor parallelism halves the split ones."""
     from flax import nnx
 
-    from shardax.analysis.theory import residual_bytes
+    from shardax.analysis.memory import residual_bytes
     from shardax.models.transformer import next_token_loss
 
     config = tiny_transformer_config(remat="none", positions="rotary")

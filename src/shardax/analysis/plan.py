@@ -20,7 +20,8 @@ import optax
 from shardax.analysis.collectives import find_collectives, summarize
 from shardax.analysis.lint import lint
 from shardax.analysis.targets import Target, roofline
-from shardax.analysis.theory import predict_memory, theoretical_collective_bytes
+from shardax.analysis.memory import predict_memory
+from shardax.analysis.theory import theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh, parse_mesh_shape

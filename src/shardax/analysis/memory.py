@@ -1,0 +1,340 @@
+"""What a strategy should keep on each device, from shapes and specs alone (no compile).
+
+The state is exact (each leaf's shard); the activations are autodiff's residuals under the
+remat policy plus a working set with factors fitted to XLA:CPU's compiled peaks
+(``benchmarks/plan_fit.py``; see ``WORKING_SET``), pipelines and context parallelism on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from shardax.sharding.layout import Layout
+from shardax.sharding.place import spec_axes
+
+
+
+def _axes_size(mesh_shape: dict[str, int], axes: Any) -> int:
+    return math.prod(mesh_shape.get(axis, 1) for axis in axes)
+
+
+def _leaf_bytes(leaf) -> int:
+    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _bytes_per_group(leaf, mesh_shape: dict[str, int], strategy: Any) -> float:
+    """A leaf's bytes on each device of a data-parallel group: split over every axis of its
+    spec but the ones the strategy gathers over for compute."""
+    kept = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
+    return _leaf_bytes(leaf) / _axes_size(mesh_shape, kept)
+
+
+def _split_into_stages(leaf, strategy: Any) -> bool:
+    return strategy.pipeline_axis is not None and any(
+        a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPrediction:
+    """Bytes per device of each part of a train step's working set."""
+
+    params: int
+    gradients: int
+    optimizer: int
+    batch: int
+    activations: int  # an estimate: what the backward pass keeps, for shardax's transformer
+
+    @property
+    def state(self) -> int:
+        """What the step takes as arguments: parameters, optimizer state and the batch."""
+        return self.params + self.optimizer + self.batch
+
+    @property
+    def total(self) -> int:
+        return self.params + self.gradients + self.optimizer + self.batch + self.activations
+
+
+def _per_device(layout: Layout, attribute: str) -> int:
+    shape = dict(layout.mesh.shape)
+    total = 0
+    for leaf in layout.leaves.values():
+        spec = getattr(leaf, attribute)
+        split = math.prod(_axes_size(shape, spec_axes(entry)) for entry in spec)
+        total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // split
+    return total
+
+
+def batch_rows_per_device(layout: Layout, batch_size: int) -> int:
+    split = _axes_size(dict(layout.mesh.shape), [a for a in layout.strategy.batch_axes if a in layout.mesh.shape])
+    return max(batch_size // split, 1)
+
+
+# Stand-in sizes for tracing: distinct numbers, so each dimension of a saved residual can be
+# told apart (rows, sequence, heads, head size, half a head for rotary, MLP width, vocabulary,
+# layers) and mapped back to its size on one device. Model width is heads x head size.
+_STAND_IN = dict(rows=23, seq=19, heads=5, head=14, mlp=13, vocab=17, layers=29)
+
+
+@functools.lru_cache(maxsize=64)
+def _residual_shapes(model: Any, layers: int = _STAND_IN["layers"]) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """What autodiff keeps for the backward pass of ``TransformerLM`` with ``layers`` layers
+    (shapes in stand-in sizes, item sizes in bytes): the residuals of ``jax.vjp``, less the
+    parameters it holds on to."""
+    import jax
+    from flax import nnx
+
+    from shardax.models.transformer import TransformerLM, next_token_loss
+
+    size = _STAND_IN
+    stand_in = dataclasses.replace(model, vocab_size=size["vocab"], seq_len=size["seq"],
+                                   d_model=size["heads"] * size["head"], n_heads=size["heads"],
+                                   n_layers=layers, d_ff=size["mlp"])
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+
+    def loss(params: Any, tokens: Any) -> Any:
+        return next_token_loss(nnx.merge(graphdef, params, rest), {"tokens": tokens})
+
+    tokens = jax.ShapeDtypeStruct((size["rows"], size["seq"] + 1), jnp.int32)
+    kept = jax.tree.leaves(jax.eval_shape(lambda p, t: jax.vjp(loss, p, t)[1], params, tokens))
+    arguments = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves((params, tokens))]
+    shapes = []
+    for leaf in kept:
+        if (tuple(leaf.shape), leaf.dtype) in arguments:  # a parameter, not an activation
+            arguments.remove((tuple(leaf.shape), leaf.dtype))
+            continue
+        shapes.append((tuple(leaf.shape), np.dtype(leaf.dtype).itemsize))
+    return tuple(shapes)
+
+
+def _model_split_dims(layout: Layout) -> dict[str, int]:
+    """How many ways the parameters split heads, MLP width and vocabulary over axes other than
+    the batch axes (tensor parallelism); 1 where any parameter keeps that dimension whole."""
+    shape = dict(layout.mesh.shape)
+    batch_axes = set(layout.strategy.batch_axes)
+    split = {"heads": 0, "mlp": 0, "vocab": 0}
+    for leaf in layout.leaves.values():
+        for name, entry in zip(leaf.logical or (), leaf.spec):
+            if name in split:
+                ways = _axes_size(shape, [axis for axis in spec_axes(entry) if axis not in batch_axes])
+                split[name] = ways if split[name] == 0 else min(split[name], ways)
+    return {name: ways or 1 for name, ways in split.items()}
+
+
+def _actual_sizes(model: Any, rows: int, split: dict[str, int]) -> dict[int, int]:
+    """Each stand-in size -> its size on one device."""
+    size = _STAND_IN
+    return {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
+            size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
+            size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
+            size["vocab"]: max(model.vocab_size // split["vocab"], 1), size["layers"]: model.n_layers}
+
+
+def _looped_residual_bytes(model: Any, rows: int, split: dict[str, int]) -> int:
+    """What autodiff keeps for blocks in a Python loop without remat, per device: traced with one
+    and with two blocks, each further block keeping what the second added."""
+    model = dataclasses.replace(model, scan_layers=False, remat="none")
+    actual = _actual_sizes(model, rows, split)
+    one, two = (sum(math.prod(actual.get(dim, dim) for dim in dims) * itemsize
+                    for dims, itemsize in _residual_shapes(model, layers))
+                for layers in (1, 2))
+    return one + (model.n_layers - 1) * (two - one)
+
+
+def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
+    """(all residuals, one layer's residuals without remat) per device, for ``rows`` rows."""
+    return _residual_bytes(model, rows, _model_split_dims(layout))[:2]
+
+
+def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, int, int]:
+    """(all residuals, one layer's residuals without remat, the part of those that are the
+    sequence x sequence attention scores) per device, for ``rows`` rows."""
+    # Traced with scanned layers whatever the model uses: a loop of blocks keeps the same
+    # residuals per layer, and stacking shows which of them belong to a layer.
+    model = dataclasses.replace(model, scan_layers=True)
+    size = _STAND_IN
+    actual = _actual_sizes(model, rows, split)
+
+    def total(shapes: Any) -> tuple[int, int, int]:
+        every = per_layer = scores = 0
+        for dims, itemsize in shapes:
+            nbytes = math.prod(actual.get(dim, dim) for dim in dims) * itemsize
+            every += nbytes
+            if dims and dims[0] == size["layers"]:
+                per_layer += nbytes // model.n_layers
+                if dims.count(size["seq"]) >= 2:
+                    scores += nbytes // model.n_layers
+        return every, per_layer, scores
+
+    every, _, _ = total(_residual_shapes(model))
+    _, layer, scores = total(_residual_shapes(dataclasses.replace(model, remat="none")))
+    return every, layer, scores
+
+
+# The backward pass of one scanned layer needs more than what was saved for it: cotangents,
+# values recomputed under remat, the layer's full weight gradient and, under FSDP, its
+# gathered weights. The working set is taken to be linear in, in order: one layer's residuals
+# without remat other than the attention scores, the scores (sequence x sequence per head:
+# their softmax gradient needs more, and grows with the square of the sequence), what tensor
+# parallelism leaves of a layer's residuals unsplit (the all-reduced activations exist whole on
+# every device while a layer is recomputed and differentiated), one layer's weights, and one
+# layer's weights again when the strategy gathers them. Blocks in a Python loop keep every
+# layer's activations live whatever the remat policy (XLA:CPU schedules the recomputation
+# early), and a gathering strategy gathers every layer's weights up front: their activations
+# are taken to be linear in all the residuals autodiff names (XLA fuses some of them away) and
+# in every layer's gathered weights. That model is rough (see docs/plan.md).
+WORKING_SET_TERMS = {"none": ("layer", "scores", "unsplit", "weights", "gathered"),
+                     "looped": ("residuals", "gathered_layers")}
+WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"]
+# Fitted by benchmarks/plan_fit.py (minimax relative error against XLA:CPU's compiled peak) over
+# compiled steps of every preset from tiny to 1b, sequences of 512 and 1024, a 1024-wide model,
+# under every strategy, with microbatches and a 2x4 tensor mesh, and the shapes tests/test_plan.py
+# checks. The shapes of benchmarks/suite.py HELD_OUT_SHAPES (and held_out_large_rows) were never
+# fitted on: docs/plan.md reports the error there. "full" comes from the refit that added steps
+# with many rows per device (one device holding the whole batch); it was better on both held-out
+# sets (worst 11.0% -> 7.6% and 14.2% -> 7.5%). For the other classes that refit was no better
+# on them, and their earlier factors stay.
+WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
+               "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
+# ``benchmarks/plan_fit.py --target tpu-v5p-16`` fits the same terms to XLA:TPU's compiled peak
+# (96 steps, 80 held out; results/plan_fit_tpu.json) and they do not describe it: worst error
+# 13-62% on the steps fitted, 17-39% held out (with a factor on the kept residuals too, scanned
+# layers: 11-30% and 21-39%), no better on held-out shapes than these factors for three of the
+# four classes. XLA:TPU keeps less than autodiff's residuals on some steps (state and residuals
+# alone reach 1.16x its peak) and far more on others. Until a model that holds is found, a TPU
+# target's plan uses these factors and reports XLA:TPU's compiled peak beside them.
+
+
+def working_set_class(model: Any) -> str:
+    """Which fitted factors a model uses: ``looped`` (blocks in a Python loop), else by remat
+    policy ``none``, ``full`` or ``dots`` (both dots policies)."""
+    if not model.scan_layers:
+        return "looped"
+    return model.remat if model.remat in ("none", "full") else "dots"
+
+
+def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> dict[str, int]:
+    """Bytes per device of a ``TransformerLM``'s step: ``kept`` (the residuals autodiff keeps
+    under the remat policy, exact, counted whole) and the terms of its class (see
+    ``WORKING_SET_TERMS``): with scanned layers, one layer's residuals without remat other than
+    the attention scores, the scores, what tensor parallelism leaves unsplit, one layer's weights,
+    and those weights again when the strategy gathers them; with blocks in a loop, every layer's
+    residuals and, with a gathering strategy, every layer's weights."""
+    rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
+    split = _model_split_dims(layout)
+    d, f = model.d_model, model.d_ff
+    weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
+    gathers = bool(layout.strategy.gather_axes)
+    if not model.scan_layers:
+        gathered = model.n_layers * weights if gathers else 0
+        return {"kept": 0, "residuals": _looped_residual_bytes(model, rows, split), "gathered_layers": gathered}
+    kept, layer, scores = _residual_bytes(model, rows, split)
+    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
+    return {"kept": kept, "layer": layer - scores, "scores": scores, "unsplit": unsplit, "weights": weights,
+            "gathered": weights if gathers else 0}
+
+
+def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
+    """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
+    model's remat policy, plus the working set of one layer's backward pass (see above)."""
+    if model is None:
+        return 0
+    terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
+    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind],
+                                                                               WORKING_SET[kind])))
+
+
+def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
+    """Activation memory per device of ``TransformerLM`` run as a pipeline (``schedule``).
+
+    Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
+    for one microbatch: as a model of (R*M + S - 1) * L/(R*S) layers on a microbatch's rows
+    would. Besides: stage 0's store (every microbatch of the group at the stage boundary) and
+    the rolling buffer, and the stage's weights as the loop uses them: their gradient summed
+    through the iterations, and, where the loop runs on a copy (one per data-parallel group,
+    or FSDP's gathered weights), the copy. And, when a chunk has several layers, one iteration's
+    residuals again: the scan over the chunk stacks them inside the loop over iterations, and
+    they are copied into (and, for the backward pass, out of) the loop's stack, as XLA:CPU and
+    XLA:TPU both compile it."""
+    shape, strategy = dict(layout.mesh.shape), layout.strategy
+    groups = _axes_size(shape, strategy.batch_axes)
+    rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
+    chunk = model.n_layers // (schedule.stages * schedule.repeats)
+    virtual = dataclasses.replace(model, n_layers=schedule.iterations * chunk)
+    boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
+    stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
+                        if _split_into_stages(leaf, strategy))
+    copies = 1 + (1 if groups > 1 else 0)
+    kept = activation_bytes(layout, virtual, rows * groups)
+    # a chunk of one layer is no scan: its residuals go straight into the loop's stack
+    one_fewer = activation_bytes(layout, dataclasses.replace(virtual, n_layers=virtual.n_layers - chunk),
+                                 rows * groups) if chunk > 1 else kept
+    return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
+
+
+def _sharded_bytes(abstract: Any, shardings: Any) -> int:
+    """Bytes per device of a tree laid out by ``shardings`` (shapes and specs only, no compile)."""
+    import jax
+
+    sizes = jax.tree.map(
+        lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize,
+        abstract, shardings,
+    )
+    return int(sum(jax.tree.leaves(sizes)))
+
+
+def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
+                             variant: str = "all-gather") -> int:
+    """``activation_bytes`` with the sequence split over a ``context`` axis of C: each device keeps
+    1/C of every activation (under ``all-gather`` its scores are its share of the queries against
+    the whole sequence); ``ring`` keeps no scores at all (its backward pass recomputes them)."""
+    shards = dict(layout.mesh.shape).get("context", 1)
+    if shards == 1 or model is None:
+        return activation_bytes(layout, model, batch_size, grad_accum)
+    if variant == "ring":
+        terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
+        if kind != "looped":
+            saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
+            terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
+        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
+        return int(whole) // shards
+    return activation_bytes(layout, model, batch_size, grad_accum) // shards
+
+
+def _replicas(layout: Layout) -> int:
+    """How many copies of the state the batch axes that do not gather hold (1 for FSDP)."""
+    shape, strategy = dict(layout.mesh.shape), layout.strategy
+    return _axes_size(shape, [a for a in strategy.batch_axes if a in shape and a not in strategy.gather_axes])
+
+
+def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
+                   schedule: Any = None, context_attention: str = "all-gather") -> MemoryPrediction:
+    """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
+    pipeline ``schedule``, if it runs one)."""
+    layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
+    # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
+    looped = model is not None and not model.scan_layers
+    gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
+    gradients, replicas = _per_device(layout, gradient_spec), _replicas(layout)
+    # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
+    # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
+    # XLA:CPU keeps it for some shapes and not others (medium yes, small no): half is counted.
+    scattered = 0
+    if replicas > 1 and layout.strategy.gather_axes:
+        scattered = gradients // replicas // (2 if grad_accum > 1 else 1)
+    return MemoryPrediction(
+        params=_sharded_bytes(abstract.params, shardings.params),
+        # with accumulation, the running sum and one microbatch's gradients
+        gradients=gradients * (2 if grad_accum > 1 else 1) + scattered,
+        optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
+                                 (shardings.opt_state, shardings.step, shardings.skipped)),
+        batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
+        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
+                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
+    )
