@@ -1,0 +1,247 @@
+"""A reader of compiled XLA programs' text (``compiled.as_text()``): computations, their
+instructions and operands, array shapes and their bytes, and how often each computation runs
+per step (while loops' trip counts, fusions). ``shardax.analysis.collectives`` reads the
+collectives off it."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+
+_DTYPE_BITS = {
+    "pred": 8, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16,
+    "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64,
+    "c64": 64, "c128": 128, "token": 0,
+}  # fmt: skip
+
+
+_OPENERS, _CLOSERS = "([{", ")]}"
+
+
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+_COMPUTATION_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*->.*\{\s*$")
+
+
+_INSTRUCTION_START = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[^\s=%]+)\s*=\s*")
+
+
+_OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
+
+
+_ARRAY_SHAPE = re.compile(r"^(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\]")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: dict[str, str]
+
+
+@dataclass
+class Computation:
+    name: str
+    instructions: list[Instruction] = field(default_factory=list)
+    root: str = ""
+    users: dict[str, list[tuple[Instruction, int]]] = field(default_factory=dict)
+    parameters: dict[int, str] = field(default_factory=dict)
+
+    def add(self, instruction: Instruction, is_root: bool) -> None:
+        self.instructions.append(instruction)
+        if is_root:
+            self.root = instruction.name
+        index = instruction.operands[0] if instruction.operands else ""
+        if instruction.opcode == "parameter" and index.isdigit():
+            self.parameters[int(index)] = instruction.name
+        for index, operand in enumerate(instruction.operands):
+            self.users.setdefault(operand, []).append((instruction, index))
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]`` (double-quoted strings skipped)."""
+    depth, position, in_string = 0, start, False
+    while position < len(text):
+        char = text[position]
+        if in_string:
+            if char == "\\":
+                position += 1
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in _OPENERS:
+            depth += 1
+        elif char in _CLOSERS:
+            depth -= 1
+            if depth == 0:
+                return position + 1
+        position += 1
+    return len(text)
+
+
+def split_top_level(text: str) -> list[str]:
+    """Split on commas that sit outside every bracket and string."""
+    parts, depth, current, in_string, escaped = [], 0, [], False, False
+    for char in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = char == "\\", char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in _OPENERS:
+            depth += 1
+        elif char in _CLOSERS:
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(char)
+    tail = "".join(current).strip()
+    return parts + [tail] if tail else parts
+
+
+def _parse_instruction(line: str) -> tuple[Instruction, bool] | None:
+    """Parse ``[ROOT] %name = shape opcode(operands), attr=value, ...``; None for other lines."""
+    start = _INSTRUCTION_START.match(line)
+    if start is None:
+        return None
+    position = start.end()
+    if line[position : position + 1] == "(":
+        shape_end = _balanced_end(line, position)
+    else:
+        shape_end = position
+        while shape_end < len(line) and not line[shape_end].isspace():
+            shape_end = _balanced_end(line, shape_end) if line[shape_end] in _OPENERS else shape_end + 1
+    opcode = _OPCODE.match(line, shape_end)
+    if opcode is None:
+        return None
+    operands_end = _balanced_end(line, opcode.end() - 1)
+    operands = tuple(
+        part.split()[-1].lstrip("%") for part in split_top_level(line[opcode.end() : operands_end - 1])
+    )
+    attributes = {}
+    for item in split_top_level(line[operands_end:].lstrip(", ")):
+        key, equals, value = item.partition("=")
+        if equals:
+            attributes[key.strip()] = value.strip()
+    shape = line[position:shape_end]
+    instruction = Instruction(start["name"], shape, opcode["opcode"], operands, attributes)
+    return instruction, start["root"] is not None
+
+
+def parse_module(hlo_text: str) -> dict[str, Computation]:
+    """Every computation of an HLO module by name; loose instructions go to one nameless computation."""
+    computations: dict[str, Computation] = {}
+    current: Computation | None = None
+    for raw_line in hlo_text.splitlines():
+        line = _COMMENT.sub("", raw_line).rstrip()
+        header = _COMPUTATION_HEADER.match(line) if line and not line[0].isspace() else None
+        if header is not None:
+            current = computations.setdefault(header["name"], Computation(header["name"]))
+        elif line.strip() == "}":
+            current = None
+        elif (parsed := _parse_instruction(line)) is not None:
+            if current is None:
+                current = computations.setdefault("", Computation(""))
+            current.add(*parsed)
+    return computations
+
+
+def called_computation(instruction: Instruction) -> str:
+    """The first computation named in ``calls=`` (``%`` and braces stripped); '' if none."""
+    called = instruction.attributes.get("calls", "").strip("{}").split(",")[0]
+    return called.strip().lstrip("%")
+
+
+def fused_computation_names(computations: dict[str, Computation]) -> set[str]:
+    """Computations that fusions call, plus any whose name says it is fused."""
+    fused = {name for name in computations if name.startswith("fused_")}
+    for computation in computations.values():
+        fused.update(
+            called_computation(instruction)
+            for instruction in computation.instructions
+            if instruction.opcode == "fusion"
+        )
+    return fused
+
+
+def array_shapes(shape: str) -> list[str]:
+    """Flatten a (possibly nested tuple) shape into its array shapes, layouts dropped."""
+    shape = shape.strip()
+    if shape.startswith("("):
+        return [array for element in split_top_level(shape[1:-1]) for array in array_shapes(element)]
+    array = _ARRAY_SHAPE.match(shape)
+    return [array.group(0)] if array else []
+
+
+def array_bytes(array_shape: str) -> int:
+    """Bytes of one array shape such as ``f32[512,1024]`` or ``bf16[]``."""
+    array = _ARRAY_SHAPE.match(array_shape)
+    if array is None:
+        return 0
+    dtype = array["dtype"]
+    bits = _DTYPE_BITS.get(dtype)
+    if bits is None:  # f8e4m3fn, s4, f4e2m1fn, ...: the width follows the type letter
+        width = re.match(r"[a-z]+(\d+)", dtype)
+        bits = int(width.group(1)) if width else 0
+    dims = [dim.strip().lstrip("<=") for dim in array["dims"].split(",") if dim.strip()]
+    elements = math.prod(int(dim) if dim.isdigit() else 0 for dim in dims)
+    return math.ceil(elements * bits / 8)
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of a shape, summed over tuple elements."""
+    return sum(array_bytes(array) for array in array_shapes(shape))
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _trip_count(computations: dict[str, Computation], loop: Instruction) -> int:
+    """A while loop's trip count: XLA's ``known_trip_count`` where it wrote one (CPU, GPU), else
+    the bound of its condition ``counter < N`` (XLA:TPU's form; JAX's loops count up from 0)."""
+    known = _TRIP_COUNT.search(loop.attributes.get("backend_config", ""))
+    if known:
+        return int(known.group(1))
+    condition = computations.get(loop.attributes.get("condition", "").lstrip("%"))
+    if condition is None:
+        return 1
+    by_name = {instruction.name: instruction for instruction in condition.instructions}
+    root = by_name.get(condition.root)
+    if root is None or root.opcode != "compare" or root.attributes.get("direction") != "LT" or len(root.operands) != 2:
+        return 1
+    bound = by_name.get(root.operands[1])
+    if bound is None or bound.opcode != "constant" or not bound.operands or not bound.operands[0].isdigit():
+        return 1
+    return int(bound.operands[0])
+
+
+def executions(computations: dict[str, Computation]) -> dict[str, int]:
+    """Runs per program execution of each computation: while bodies times their known trip counts."""
+    runs = {name: 1 for name in computations}
+    for _ in range(len(computations)):  # nested loops settle within as many passes as computations
+        changed = False
+        for computation in computations.values():
+            for instruction in computation.instructions:
+                if instruction.opcode == "fusion":  # XLA:TPU fuses a reduce-scatter with its all-reduce
+                    called, count = called_computation(instruction), runs[computation.name]
+                    if called in runs and runs[called] != count:
+                        runs[called], changed = count, True
+                if instruction.opcode != "while":
+                    continue
+                count = runs[computation.name] * _trip_count(computations, instruction)
+                for role in ("body", "condition"):
+                    called = instruction.attributes.get(role, "").lstrip("%")
+                    if called in runs and runs[called] != count:
+                        runs[called], changed = count, True
+        if not changed:
+            break
+    return runs
