@@ -45,7 +45,7 @@ import optax  # noqa: E402
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory  # noqa: E402
-from shardax.models import transformer  # noqa: E402
+from shardax.models import ops, transformer  # noqa: E402
 from shardax.models.presets import get_preset  # noqa: E402
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -53,18 +53,18 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 
 def autodiff_layer_norm(x, scale, bias):
     """The same layer norm, differentiated by JAX (no custom VJP)."""
-    return transformer._normalized(x)[0] * scale + bias
+    return ops._normalized(x)[0] * scale + bias
 
 
 @contextlib.contextmanager
 def plain_autodiff():
     """Trace the model with layer norm and GELU differentiated by JAX itself."""
-    saved = transformer.layer_norm, transformer.gelu
-    transformer.layer_norm, transformer.gelu = autodiff_layer_norm, jax.nn.gelu
+    saved = ops.layer_norm, ops.gelu
+    ops.layer_norm, ops.gelu = autodiff_layer_norm, jax.nn.gelu
     try:
         yield
     finally:
-        transformer.layer_norm, transformer.gelu = saved
+        ops.layer_norm, ops.gelu = saved
 
 
 def build(preset: str, batch_size: int, plain: bool):

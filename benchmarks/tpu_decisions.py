@@ -32,7 +32,7 @@ import jax  # noqa: E402
 from shardax import blocks  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, step_cost, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target, roofline  # noqa: E402
-from shardax.models import transformer  # noqa: E402
+from shardax.models import ops, transformer  # noqa: E402
 from shardax.models.presets import flops_per_token, get_preset  # noqa: E402
 from shardax.sharding.strategies import get_strategy  # noqa: E402
 from shardax.step import train  # noqa: E402
@@ -43,13 +43,13 @@ RESULTS = Path(__file__).parent / "results" / "tpu_decisions.json"
 @contextlib.contextmanager
 def plain_autodiff():
     """Layer norm and GELU differentiated by JAX itself (what the custom VJPs replace)."""
-    saved = transformer.layer_norm, transformer.gelu
-    transformer.layer_norm = lambda x, scale, bias: transformer._normalized(x)[0] * scale + bias
-    transformer.gelu = jax.nn.gelu
+    saved = ops.layer_norm, ops.gelu
+    ops.layer_norm = lambda x, scale, bias: ops._normalized(x)[0] * scale + bias
+    ops.gelu = jax.nn.gelu
     try:
         yield
     finally:
-        transformer.layer_norm, transformer.gelu = saved
+        ops.layer_norm, ops.gelu = saved
 
 
 @contextlib.contextmanager

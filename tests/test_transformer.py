@@ -104,7 +104,7 @@ def test_bad_model_settings():
 
 
 def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
-    from shardax.models.transformer import layer_norm
+    from shardax.models.ops import layer_norm
 
     def reference(x, scale, bias):
         mean = x.mean(-1, keepdims=True)
@@ -125,7 +125,7 @@ def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
 
 
 def test_gelu_keeps_only_its_input_and_matches_autodiff():
-    from shardax.models.transformer import gelu
+    from shardax.models.ops import gelu
 
     x = jnp.linspace(-6.0, 6.0, 1001)
     cotangent = jnp.cos(x)

@@ -1,23 +1,21 @@
 """A decoder-only transformer LM in Flax NNX, every parameter annotated with logical axis names.
 
 Pre-norm blocks of causal self-attention and an MLP, learned or rotary positions, a tied or
-untied output head. Its config covers shardax's own presets (layer norm, GELU MLP with
-biases) and the Llama family as Hugging Face defines it (``shardax.hf``): RMSNorm, SwiGLU,
-grouped-query attention, RoPE with its base and Llama 3's scaling, q/k/v biases (Qwen2),
-query and key RMSNorm (Qwen3), a head size of its own. Built from shardax's public blocks only (``shardax.blocks``): the
-blocks are a ``LayerStack`` (stacked and scanned, so their parameters carry a leading
-``layers`` axis and compile time does not grow with depth; ``scan_layers=False`` keeps one
-module per block in a Python loop) and each attends through ``Attention``, which is what
-pipeline and context parallelism act on.
+untied output head. Its config covers shardax's own presets (layer norm, GELU MLP with biases)
+and the Llama family as Hugging Face defines it (``shardax.hf``): RMSNorm, SwiGLU, grouped-query
+attention, RoPE with its base and Llama 3's scaling, q/k/v biases (Qwen2), query and key RMSNorm
+(Qwen3), a head size of its own. Built from shardax's public blocks only (``shardax.blocks``):
+a ``LayerStack`` (stacked and scanned, so parameters carry a leading ``layers`` axis and compile
+time does not grow with depth; ``scan_layers=False`` keeps one module per block in a Python
+loop) of blocks that attend through ``Attention``, what pipeline and context parallelism act on.
 Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
-precision); ``remat`` chooses what the backward pass recomputes.
+precision); ``remat`` chooses what the backward pass recomputes. Norms, GELU and RoPE: ``ops``.
 
 LoRA (``lora_rank`` > 0): each targeted projection ``W`` gains adapters ``A`` (its inputs x
 rank) and ``B`` (rank x its outputs, zeros at first), ``nnx.LoRAParam``s, and computes
-``x W + (alpha / rank) (x A) B``; a train step then trains the adapters alone
-(``shardax.model_parallel.parallelize``'s ``trainable``). Each adapter carries the logical
-names of the base weight's dimensions it shares, so FSDP and tensor parallelism split it as
-they split the base weight.
+``x W + (alpha / rank) (x A) B``; a train step then trains the adapters alone. Each adapter
+carries the logical names of the base weight's dimensions it shares, so FSDP and tensor
+parallelism split it as they split the base weight.
 """
 
 from __future__ import annotations
@@ -34,13 +32,22 @@ from flax import nnx
 from shardax.blocks import REMAT_POLICIES, Attention, LayerStack, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
+from shardax.models import ops
 from shardax.runtime import context
 from shardax.sharding.compute import for_compute
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
 ATTENTION = ("auto", "xla", "cudnn")
+
+
 NORMS = ("layer", "rms")
+
+
 MLPS = ("gelu", "swiglu")
+
+
 # the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -188,118 +195,8 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale:
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
 
 
-def _normalized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``((x - mean) / std, 1 / std)`` over the last axis."""
-    centered = x - x.mean(-1, keepdims=True)
-    inverse_std = jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
-    return centered * inverse_std, inverse_std
-
-
-@jax.custom_vjp
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """Layer normalisation over the last axis (float32 in and out) whose backward pass keeps
-    only its input and recomputes the statistics.
-
-    Autodiff of the plain formula saves the centred input, both statistics and more for the
-    backward pass. What is saved is chosen by JAX when it differentiates, before any backend
-    compiles the program, so the saving holds on every platform: the whole step of the
-    ``small`` preset without remat needs 1.07 GB per device with plain layer norm and GELU
-    against 0.71 GB with these (XLA:CPU's compiled peak, dp on 8 devices).
-    """
-    return _normalized(x)[0] * scale + bias
-
-
-def _layer_norm_forward(x: jax.Array, scale: jax.Array, bias: jax.Array) -> tuple[jax.Array, Any]:
-    return layer_norm(x, scale, bias), (x, scale)
-
-
-def _layer_norm_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    x, scale = saved
-    normalized, inverse_std = _normalized(x)
-    scaled = cotangent * scale
-    grad_x = inverse_std * (scaled - scaled.mean(-1, keepdims=True)
-                            - normalized * (scaled * normalized).mean(-1, keepdims=True))
-    rows = tuple(range(cotangent.ndim - 1))
-    return grad_x, (cotangent * normalized).sum(rows), cotangent.sum(rows)
-
-
-layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, features: int):
-        key = jax.random.key(0)  # ones/zeros ignore it
-        self.scale = annotated_param(nnx.initializers.ones, key, (features,), ("embed",))
-        self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
-        return normed.astype(x.dtype)
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, in float32 (the Llama family's norm)."""
-
-    def __init__(self, features: int, eps: float, axis: str = "embed"):
-        self.eps = eps
-        self.scale = annotated_param(nnx.initializers.ones, jax.random.key(0), (features,), (axis,))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
-        return (normed * for_compute(self.scale)).astype(x.dtype)
-
-
-def rope_frequencies(head_dim: int, theta: float = 10000.0,
-                     scaling: tuple[float, float, float, int] | None = None) -> np.ndarray:
-    """RoPE's angle per position for each pair of channels (``head_dim // 2`` of them), with
-    Llama 3's scaling when given: wavelengths longer than the original context divided by
-    ``factor``, shorter than it / ``high_freq_factor`` kept, and those between blended."""
-    half = head_dim // 2
-    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
-    if scaling is None:
-        return inv_freq.astype(np.float32)
-    factor, low, high, context = scaling
-    wavelength = 2 * np.pi / inv_freq
-    blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
-    return ((1 - blend) * inv_freq / factor + blend * inv_freq).astype(np.float32)
-
-
-def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None = None) -> jax.Array:
-    """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H); positions:
-    (T,) or (B, T); ``inv_freq``: ``rope_frequencies`` (default: base 10000, unscaled)."""
-    half = x.shape[-1] // 2
-    inv_freq = jnp.asarray(rope_frequencies(x.shape[-1]) if inv_freq is None else inv_freq)
-    angles = jnp.atleast_2d(positions)[..., None].astype(jnp.float32) * inv_freq  # (B or 1, T, H/2)
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
-
-
-@jax.custom_vjp
-def gelu(x: jax.Array) -> jax.Array:
-    """GELU (tanh form) whose backward pass keeps only its input.
-
-    Autodiff of ``jax.nn.gelu`` saves several intermediates per element (the MLP's widest
-    activation) for the backward pass; this keeps one and recomputes the rest, on every
-    platform (see ``layer_norm``).
-    """
-    return jax.nn.gelu(x)
-
-
-def _gelu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.nn.gelu(x), x
-
-
-def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
-    return jax.vjp(jax.nn.gelu, x)[1](cotangent)
-
-
-gelu.defvjp(_gelu_forward, _gelu_backward)
-
-
 def _norm(config: TransformerConfig, features: int) -> nnx.Module:
-    return RMSNorm(features, config.norm_eps) if config.norm == "rms" else LayerNorm(features)
+    return ops.RMSNorm(features, config.norm_eps) if config.norm == "rms" else ops.LayerNorm(features)
 
 
 class Block(nnx.Module):
@@ -308,7 +205,7 @@ class Block(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
         d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
         self.config = config
-        self.inv_freq = tuple(rope_frequencies(h, config.rope_theta, config.rope_scaling).tolist())
+        self.inv_freq = tuple(ops.rope_frequencies(h, config.rope_theta, config.rope_scaling).tolist())
         self.attn_norm = _norm(config, d)
         if k == n:
             # Query, key and value projections in one weight: under tensor parallelism the backward
@@ -324,8 +221,8 @@ class Block(nnx.Module):
                 self.q_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (n, h), ("heads", "kv"))
                 self.kv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (2, k, h), (None, "heads", "kv"))
         if config.qk_norm:
-            self.q_norm = RMSNorm(h, config.norm_eps, axis="kv")
-            self.k_norm = RMSNorm(h, config.norm_eps, axis="kv")
+            self.q_norm = ops.RMSNorm(h, config.norm_eps, axis="kv")
+            self.k_norm = ops.RMSNorm(h, config.norm_eps, axis="kv")
         self.attn_out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), scale=(n * h) ** -0.5)
         self.mlp_norm = _norm(config, d)
         if config.mlp == "swiglu":
@@ -381,7 +278,7 @@ class Block(nnx.Module):
         if config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
             inv_freq = np.asarray(self.inv_freq, np.float32)
-            q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+            q, k = ops.rotary(q, positions, inv_freq), ops.rotary(k, positions, inv_freq)
         attended = self.attention(q, k, v, positions=positions, segments=segments)  # (B, T, N, H)
         projected = jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype))
         x = x + self._adapted("o", attended, projected).astype(x.dtype)
@@ -391,7 +288,7 @@ class Block(nnx.Module):
             hidden = jax.nn.silu(self._adapted("gate", y, gate_up[:, :, 0])) * self._adapted("up", y, gate_up[:, :, 1])
             out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
         else:
-            hidden = gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
+            hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
                           + for_compute(self.mlp_in_bias, dtype))
             out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype)) + for_compute(
                 self.mlp_out_bias, dtype)

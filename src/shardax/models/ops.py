@@ -1,0 +1,126 @@
+"""The numerics of shardax's transformer: layer norm and GELU with backward passes of their own
+(they keep less for the backward pass than autodiff would: 1.00 against 1.47 GB per chip on
+``small`` under XLA:TPU, benchmark 22), RMSNorm, and rotary position embeddings with Llama 3's
+scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardax.layers import annotated_param
+from shardax.sharding.compute import for_compute
+
+
+def _normalized(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``((x - mean) / std, 1 / std)`` over the last axis."""
+    centered = x - x.mean(-1, keepdims=True)
+    inverse_std = jax.lax.rsqrt((centered * centered).mean(-1, keepdims=True) + 1e-5)
+    return centered * inverse_std, inverse_std
+
+
+@jax.custom_vjp
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """Layer normalisation over the last axis (float32 in and out) whose backward pass keeps
+    only its input and recomputes the statistics.
+
+    Autodiff of the plain formula saves the centred input, both statistics and more for the
+    backward pass. What is saved is chosen by JAX when it differentiates, before any backend
+    compiles the program, so the saving holds on every platform: the whole step of the
+    ``small`` preset without remat needs 1.07 GB per device with plain layer norm and GELU
+    against 0.71 GB with these (XLA:CPU's compiled peak, dp on 8 devices).
+    """
+    return _normalized(x)[0] * scale + bias
+
+
+def _layer_norm_forward(x: jax.Array, scale: jax.Array, bias: jax.Array) -> tuple[jax.Array, Any]:
+    return layer_norm(x, scale, bias), (x, scale)
+
+
+def _layer_norm_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, scale = saved
+    normalized, inverse_std = _normalized(x)
+    scaled = cotangent * scale
+    grad_x = inverse_std * (scaled - scaled.mean(-1, keepdims=True)
+                            - normalized * (scaled * normalized).mean(-1, keepdims=True))
+    rows = tuple(range(cotangent.ndim - 1))
+    return grad_x, (cotangent * normalized).sum(rows), cotangent.sum(rows)
+
+
+layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, features: int):
+        key = jax.random.key(0)  # ones/zeros ignore it
+        self.scale = annotated_param(nnx.initializers.ones, key, (features,), ("embed",))
+        self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
+        return normed.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over the last axis, in float32 (the Llama family's norm)."""
+
+    def __init__(self, features: int, eps: float, axis: str = "embed"):
+        self.eps = eps
+        self.scale = annotated_param(nnx.initializers.ones, jax.random.key(0), (features,), (axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+        return (normed * for_compute(self.scale)).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float = 10000.0,
+                     scaling: tuple[float, float, float, int] | None = None) -> np.ndarray:
+    """RoPE's angle per position for each pair of channels (``head_dim // 2`` of them), with
+    Llama 3's scaling when given: wavelengths longer than the original context divided by
+    ``factor``, shorter than it / ``high_freq_factor`` kept, and those between blended."""
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) / half)
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor, low, high, context = scaling
+    wavelength = 2 * np.pi / inv_freq
+    blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)  # 0: long waves, 1: short
+    return ((1 - blend) * inv_freq / factor + blend * inv_freq).astype(np.float32)
+
+
+def rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None = None) -> jax.Array:
+    """Rotate pairs of channels by position-dependent angles (RoPE). x: (B, T, N, H); positions:
+    (T,) or (B, T); ``inv_freq``: ``rope_frequencies`` (default: base 10000, unscaled)."""
+    half = x.shape[-1] // 2
+    inv_freq = jnp.asarray(rope_frequencies(x.shape[-1]) if inv_freq is None else inv_freq)
+    angles = jnp.atleast_2d(positions)[..., None].astype(jnp.float32) * inv_freq  # (B or 1, T, H/2)
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    first, second = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([first * cos - second * sin, first * sin + second * cos], -1).astype(x.dtype)
+
+
+@jax.custom_vjp
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU (tanh form) whose backward pass keeps only its input.
+
+    Autodiff of ``jax.nn.gelu`` saves several intermediates per element (the MLP's widest
+    activation) for the backward pass; this keeps one and recomputes the rest, on every
+    platform (see ``layer_norm``).
+    """
+    return jax.nn.gelu(x)
+
+
+def _gelu_forward(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.nn.gelu(x), x
+
+
+def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
+    return jax.vjp(jax.nn.gelu, x)[1](cotangent)
+
+
+gelu.defvjp(_gelu_forward, _gelu_backward)
