@@ -11,7 +11,7 @@ import dataclasses
 import time
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -26,8 +26,27 @@ from shardax.trainer.preemption import StopSignals
 from shardax.trainer.sources import BatchSource
 from shardax.trainer.trackers import Tracker, open_tracker
 
-if TYPE_CHECKING:
-    from shardax.trainer.trainer import Trainer
+
+class Trainer(Protocol):
+    """What a run needs of ``shardax.Trainer`` (which this module does not import: the Trainer
+    starts runs, a run does not make Trainers)."""
+
+    state: TrainState | None
+    name: str
+    seed: int
+    parallel: Any
+    trackers: list[Any]
+    learning_rate: Any
+
+    def init(self) -> TrainState: ...
+
+    def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]: ...
+
+    def place(self, batch: Any) -> Any: ...
+
+    def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]: ...
+
+    def title(self) -> str: ...
 
 
 def host_float(value: jax.Array) -> float:
