@@ -6,8 +6,8 @@ A checkpoint holds the whole ``TrainState`` in its item ``state``, saved with or
 variables, RNG keys included), a JSON record (data position, the run's settings) and, when the
 data comes from Grain, each process's iterator state. Restoring into another strategy or mesh
 is restoring into that layout's abstract state: orbax reads each device's pieces where they now
-belong. orbax alone restores a model's parameters from it (``restore_params``' recipe).
-Checkpoints of shardax before 0.2 (a flat dict of dotted names, RNG keys as raw bits) still load.
+belong. orbax alone restores a model from it into ``nnx.state(model)`` (docs/your-model.md).
+Checkpoints written before this layout (a flat dict of dotted names, RNG keys as raw bits) still load.
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ class Checkpointer:
 
     def saved_arrays(self, step: int) -> dict[str, Any]:
         """The saved arrays of ``step``: their metadata (``.shape``, ``.dtype``) in the saved tree
-        (a flat dict for checkpoints of shardax before 0.2); nothing is read."""
+        (a flat dict for checkpoints of the older layout); nothing is read."""
         metadata = self.manager.item_metadata(step)["state"]
         return dict(getattr(metadata, "tree", metadata))
 
