@@ -139,3 +139,11 @@ def test_fine_tuning_a_hugging_face_model(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "tiny-llama-adapters" / "adapter_config.json").is_file()
     assert (tmp_path / "tiny-llama-tuned" / "model.safetensors").is_file()
+
+
+def test_the_layout_picture_is_drawn_from_the_arrays(tmp_path):
+    """docs/layouts.py lays a model out under each strategy and draws its shards."""
+    result = subprocess.run([sys.executable, str(ROOT / "docs/layouts.py"), str(tmp_path / "layouts.png")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "layouts.png").read_bytes()[:4] == b"\x89PNG"
