@@ -109,8 +109,8 @@ def _named(tree: Any) -> dict[str, Any]:
 
 
 def _check_shapes(saved: dict[str, Any], target: dict[str, Any], directory: Path) -> None:
-    """One line naming the first array whose saved shape is not the model's."""
-    for name, leaf in target.items():
+    """One line naming the first array whose saved shape is not the model's (a parameter first)."""
+    for name, leaf in sorted(target.items(), key=lambda item: not item[0].startswith("params.")):
         old = saved.get(name)
         if _is_key(leaf):  # stored as its raw bits
             leaf = jax.eval_shape(jax.random.key_data, leaf)
