@@ -128,6 +128,51 @@ def _watchdog(spec: ClusterSpec, timeout_s: float, on_timeout: Callable[[str], N
     return timer
 
 
+def _requested(coordinator_address: str | None, num_processes: int | None,
+               process_id: int | None) -> ClusterSpec:
+    """The detected cluster, or the explicit arguments where any is given (the rest detected)."""
+    spec = detect_cluster()
+    if coordinator_address or num_processes is not None or process_id is not None:
+        spec = ClusterSpec("explicit", coordinator_address or spec.coordinator_address,
+                           num_processes if num_processes is not None else spec.num_processes,
+                           process_id if process_id is not None else spec.process_id)
+    return spec
+
+
+def _check_spec(spec: ClusterSpec) -> None:
+    """A cluster of several processes needs a coordinator address and a process id within it."""
+    if not spec.coordinator_address:
+        raise UsageError(f"{spec.source} cluster of {spec.num_processes} processes but no coordinator "
+                         "address; set SHARDAX_COORDINATOR_ADDRESS=host:port (process 0's host)")
+    if not 0 <= spec.process_id < spec.num_processes:
+        raise UsageError(f"process_id {spec.process_id} is outside 0..{spec.num_processes - 1}")
+
+
+def _reach_coordinator(spec: ClusterSpec, deadline: float, timeout_s: float) -> None:
+    """A ``ClusterError`` unless the coordinator answers by ``deadline`` (not checked on process 0,
+    nor where JAX finds the cluster itself)."""
+    if spec.process_id == 0 or spec.source in JAX_DETECTS:
+        return
+    if not _wait_for_coordinator(spec.coordinator_address, deadline):
+        raise ClusterError(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the "
+                           f"coordinator address {spec.coordinator_address} within {timeout_s:.0f} s; check the "
+                           "address and that process 0 runs")
+
+
+def _initialize(spec: ClusterSpec, timeout_s: float, heartbeat_timeout_s: int) -> None:
+    """``jax.distributed.initialize`` for ``spec``, which waits until every process has joined."""
+    # Where JAX finds this cluster itself (SLURM, Open MPI, a Cloud TPU pod) and nothing overrides
+    # it, JAX's own detection decides; shardax adds the watchdog and its clear message.
+    found_by_jax = spec.source in JAX_DETECTS and not any(os.environ.get(name) for name in OVERRIDES)
+    if found_by_jax:
+        jax.distributed.initialize(initialization_timeout=int(timeout_s) + 10,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+    else:
+        jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
+                                   process_id=spec.process_id, initialization_timeout=int(timeout_s) + 10,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
 def init_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -152,39 +197,18 @@ def init_distributed(
         a program that owns its process to end it cleanly (``shardax train`` exits with
         code 3); by default the line is printed on stderr.
     """
-    spec = detect_cluster()
-    if coordinator_address or num_processes is not None or process_id is not None:
-        spec = ClusterSpec("explicit", coordinator_address or spec.coordinator_address,
-                           num_processes if num_processes is not None else spec.num_processes,
-                           process_id if process_id is not None else spec.process_id)
+    spec = _requested(coordinator_address, num_processes, process_id)
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     if spec.num_processes <= 1:
         return spec
-    if not spec.coordinator_address:
-        raise UsageError(f"{spec.source} cluster of {spec.num_processes} processes but no coordinator address; "
-                         "set SHARDAX_COORDINATOR_ADDRESS=host:port (process 0's host)")
-    if not 0 <= spec.process_id < spec.num_processes:
-        raise UsageError(f"process_id {spec.process_id} is outside 0..{spec.num_processes - 1}")
+    _check_spec(spec)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout_s
-    if spec.process_id != 0 and spec.source not in JAX_DETECTS and not _wait_for_coordinator(spec.coordinator_address,
-                                                                                           deadline):
-        raise ClusterError(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the coordinator "
-                           f"address {spec.coordinator_address} within {timeout_s:.0f} s; check the address and that "
-                           "process 0 runs")
+    _reach_coordinator(spec, deadline, timeout_s)
     timer = _watchdog(spec, max(deadline - time.monotonic(), 1.0), on_timeout or _say)
-    # Where JAX finds this cluster itself (SLURM, Open MPI, a Cloud TPU pod) and nothing overrides
-    # it, JAX's own detection decides; shardax adds the watchdog and its clear message.
-    found_by_jax = spec.source in JAX_DETECTS and not any(os.environ.get(name) for name in OVERRIDES)
     try:
-        if found_by_jax:
-            jax.distributed.initialize(initialization_timeout=int(timeout_s) + 10,
-                                       heartbeat_timeout_seconds=heartbeat_timeout_s)
-        else:
-            jax.distributed.initialize(spec.coordinator_address, num_processes=spec.num_processes,
-                                       process_id=spec.process_id, initialization_timeout=int(timeout_s) + 10,
-                                       heartbeat_timeout_seconds=heartbeat_timeout_s)
+        _initialize(spec, timeout_s, heartbeat_timeout_s)
     finally:
         timer.cancel()
     return spec

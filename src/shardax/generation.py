@@ -162,6 +162,47 @@ def _step(graphdef: nnx.GraphDef, mesh: Mesh | None, cache_shardings: Any, tempe
     return _STEPS[key]
 
 
+def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, Any, Any]:
+    """``(graphdef, cache, weights)`` of a copy of ``model`` in eval mode with an empty cache laid
+    out as ``layout`` says (``model`` itself is not changed)."""
+    config, mesh = model.config, layout.mesh
+    graphdef, state = nnx.split(model)
+    work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
+    work.eval()
+    placed = None if mesh is None else (
+        lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)))
+    init_cache(work, layout.batch, layout.length, config.kv_heads, config.head_dim, config.dtype, placed)
+    graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
+    del work
+    if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
+        weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
+                               if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
+    return graphdef, cache, weights
+
+
+def _placer(layout: CacheLayout) -> Callable[[np.ndarray], jax.Array]:
+    """How the step's per-row inputs go to the devices: rows over the data axes, as the cache's."""
+    mesh = layout.mesh
+    if mesh is None:
+        return jnp.asarray
+
+    def place(array: np.ndarray) -> jax.Array:  # rows over the data axes
+        rows = PartitionSpec(layout.spec[0], *(None,) * (array.ndim - 1))
+        return jax.device_put(array, NamedSharding(mesh, rows))
+
+    return place
+
+
+def _prompt_batch(prompts: Sequence[Sequence[int]], layout: CacheLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts as one batch ``(batch, prompt_length)``, padded with zeros, and each row's length."""
+    tokens = np.zeros((layout.batch, layout.prompt_length), np.int32)
+    lengths = np.ones(layout.batch, np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+        lengths[row] = len(prompt)
+    return tokens, lengths
+
+
 def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop: int | Sequence[int] | None = None, vocab: int | None = None,
@@ -174,38 +215,15 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     every row's new token (for printing as they come). ``vocab``: draw only ids below it (a
     tokenizer smaller than the model's embedding). The model is not changed."""
     _check(model, prompts, max_new_tokens, temperature, top_k, top_p)
-    config = model.config
     rows = len(prompts)
-    longest = max(len(prompt) for prompt in prompts)
-    layout = cache_layout(model, rows, longest, max_new_tokens)
-    mesh, batch, length, prompt_length = layout.mesh, layout.batch, layout.length, layout.prompt_length
-
-    graphdef, state = nnx.split(model)
-    work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
-    work.eval()
-    placed = None if mesh is None else (
-        lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)))
-    init_cache(work, batch, length, config.kv_heads, config.head_dim, config.dtype, placed)
-    graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
-    del work
-    if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
-        weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
-                               if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
-    cache_shardings = None
-    if mesh is not None:
-        cache_shardings = jax.tree.map(lambda leaf: leaf.sharding, cache)
-
-        def place(array: np.ndarray) -> jax.Array:  # rows over the data axes
-            return jax.device_put(array, NamedSharding(mesh, PartitionSpec(layout.spec[0], *(None,) * (array.ndim - 1))))
-    else:
-        place = jnp.asarray
-    compiled = _step(graphdef, mesh, cache_shardings, temperature, top_k, top_p, vocab)
-    tokens = np.zeros((batch, prompt_length), np.int32)
-    lengths = np.ones(batch, np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = prompt
-        lengths[row] = len(prompt)
-    positions = np.broadcast_to(np.arange(prompt_length, dtype=np.int32), tokens.shape)
+    layout = cache_layout(model, rows, max(len(prompt) for prompt in prompts), max_new_tokens)
+    graphdef, cache, weights = _decoder(model, layout)
+    cache_shardings = None if layout.mesh is None else jax.tree.map(lambda leaf: leaf.sharding, cache)
+    place = _placer(layout)
+    compiled = _step(graphdef, layout.mesh, cache_shardings, temperature, top_k, top_p, vocab)
+    batch = layout.batch
+    tokens, lengths = _prompt_batch(prompts, layout)
+    positions = np.broadcast_to(np.arange(layout.prompt_length, dtype=np.int32), tokens.shape)
     stops = set() if stop is None else {int(stop)} if isinstance(stop, (int, np.integer)) else set(map(int, stop))
     base = jax.random.key(seed)
     chosen, cache = compiled(weights, cache, place(tokens), place(positions), place(lengths - 1),

@@ -88,16 +88,17 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
     return float(model.n_layers * per_layer + once)
 
 
-def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
-                                 context_attention: str = "all-gather", gather_matrices_in_bfloat16: bool = False
-                                 ) -> float:
-    """The least a step of this strategy must send per device (see the module docstring).
+def _narrowing(leaf: Any, compute: Any, gather_matrices_in_bfloat16: bool) -> float:
+    """The share of ``leaf``'s stored bytes its gather for compute sends (1.0: all of them)."""
+    if not (gather_matrices_in_bfloat16 and jnp.issubdtype(leaf.dtype, jnp.floating)):
+        return 1.0
+    travels = 2 if len(leaf.shape) >= 2 else jnp.dtype(compute or leaf.dtype).itemsize
+    return min(travels / jnp.dtype(leaf.dtype).itemsize, 1.0)
 
-    ``gather_matrices_in_bfloat16``: the weight matrices FSDP gathers for compute travel in
-    bfloat16, as XLA:TPU compiles them: at JAX's default precision it multiplies float32 in
-    bfloat16 and converts before it gathers (XLA:CPU gathers the stored float32). Vectors
-    travel in the compute dtype; gradients are reduce-scattered in the parameters' dtype.
-    """
+
+def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, gather_matrices_in_bfloat16: bool) -> float:
+    """What the parameters and their gradients send per device: FSDP's gathers and reduce-scatters,
+    a circular schedule's regrouping, and the gradients summed over context and data-parallel copies."""
     shape = dict(layout.mesh.shape)
     strategy = layout.strategy
     gather = _axes_size(shape, strategy.gather_axes)
@@ -105,18 +106,13 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
     # each device of a context axis computes the gradients of its share of the sequence: they are
     # summed over it first, then over the batch axes (two all-reduces, as XLA compiles them)
     context = shape.get("context", 1)
-    total = context_attention_bytes(layout, model, batch_size, context_attention)
-    total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
-    compute = getattr(model, "compute_dtype", None)
+    total = 0.0
     for leaf in layout.leaves.values():
         within_group = _bytes_per_group(leaf, shape, strategy)
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
         staged = stages > 1 and _split_into_stages(leaf, strategy)
-        narrowed = 1.0
-        if gather_matrices_in_bfloat16 and jnp.issubdtype(leaf.dtype, jnp.floating):
-            travels = 2 if len(leaf.shape) >= 2 else jnp.dtype(compute or leaf.dtype).itemsize
-            narrowed = min(travels / jnp.dtype(leaf.dtype).itemsize, 1.0)
+        narrowed = _narrowing(leaf, compute, gather_matrices_in_bfloat16)
         if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
             total += ((1 if staged else 2) * narrowed + 1) * (gather - 1) / gather * within_group
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
@@ -132,15 +128,40 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
             total += 2 * (copies - 1) / copies * within_group / (gather if gathered else 1)
             if strategy.optimizer_axes and not strategy.shard_gradients:  # ZeRO-1: all-gather updated params
                 total += (copies - 1) / copies * within_group
+    return total
+
+
+def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
+    """What tensor parallelism sends per device: two all-reduces of the activations per layer in
+    each direction, and those around the embedding and the head (0 without a split ``model`` axis)."""
+    shape = dict(layout.mesh.shape)
     model_size = shape.get("model", 1)
-    if model is not None and model_size > 1 and "model" in str(strategy.param_rules):
-        rows = batch_rows_per_device(layout, batch_size)
-        activation = rows * model.seq_len * model.d_model * 4 / shape.get("context", 1)
-        layers, ends = model.n_layers, activation
-        if schedule is not None:  # each stage runs its L/(R*S) layers on a microbatch per iteration
-            layers = model.n_layers // (schedule.stages * schedule.repeats) * schedule.iterations
-            if schedule.microbatches % schedule.stages == 0:  # the head works on rows split over the stages
-                ends = activation / schedule.stages
-            activation /= schedule.microbatches
-        total += (4 * layers * activation + 2 * ends) * 2 * (model_size - 1) / model_size
+    if model is None or model_size <= 1 or "model" not in str(layout.strategy.param_rules):
+        return 0.0
+    rows = batch_rows_per_device(layout, batch_size)
+    activation = rows * model.seq_len * model.d_model * 4 / shape.get("context", 1)
+    layers, ends = model.n_layers, activation
+    if schedule is not None:  # each stage runs its L/(R*S) layers on a microbatch per iteration
+        layers = model.n_layers // (schedule.stages * schedule.repeats) * schedule.iterations
+        if schedule.microbatches % schedule.stages == 0:  # the head works on rows split over the stages
+            ends = activation / schedule.stages
+        activation /= schedule.microbatches
+    return (4 * layers * activation + 2 * ends) * 2 * (model_size - 1) / model_size
+
+
+def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
+                                 context_attention: str = "all-gather",
+                                 gather_matrices_in_bfloat16: bool = False) -> float:
+    """The least a step of this strategy must send per device (see the module docstring).
+
+    ``gather_matrices_in_bfloat16``: the weight matrices FSDP gathers for compute travel in
+    bfloat16, as XLA:TPU compiles them: at JAX's default precision it multiplies float32 in
+    bfloat16 and converts before it gathers (XLA:CPU gathers the stored float32). Vectors
+    travel in the compute dtype; gradients are reduce-scattered in the parameters' dtype.
+    """
+    total = context_attention_bytes(layout, model, batch_size, context_attention)
+    total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
+    compute = getattr(model, "compute_dtype", None)
+    total += _parameter_bytes(layout, schedule, compute, gather_matrices_in_bfloat16)
+    total += _tensor_parallel_bytes(layout, model, batch_size, schedule)
     return total

@@ -19,13 +19,17 @@ from shardax.cli.errors import UsageError
 STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp")
 
 
-def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("train", help="train the transformer LM on text",
-                                   description="Train a transformer LM on text with any parallelism strategy.")
+def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The settings file, the strategy and the device mesh."""
     add = parser.add_argument
     add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
     add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
     add("--mesh", help="device mesh, e.g. data=4,model=2 (default: all devices on data)")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model: its size, a checkpoint to start from and LoRA adapters."""
+    add = parser.add_argument
     add("--preset", help="model size: tiny, notebook, small, medium, large, 1b (default tiny)")
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3): its model, "
@@ -36,6 +40,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R, a scale of 1)")
     add("--lora-targets", metavar="LIST",
         help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the model has)")
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    """Steps, batches and how they are split, sequence length, learning rate and seed."""
+    add = parser.add_argument
     add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")
@@ -49,6 +58,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--seq-len", type=int, help="bytes per training sequence")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    """The training text and its tokenizer."""
+    add = parser.add_argument
     add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
                                    "prepare (default: the Python standard library's source)")
     add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
@@ -57,6 +71,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
                                        "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
+
+
+def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
+    """Precision, rematerialisation, the attention kernel and layer scanning."""
+    add = parser.add_argument
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")
@@ -67,9 +86,19 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="apply the blocks with a scan (default; compile time flat in depth) or, with --no-scan-layers, "
              "in a Python loop (faster for shallow models on CPU, but every layer's activations stay live: "
              "--remat then saves no memory)")
+
+
+def _add_evaluation_flags(parser: argparse.ArgumentParser) -> None:
+    """How often to evaluate and record metrics."""
+    add = parser.add_argument
     add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
     add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     add("--log-every", type=int, help="steps between metric records (default 10)")
+
+
+def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    """The run's directory, its checkpoints, resuming and non-finite steps."""
+    add = parser.add_argument
     add("--run-dir", metavar="DIR",
         help="the run's directory: its config.yaml, metrics.jsonl, metrics.png and checkpoints/ (default: a new "
              "one under runs/, named by the time and strategy); with --resume, the run to continue")
@@ -86,6 +115,11 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--on-nonfinite", choices=("stop", "skip"),
         help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
              "that update and count it (metric skipped_steps)")
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """Metrics files and trackers, simulated devices and the text sampled at the end."""
+    add = parser.add_argument
     add("--metrics", help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
                           "metrics.jsonl)")
     add("--tracker", action="append", metavar="KIND:DIR",
@@ -96,6 +130,21 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
     add("--sample-temperature", type=float, help="sampling temperature (default 0.7; 0: greedy)")
     add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 10; 0: all)")
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """The ``train`` subcommand's parser; its flags are added by topic, in ``--help``'s order."""
+    parser = subparsers.add_parser(
+        "train", help="train the transformer LM on text",
+        description="Train a transformer LM on text with any parallelism strategy.")
+    _add_layout_flags(parser)
+    _add_model_flags(parser)
+    _add_training_flags(parser)
+    _add_data_flags(parser)
+    _add_compute_flags(parser)
+    _add_evaluation_flags(parser)
+    _add_checkpoint_flags(parser)
+    _add_output_flags(parser)
     return parser
 
 

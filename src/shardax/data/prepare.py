@@ -222,6 +222,82 @@ def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fract
     return results
 
 
+def _rebuild_reason(root: Path, old: dict[str, Any] | None, settings: dict[str, Any],
+                    listing: list[list[Any]], tokenizer: str, overwrite: bool) -> str | None:
+    """Why ``root`` is to be (re)built with these settings and inputs; None when it is up to date."""
+    if old is not None:
+        if old.get("settings") == settings and old.get("inputs") == listing:
+            return None
+        if old.get("settings", {}).get("tokenizer") != settings["tokenizer"] and not overwrite:
+            raise UsageError(f"{root} holds shards made with tokenizer {old.get('tokenizer_name')}, "
+                             f"not {tokenizer!r}; prepare into another directory, "
+                             "or pass --overwrite to replace them")
+        if old.get("settings") != settings:
+            return "settings changed"
+        return _changes(old.get("inputs", []), listing)
+    if root.exists() and (not root.is_dir() or any(p.name != ".building" for p in root.iterdir())):
+        # (only the .building/ of a prepare that was killed: prepare clears it and builds anew)
+        raise UsageError(f"{root} exists and is not a prepared data directory (no {INDEX}); "
+                         "choose a new or empty one")
+    return "new"
+
+
+def _choose_tokenizer(request: dict[str, Any], units: list[list[Piece]], field: str,
+                      fraction: float) -> Tokenizer:
+    """The tokenizer ``request`` names: bytes, one read from a file, or BPE trained on the training split."""
+    if request["kind"] == "bytes":
+        return ByteTokenizer()
+    if request["kind"] == "file":
+        return load_tokenizer(request["path"])
+    return train_bpe(_bpe_sample(units, field, fraction), request["vocab_size"])
+
+
+def _collect_splits(folder: Path, counts: list[dict[str, dict[str, int]]]) -> dict[str, list[dict[str, Any]]]:
+    """Each split's shards with their counts, in unit order; the files of empty shards are deleted."""
+    splits: dict[str, list[dict[str, Any]]] = {split: [] for split in SPLITS}
+    for number, unit_counts in enumerate(counts):
+        for split in SPLITS:
+            name = f"{split}-{number:05d}"
+            if unit_counts[split]["documents"]:
+                splits[split].append({"name": name, **unit_counts[split]})
+            else:
+                for file in _shard_files(name):
+                    (folder / file).unlink()
+    return splits
+
+
+def _write_tokenizer(folder: Path, chosen: Tokenizer) -> None:
+    """Write ``chosen`` into ``folder``, with its end-of-document token where it is not shardax's."""
+    (folder / TOKENIZER).write_text(chosen.to_json())
+    if chosen.end_of_document != END_OF_DOCUMENT:  # a model's own end-of-text token, read back from here
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": chosen.end_of_document}))
+
+
+def _make_index(settings: dict[str, Any], listing: list[list[Any]], skipped: list[str], chosen: Tokenizer,
+                dtype: str, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The contents of ``index.json``: settings, inputs, tokenizer and each split's totals and shards."""
+    return {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
+            "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
+            "eod_id": chosen.eod_id, "dtype": dtype,
+            "splits": {split: {"tokens": sum(s["tokens"] for s in shards),
+                               "documents": sum(s["documents"] for s in shards),
+                               "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+                       for split, shards in splits.items()}}
+
+
+def _publish(root: Path, folder: Path, old: dict[str, Any] | None, index: dict[str, Any]) -> None:
+    """Replace ``root``'s shards by those built in ``folder``, the index written last."""
+    (root / INDEX).unlink(missing_ok=True)  # from here on the directory is not a complete prepared set
+    for stale in (old or {}).get("splits", {}).values():
+        for shard in stale.get("shards", []):
+            for file in _shard_files(shard["name"]):
+                (root / file).unlink(missing_ok=True)
+    for file in folder.iterdir():
+        file.replace(root / file.name)
+    (folder / INDEX).write_text(json.dumps(index, indent=1))
+    (folder / INDEX).replace(root / INDEX)
+
+
 def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "bytes",
             vocab_size: int | None = None, field: str = "text", validation_fraction: float = 0.05,
             workers: int | None = None, overwrite: bool = False, show_progress: bool = True) -> Prepared:
@@ -235,25 +311,11 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction}
     listing = _inputs(files)
     old = read_index(root) if root.is_dir() else None
-    if old is not None:
-        if old.get("settings") == settings and old.get("inputs") == listing:
-            return Prepared(root, old, False, "up to date: same inputs and settings")
-        if old.get("settings", {}).get("tokenizer") != request and not overwrite:
-            raise UsageError(f"{root} holds shards made with tokenizer {old.get('tokenizer_name')}, not {tokenizer!r}; "
-                             "prepare into another directory, or pass --overwrite to replace them")
-        reason = _changes(old.get("inputs", []), listing) if old.get("settings") == settings else "settings changed"
-    elif root.exists() and (not root.is_dir() or any(p.name != ".building" for p in root.iterdir())):
-        # (only the .building/ of a prepare that was killed: cleared below, and built anew)
-        raise UsageError(f"{root} exists and is not a prepared data directory (no {INDEX}); choose a new or empty one")
-    else:
-        reason = "new"
+    reason = _rebuild_reason(root, old, settings, listing, tokenizer, overwrite)
+    if reason is None and old is not None:
+        return Prepared(root, old, False, "up to date: same inputs and settings")
     units = plan_units(files, field)
-    if request["kind"] == "bytes":
-        chosen: Tokenizer = ByteTokenizer()
-    elif request["kind"] == "file":
-        chosen = load_tokenizer(request["path"])
-    else:
-        chosen = train_bpe(_bpe_sample(units, field, validation_fraction), request["vocab_size"])
+    chosen = _choose_tokenizer(request, units, field, validation_fraction)
     dtype = "uint16" if chosen.vocab_size <= 2**16 else "uint32"
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
@@ -263,40 +325,16 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     try:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
                             workers or os.cpu_count() or 1, show_progress)
-        splits: dict[str, list[dict[str, Any]]] = {split: [] for split in SPLITS}
-        for number, unit_counts in enumerate(counts):
-            for split in SPLITS:
-                name = f"{split}-{number:05d}"
-                if unit_counts[split]["documents"]:
-                    splits[split].append({"name": name, **unit_counts[split]})
-                else:
-                    for file in _shard_files(name):
-                        (folder / file).unlink()
+        splits = _collect_splits(folder, counts)
         if not splits["train"] and not splits["validation"]:
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
         if not splits["validation"] or not splits["train"]:
             _hold_out_tail(folder, splits, dtype, chosen.eod_id)
         for shard in (shard for shards in splits.values() for shard in shards):
             shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
-        (folder / TOKENIZER).write_text(chosen.to_json())
-        if chosen.end_of_document != END_OF_DOCUMENT:  # a model's own end-of-text token, read back from here
-            (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": chosen.end_of_document}))
-        index = {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
-                 "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
-                 "eod_id": chosen.eod_id, "dtype": dtype,
-                 "splits": {split: {"tokens": sum(s["tokens"] for s in shards),
-                                    "documents": sum(s["documents"] for s in shards),
-                                    "bytes": sum(s["bytes"] for s in shards), "shards": shards}
-                            for split, shards in splits.items()}}
-        (root / INDEX).unlink(missing_ok=True)  # from here on the directory is not a complete prepared set
-        for stale in (old or {}).get("splits", {}).values():
-            for shard in stale.get("shards", []):
-                for file in _shard_files(shard["name"]):
-                    (root / file).unlink(missing_ok=True)
-        for file in folder.iterdir():
-            file.replace(root / file.name)
-        (folder / INDEX).write_text(json.dumps(index, indent=1))
-        (folder / INDEX).replace(root / INDEX)
+        _write_tokenizer(folder, chosen)
+        index = _make_index(settings, listing, skipped, chosen, dtype, splits)
+        _publish(root, folder, old, index)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         if created and not (root / INDEX).exists():

@@ -22,9 +22,6 @@ if TYPE_CHECKING:
 
 
 FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-
-
-FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # buffers some checkpoints carry that are not weights
 IGNORED = ("rotary_emb.inv_freq",)
 
@@ -34,15 +31,8 @@ def _refuse(path: Path, field: str, value: Any, why: str) -> UsageError:
                       f"the Llama family ({', '.join(FAMILY)}) as Hugging Face defines it")
 
 
-def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
-                remat: str = "none", scan_layers: bool = True, attention: str = "auto", lora_rank: int = 0,
-                lora_alpha: float | None = None, lora_targets: tuple[str, ...] = LORA_TARGETS) -> TransformerConfig:
-    """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
-
-    ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
-    sliding window where one applies, within which attention is exact). ``lora_*``: LoRA
-    adapters to fine-tune it with (see ``TransformerConfig``)."""
-    path = Path(path)
+def _read_raw(path: Path) -> dict[str, Any]:
+    """The settings in ``path``'s ``config.json``, or a ``UsageError`` saying why there are none."""
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
@@ -51,6 +41,11 @@ def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: 
         raise UsageError(f"{path / 'config.json'} is unreadable ({error}); give a Hugging Face model directory") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{path / 'config.json'} holds no settings; give a Hugging Face model directory")
+    return raw
+
+
+def _check_supported(path: Path, raw: dict[str, Any]) -> None:
+    """Refuse an architecture outside the Llama family as shardax implements it."""
     kind = raw.get("model_type")
     if kind not in FAMILY:
         raise _refuse(path, "model_type", kind, "another architecture")
@@ -62,26 +57,55 @@ def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: 
     for field in ("num_experts", "num_local_experts", "n_routed_experts"):
         if raw.get(field):
             raise _refuse(path, field, raw[field], "mixtures of experts")
+
+
+def _rope_scaling(path: Path, raw: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    """Llama 3's RoPE scaling ``(factor, low_freq_factor, high_freq_factor, original length)``, if set."""
     scaling = raw.get("rope_scaling")
-    rope = None
-    if scaling:
-        if scaling.get("rope_type", scaling.get("type")) != "llama3":
-            raise _refuse(path, "rope_scaling", scaling, "of the RoPE scalings only Llama 3's is")
-        rope = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-                int(scaling["original_max_position_embeddings"]))
+    if not scaling:
+        return None
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise _refuse(path, "rope_scaling", scaling, "of the RoPE scalings only Llama 3's is")
+    return (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]))
+
+
+def _longest(path: Path, raw: dict[str, Any], seq_len: int | None) -> int:
+    """The default ``seq_len``: ``max_position_embeddings``, capped by a sliding window where one
+    applies; a longer ``seq_len`` than the window is refused."""
     longest = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window") if (kind == "mistral" or raw.get("use_sliding_window")) else None
+    slides = raw.get("model_type") == "mistral" or raw.get("use_sliding_window")
+    window = raw.get("sliding_window") if slides else None
     if window:
         longest = min(longest, int(window))
     if seq_len is not None and window and seq_len > int(window):
         raise _refuse(path, "sliding_window", window, f"seq_len {seq_len} is longer: attention over a sliding window")
+    return longest
+
+
+def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
+                remat: str = "none", scan_layers: bool = True, attention: str = "auto", lora_rank: int = 0,
+                lora_alpha: float | None = None,
+                lora_targets: tuple[str, ...] = LORA_TARGETS) -> TransformerConfig:
+    """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
+
+    ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
+    sliding window where one applies, within which attention is exact). ``lora_*``: LoRA
+    adapters to fine-tune it with (see ``TransformerConfig``)."""
+    path = Path(path)
+    raw = _read_raw(path)
+    _check_supported(path, raw)
+    kind = raw["model_type"]
+    rope = _rope_scaling(path, raw)
+    longest = _longest(path, raw, seq_len)
     try:
         return TransformerConfig(
             vocab_size=int(raw["vocab_size"]), seq_len=seq_len or longest, d_model=int(raw["hidden_size"]),
             n_heads=int(raw["num_attention_heads"]), n_layers=int(raw["num_hidden_layers"]),
             d_ff=int(raw["intermediate_size"]), positions="rotary",
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)), remat=remat, compute_dtype=compute_dtype,
-            scan_layers=scan_layers, attention=attention, n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
+            scan_layers=scan_layers, attention=attention,
+            n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
             attention_head_dim=raw.get("head_dim"), norm="rms", norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             mlp="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
             rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope, lora_rank=lora_rank,

@@ -46,6 +46,81 @@ def _lora_summary(config: TransformerConfig) -> str:
     return f"rank {config.lora_rank} on {','.join(config.lora_targets)}"
 
 
+def _check_merge(config: TransformerConfig, merge: bool) -> None:
+    """Refuse a LoRA model saved without ``merge``, and ``merge`` on a model without LoRA."""
+    if config.lora_rank and not merge:
+        raise UsageError(f"this model carries LoRA adapters ({_lora_summary(config)}): save(..., merge=True) writes "
+                         "its weights with them merged in, save_adapters(...) the adapters alone in PEFT's layout")
+    if merge and not config.lora_rank:
+        raise UsageError("merge=True merges LoRA adapters into the weights, and this model has none; drop merge")
+
+
+def _lora_delta(config: TransformerConfig, adapters: dict[str, jax.Array], name: str, below: str,
+                component: int, index: int | None) -> Any:
+    """The merged LoRA term of one component of one layer's weight (None: not adapted)."""
+    target = TARGETS.get((below, component))
+    if target is None or target not in config.lora_targets:
+        return None
+    stem = name.rsplit("/", 1)[0] + f"/lora_{target}_"
+    a, b = (_gather(adapters[stem + part], index).astype(np.float32) for part in "ab")
+    return config.lora_scale * np.tensordot(a, b, axes=1)
+
+
+def _entries(arrays: dict[str, jax.Array], adapters: dict[str, jax.Array], config: TransformerConfig,
+             merge: bool) -> list[tuple[Any, ...]]:
+    """Every Hugging Face tensor to write as ``(name, shape, array, layer index, source, component,
+    merged delta or None)``, in Hugging Face's order: embedding, layers, norm, head."""
+    entries = []
+    for name, array in arrays.items():
+        source, layer, below = _parameter_source(name, config)
+        layers = [layer] if layer is not None else [None] if source is not None else range(config.n_layers)
+        for at in layers:
+            one = source or _sources(config, at)[below]
+            index = None if source is not None or layer is not None else at
+            for component, tensor in enumerate(one.names):
+                merged = (functools.partial(_lora_delta, config, adapters, name, below, component, index)
+                          if merge and source is None else None)
+                entries.append((tensor, one.hf_shape(), array, index, one, component, merged))
+    order = {name: i for i, name in enumerate(hf_names(config))}
+    entries.sort(key=lambda entry: order[entry[0]])
+    return entries
+
+
+def _shard(entries: list[tuple[Any, ...]], itemsize: int, max_shard_bytes: int) -> list[list[Any]]:
+    """``entries`` split in order into files of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    files: list[list[Any]] = [[]]
+    size = 0
+    for entry in entries:
+        bytes_ = math.prod(entry[1]) * itemsize
+        if files[-1] and size + bytes_ > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += bytes_
+    return files
+
+
+def _producer(cache: dict[tuple[int, int | None], np.ndarray], array: jax.Array, index: int | None,
+              source: Source, component: int, merged: Any) -> Any:
+    """A function that gathers one Hugging Face tensor; the components of a fused weight share one
+    gather through ``cache``."""
+    def tensor() -> np.ndarray:
+        key = (id(array), index)
+        if key not in cache:  # the components of one fused weight share one gather
+            cache.clear()
+            cache[key] = _gather(array, index)
+        return _hf_tensor(source, component, cache[key], merged() if merged else None)
+    return tensor
+
+
+def _write_index(partial: Path, names: list[str], files: list[list[Any]], itemsize: int) -> None:
+    """Write ``model.safetensors.index.json``: the total size and which shard holds each tensor."""
+    weight_map = {entry[0]: file_name for file_name, group in zip(names, files) for entry in group}
+    total_size = sum(math.prod(entry[1]) * itemsize for group in files for entry in group)
+    (partial / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
+
+
 def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: dict[str, Any] | None = None,
          dtype: str = "float32", max_shard_bytes: int = 2 << 30, merge: bool = False) -> Path:
     """Write ``params`` (a ``TransformerLM``'s, in any layout) as a Hugging Face checkpoint in
@@ -57,62 +132,18 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
     ``W + (alpha / rank) A B``, the model it computes (``save_adapters`` writes them alone)."""
     out = Path(out)
     _check_out(out, dtype)
-    if config.lora_rank and not merge:
-        raise UsageError(f"this model carries LoRA adapters ({_lora_summary(config)}): save(..., merge=True) writes "
-                         "its weights with them merged in, save_adapters(...) the adapters alone in PEFT's layout")
-    if merge and not config.lora_rank:
-        raise UsageError("merge=True merges LoRA adapters into the weights, and this model has none; drop merge")
+    _check_merge(config, merge)
     raw = config_json(config, hf_config)
     arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
     adapters = {name: arrays.pop(name) for name in list(arrays) if is_adapter(name)}
-
-    def delta(name: str, below: str, component: int, index: int | None) -> Any:
-        """The merged LoRA term of one component of one layer's weight (None: not adapted)."""
-        target = TARGETS.get((below, component))
-        if target is None or target not in config.lora_targets:
-            return None
-        stem = name.rsplit("/", 1)[0] + f"/lora_{target}_"
-        a, b = (_gather(adapters[stem + part], index).astype(np.float32) for part in "ab")
-        return config.lora_scale * np.tensordot(a, b, axes=1)
-
-    entries = []  # (name, shape, producer) in Hugging Face's order: embedding, layers, norm, head
-    for name, array in arrays.items():
-        source, layer, below = _parameter_source(name, config)
-        layers = [layer] if layer is not None else [None] if source is not None else range(config.n_layers)
-        for at in layers:
-            one = source or _sources(config, at)[below]
-            index = None if source is not None or layer is not None else at
-            for component, tensor in enumerate(one.names):
-                merged = functools.partial(delta, name, below, component, index) if merge and source is None else None
-                entries.append((tensor, one.hf_shape(), array, index, one, component, merged))
-    order = {name: i for i, name in enumerate(hf_names(config))}
-    entries.sort(key=lambda entry: order[entry[0]])
     itemsize = np.dtype(DTYPES[dtype][1]).itemsize
-    files: list[list[Any]] = [[]]
-    size = 0
-    for entry in entries:
-        bytes_ = math.prod(entry[1]) * itemsize
-        if files[-1] and size + bytes_ > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(entry)
-        size += bytes_
+    files = _shard(_entries(arrays, adapters, config, merge), itemsize, max_shard_bytes)
     writing, partial = _begin(out)
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     cache: dict[tuple[int, int | None], np.ndarray] = {}
-
-    def produce(array: jax.Array, index: int | None, source: Source, component: int, merged: Any) -> Any:
-        def tensor() -> np.ndarray:
-            key = (id(array), index)
-            if key not in cache:  # the components of one fused weight share one gather
-                cache.clear()
-                cache[key] = _gather(array, index)
-            return _hf_tensor(source, component, cache[key], merged() if merged else None)
-        return tensor
-
     for file_name, group in zip(names, files):
-        producers = [(name, shape, produce(array, index, source, component, merged))
+        producers = [(name, shape, _producer(cache, array, index, source, component, merged))
                      for name, shape, array, index, source, component, merged in group]
         if writing:
             _write_safetensors(partial / file_name, producers, dtype)
@@ -121,10 +152,7 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
                 tensor()
     if writing:
         if len(files) > 1:
-            weight_map = {entry[0]: file_name for file_name, group in zip(names, files) for entry in group}
-            (partial / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": sum(math.prod(e[1]) * itemsize for e in entries)},
-                 "weight_map": weight_map}, indent=2))
+            _write_index(partial, names, files, itemsize)
         raw["torch_dtype"] = dtype
         (partial / "config.json").write_text(json.dumps(raw, indent=2))
     return _finish(writing, partial, out)

@@ -148,6 +148,48 @@ def _stage_major(leaf: jax.Array, schedule: Schedule) -> jax.Array:
     return leaf.reshape(schedule.repeats, schedule.stages, chunk, *leaf.shape[1:])
 
 
+def _groups(run: PipelineRun, rows: int) -> tuple[int, Any]:
+    """The batch's data-parallel groups: how many, and the mesh axes they are split over for
+    ``spmd_axis_name`` (None: one group). ``rows`` must split into groups x microbatches."""
+    batch = tuple(a for a in run.batch_axes if a in run.mesh.shape and run.mesh.shape[a] > 1)
+    groups = math.prod(run.mesh.shape[a] for a in batch)
+    microbatches = run.schedule.microbatches
+    if rows % (groups * microbatches):
+        raise UsageError(f"a batch of {rows} rows does not split into {groups} data-parallel groups x "
+                         f"`microbatches={microbatches}`; use a batch size that is a multiple of "
+                         f"{groups * microbatches}")
+    return groups, (batch if len(batch) > 1 else batch[0]) if batch else None
+
+
+def _chunked(run: PipelineRun, groups: int, spmd: Any, keypath: Any, variable: nnx.Variable) -> nnx.Variable:
+    """One stacked parameter laid out for the loop: as compute wants it, cut into chunks over the
+    stages, and copied once per data-parallel group."""
+    # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
+    # here (and its gradients are reduce-scattered once, after the loop), not at every
+    # iteration. Then cut into (repeats, stages, layers per chunk), stages over the axis (a
+    # circular schedule regroups the layers here, once per step), and with data-parallel
+    # groups copied once per group, each copy on its group's devices (no data moves): the
+    # gradient of each copy accumulates locally through the iterations, and the copy's
+    # transpose sums them once, after the loop.
+    mesh, axis = run.mesh, run.axis
+    value = variable[...]
+    specs = run.specs_of(path_to_str(keypath))
+    rest: tuple[Any, ...] = ()
+    if specs is not None:
+        storage, compute, gradient = specs
+        rest = tuple(compute)[1:]
+        if compute != storage or gradient != storage:
+            value = gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
+    value = _stage_major(value, run.schedule)
+    value = jax.lax.with_sharding_constraint(
+        value, NamedSharding(mesh, PartitionSpec(None, axis, None, *rest)))
+    if spmd is not None:
+        value = jnp.broadcast_to(value, (groups, *value.shape))
+        value = jax.lax.with_sharding_constraint(
+            value, NamedSharding(mesh, PartitionSpec(spmd, None, axis, None, *rest)))
+    return variable.replace(value)
+
+
 def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layers: Any, x: jax.Array,
                  riders: Any = None, *, run: PipelineRun, remat: Any = None) -> jax.Array:
     """``apply_layers(layers, x, riders)`` computed as the pipeline ``run`` (see the module docstring).
@@ -165,73 +207,36 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
     groups, partitioned over the batch axes): each group accumulates its own gradients through
     the iterations, and they are summed across groups once, after the loop, instead of at
     every iteration."""
-    mesh, axis, schedule, batch_axes = run.mesh, run.axis, run.schedule, run.batch_axes
-    schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
-    batch = tuple(a for a in batch_axes if a in mesh.shape and mesh.shape[a] > 1)
-    groups = math.prod(mesh.shape[a] for a in batch)
+    run.schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
     rows = x.shape[0]
-    if rows % (groups * schedule.microbatches):
-        raise UsageError(f"a batch of {rows} rows does not split into {groups} data-parallel groups x "
-                         f"`microbatches={schedule.microbatches}`; use a batch size that is a multiple of "
-                         f"{groups * schedule.microbatches}")
-    spmd = (batch if len(batch) > 1 else batch[0]) if batch else None
-
-    def chunked(keypath: Any, variable: nnx.Variable) -> nnx.Variable:
-        # Laid out for compute once, before the loop: under FSDP each stage gathers its weights
-        # here (and its gradients are reduce-scattered once, after the loop), not at every
-        # iteration. Then cut into (repeats, stages, layers per chunk), stages over the axis (a
-        # circular schedule regroups the layers here, once per step), and with data-parallel
-        # groups copied once per group, each copy on its group's devices (no data moves): the
-        # gradient of each copy accumulates locally through the iterations, and the copy's
-        # transpose sums them once, after the loop.
-        value = variable[...]
-        specs = run.specs_of(path_to_str(keypath))
-        rest: tuple[Any, ...] = ()
-        if specs is not None:
-            storage, compute, gradient = specs
-            rest = tuple(compute)[1:]
-            if compute != storage or gradient != storage:
-                value = gather_for_compute(value, NamedSharding(mesh, compute), NamedSharding(mesh, gradient))
-        value = _stage_major(value, schedule)
-        value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(None, axis, None, *rest)))
-        if spmd is not None:
-            value = jnp.broadcast_to(value, (groups, *value.shape))
-            value = jax.lax.with_sharding_constraint(
-                value, NamedSharding(mesh, PartitionSpec(spmd, None, axis, None, *rest)))
-        return variable.replace(value)
-
-    chunks = jax.tree_util.tree_map_with_path(chunked, layers, is_leaf=lambda node: isinstance(node, nnx.Variable))
-    run = functools.partial(_pipeline, apply_layers, mesh, axis, schedule, remat)
+    groups, spmd = _groups(run, rows)
+    chunks = jax.tree_util.tree_map_with_path(functools.partial(_chunked, run, groups, spmd), layers,
+                                              is_leaf=lambda node: isinstance(node, nnx.Variable))
+    pipeline = functools.partial(_pipeline, apply_layers, run.mesh, run.axis, run.schedule, remat)
     if spmd is None:
-        return run(chunks, x, riders)
+        return pipeline(chunks, x, riders)
     grouped = lambda leaf: leaf.reshape(groups, rows // groups, *leaf.shape[1:])  # noqa: E731
-    run = jax.vmap(run, in_axes=(0, 0, 0), spmd_axis_name=spmd)
-    return run(chunks, grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
+    pipeline = jax.vmap(pipeline, in_axes=(0, 0, 0), spmd_axis_name=spmd)
+    return pipeline(chunks, grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
 
 
-def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str, schedule: Schedule,
-              remat: Any, chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
-    """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
+def _constrain(mesh: Mesh, value: jax.Array, *leading: Any) -> jax.Array:
+    """``value`` with its leading dimensions laid out over the mesh axes ``leading``, the others whole."""
+    rest = (None,) * (value.ndim - len(leading))
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*leading, *rest)))
 
-    Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
-    stage s receives stage s-1's output, and stage 0 the last stage's, which it files in its
-    ``store`` (one row per microbatch, where the microbatches wait at the start). Stage 0 then
-    takes its next microbatch from the store: a new one, or under a circular schedule the
-    filed output of one coming round again. After the last iteration the store holds the
-    outputs; its microbatches are handed out over the stages, so what follows the layers (the
-    head, the loss) works on rows split over the stages too."""
-    stages, count, repeats = schedule.stages, schedule.microbatches, schedule.repeats
-    rows = x.shape[0]
-    rest = (None,) * (x.ndim - 1)
 
-    def constrain(value: jax.Array, *leading: Any) -> jax.Array:
-        return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, PartitionSpec(*leading, *rest)))
+def _roll_and_file(mesh: Mesh, axis: str, count: int, buffer: jax.Array, store: jax.Array,
+                   finished: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Roll the buffer one stage on; file what reached stage 0 (pass ``finished``) in the store."""
+    rolled = _constrain(mesh, jnp.roll(buffer, 1, axis=0), axis, None)
+    filed = store.at[:, finished % count].set(rolled)
+    return rolled, jnp.where(finished >= 0, filed, store)
 
-    # microbatch m takes rows m*b .. (m+1)*b - 1 of the group (all on the group's devices)
-    split = lambda leaf: leaf.reshape(count, rows // count, *leaf.shape[1:])  # noqa: E731
-    micro = split(x)
-    rider_micro = jax.tree.map(split, riders)
 
+def _stage_function(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], rider_micro: Any, repeats: int,
+                    remat: Any) -> Callable[..., jax.Array]:
+    """One stage's work in an iteration: its chunk of layers on its slot, with its microbatch's riders."""
     def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> jax.Array:
         if repeats == 1:  # the stage's one chunk: a constant of the loop, never saved per iteration
             chunk = jax.tree.map(lambda leaf: leaf[0], chunks_of_stage)
@@ -242,17 +247,31 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
 
     if repeats > 1:  # one checkpoint per stage iteration, with the layers' remat policy (see _stage_policy)
         stage = jax.checkpoint(stage, policy=_stage_policy(remat))
+    return stage
 
+
+def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str,
+              schedule: Schedule, remat: Any, chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
+    """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
+
+    Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
+    stage s receives stage s-1's output, and stage 0 the last stage's, which it files in its
+    ``store`` (one row per microbatch, where the microbatches wait at the start). Stage 0 then
+    takes its next microbatch from the store: a new one, or under a circular schedule the
+    filed output of one coming round again. After the last iteration the store holds the
+    outputs; its microbatches are handed out over the stages, so what follows the layers (the
+    head, the loss) works on rows split over the stages too."""
+    stages, count, repeats = schedule.stages, schedule.microbatches, schedule.repeats
+    constrain = functools.partial(_constrain, mesh)
+    roll_and_file = functools.partial(_roll_and_file, mesh, axis, count)
+    # microbatch m takes rows m*b .. (m+1)*b - 1 of the group (all on the group's devices)
+    split = lambda leaf: leaf.reshape(count, x.shape[0] // count, *leaf.shape[1:])  # noqa: E731
+    micro = split(x)
+    stage = _stage_function(apply_layers, jax.tree.map(split, riders), repeats, remat)
     # (R, S, ...) -> vmap over S (axis 1); each stage picks its repeat's chunk and its microbatch's riders
     stages_apply = vmap_stages(stage, in_axes=(1, 0, 0, 0), spmd_axis_name=axis)
     index = jnp.arange(stages)
     per_stage = lambda flags: flags.reshape(-1, *(1,) * x.ndim)  # noqa: E731
-
-    def roll_and_file(buffer: jax.Array, store: jax.Array, finished: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Roll the buffer one stage on; file what reached stage 0 (pass ``finished``) in the store."""
-        rolled = constrain(jnp.roll(buffer, 1, axis=0), axis, None)
-        filed = store.at[:, finished % count].set(rolled)
-        return rolled, jnp.where(finished >= 0, filed, store)
 
     def iteration(carry: tuple[jax.Array, jax.Array], step: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
         buffer, store = carry
