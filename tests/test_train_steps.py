@@ -122,14 +122,15 @@ def test_shard_map_step_compiles_one_all_reduce_per_gradient(mesh8):
 
 
 def _lower_text(loss_fn, state, batch, mesh):
-    from shardax.compat.steps import _compiled_step
+    from shardax.compat.steps import _step
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     placed = place_batch_on_shards(batch, NamedSharding(mesh, P("data")))
     leaves, treedef = jax.tree.flatten(placed)
-    step = _compiled_step(loss_fn, optax.sgd(0.1), mesh, "data", "mean", False, False, treedef,
-                          tuple(leaf.sharding.spec for leaf in leaves))
-    return step.lower(state, placed, jax.random.key(0)).compile().as_text()
+    return _step.lower(state["params"], state["opt_state"], placed, jax.random.key(0), loss_fn=loss_fn,
+                       tx=optax.sgd(0.1), mesh=mesh, data_axis="data", reduce_type="mean", has_aux=False,
+                       with_rng=False, batch_specs=(treedef, tuple(leaf.sharding.spec for leaf in leaves))
+                       ).compile().as_text()
 
 
 def test_rng_is_folded_per_device(mesh8):
@@ -157,12 +158,21 @@ def test_bad_state_and_optimizer_are_clear_errors(mesh8):
                                  {"params": params, "opt_state": ()})
 
 
-def test_model_state_placed_then_spmd_step_under_set_mesh_uses_context_mesh(mesh8):
+@pytest.mark.parametrize("reduce_type,expected_w", [("mean", 0.5), ("sum", 1 - 0.5 * 8)])
+def test_model_state_placed_then_spmd_step_under_set_mesh_uses_context_mesh(mesh8, reduce_type, expected_w):
     params = {"w": jnp.ones((4,))}
     state = place_model_state_on_shards({"params": params, "opt_state": optax.sgd(0.5).init(params)}, mesh8)
     with jax.set_mesh(mesh8):
         state, metrics = data_parallel_train_step(
-            lambda p, b: jnp.mean((b["x"] * p["w"]).sum(-1)), optax.sgd(0.5), {"x": np.ones((16, 4))}, state
+            lambda p, b: jnp.mean((b["x"] * p["w"]).sum(-1)), optax.sgd(0.5), {"x": np.ones((16, 4))}, state,
+            reduce_type=reduce_type,
         )
-    np.testing.assert_allclose(np.asarray(state["params"]["w"]), np.full(4, 0.5))
-    assert float(metrics["loss"]) == pytest.approx(4.0)
+    # each device's gradient is 1 per weight: their mean is 1, their sum 8
+    np.testing.assert_allclose(np.asarray(state["params"]["w"]), np.full(4, expected_w))
+    assert float(metrics["loss"]) == pytest.approx(4.0)  # the mean over devices either way
+    assert int(metrics["skipped_steps"]) == 0
+    poisoned = {"x": np.full((16, 4), np.nan, np.float32)}  # a non-finite step leaves the state as it was
+    after, metrics = data_parallel_train_step(lambda p, b: jnp.mean((b["x"] * p["w"]).sum(-1)), optax.sgd(0.5),
+                                              poisoned, state, mesh=mesh8)
+    assert int(metrics["skipped_steps"]) == 1
+    np.testing.assert_array_equal(np.asarray(after["params"]["w"]), np.asarray(state["params"]["w"]))

@@ -17,23 +17,7 @@ from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding import modes
 from shardax.sharding.place import place_batch, place_tree
-from shardax.sharding.rules import data_parallel_rules
-from shardax.compat.steps import data_parallel_train_step, spmd_train_step
-from shardax.compat.gradients import reduce_gradient_tree, reduce_gradients_across_devices
-
-__all__ = [
-    "DataParallel",
-    "create_data_parallel_sharding",
-    "data_parallel_rules",
-    "data_parallel_train_step",
-    "model_state_shardings",
-    "place_batch_on_shards",
-    "place_model_state_on_shards",
-    "place_nnx_state_on_shards",
-    "reduce_gradient_tree",
-    "reduce_gradients_across_devices",
-    "spmd_train_step",
-]
+from shardax.compat.gradients import reduce_gradients_across_devices
 
 
 def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:

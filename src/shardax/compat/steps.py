@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax import lax
@@ -20,8 +21,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
+from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch
-from shardax.compat.gradients import check_reduce_type, reduce_gradients_across_devices
+from shardax.compat.gradients import check_reduce_type
+from shardax.step.state import TrainState
+from shardax.step.train import build_train_step
 
 
 def spmd_train_step(
@@ -40,16 +44,17 @@ def spmd_train_step(
     return loss
 
 
-def _current_mesh(mesh: Mesh | None) -> Mesh:
-    if mesh is not None:
-        return mesh
-    concrete = jax.sharding.get_mesh()
-    if concrete is None or concrete.empty:
-        raise UsageError(
-            "data_parallel_train_step needs a mesh: pass mesh=... or call it under "
-            "`with jax.set_mesh(mesh):`"
-        )
-    return concrete
+def _current_mesh(mesh: Mesh | None, data_axis: str) -> Mesh:
+    """``mesh``, or the one set with ``jax.set_mesh``; it must have ``data_axis``."""
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+        if mesh is None or mesh.empty:
+            raise UsageError("data_parallel_train_step needs a mesh: pass mesh=... or call it under "
+                             "`with jax.set_mesh(mesh):`")
+    if data_axis not in mesh.shape:
+        raise UsageError(f"data_axis={data_axis!r} is not an axis of the mesh {describe_mesh(mesh)}; "
+                         f"use one of {tuple(mesh.axis_names)}")
+    return mesh
 
 
 def _state_fields(state: Any) -> tuple[Any, Any]:
@@ -88,48 +93,50 @@ def _check_state(state: Any, optimizer: Any) -> optax.GradientTransformation:
     return tx
 
 
-def _per_device(tree: Any, axis: str) -> Any:
-    """Mark replicated values as varying over ``axis`` (differentiated per device).
-
-    Inside ``shard_map`` the gradient of a replicated input comes back already summed over the
-    axis (the transpose of its implicit broadcast). Casting the parameters to "varying" first
-    keeps one gradient per device, so the reduction we apply is the only collective, and
-    ``mean`` vs ``sum`` stays the caller's choice.
-    """
-    cast = getattr(lax, "pcast", None)
-    if cast is not None:
-        return jax.tree.map(lambda value: cast(value, axis, to="varying"), tree)
-    return jax.tree.map(lambda value: lax.pvary(value, axis), tree)
+def _specs(batch: Any) -> tuple[Any, tuple[PartitionSpec, ...]]:
+    """A placed batch's structure and specs, hashable (a static argument of ``_step``)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple(leaf.sharding.spec for leaf in leaves)
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled_step(
-    loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, data_axis: str,
-    reduce_type: str, has_aux: bool, with_rng: bool, batch_treedef: Any, leaf_specs: tuple,
-) -> Callable:
-    batch_specs = jax.tree.unflatten(batch_treedef, leaf_specs)
+def _device_loss(loss_fn: Callable, mesh: Mesh, data_axis: str, reduce_type: str, has_aux: bool,
+                 with_rng: bool, batch_specs: Any) -> Callable:
+    """The engine's ``loss(params, (batch, rng))``: ``loss_fn`` on each device's slice inside
+    ``shard_map``, reduced over ``data_axis`` by ``pmean`` (or ``psum`` for ``reduce_type="sum"``).
 
-    def local_step(state, batch, rng):
-        params, opt_state = _state_fields(state)
+    The parameters enter replicated, so differentiating the reduced loss all-reduces the
+    per-device gradients in the backward pass (the transpose of the replication): the mean or
+    the sum of them, as ``reduce_type`` says."""
+    reduce = lax.pmean if reduce_type == "mean" else lax.psum
+
+    def local(params: Any, batch: Any, rng: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         args = (batch, jax.random.fold_in(rng, lax.axis_index(data_axis))) if with_rng else (batch,)
-        (loss, aux), grads = jax.value_and_grad(
-            lambda p: loss_fn(p, *args) if has_aux else (loss_fn(p, *args), None), has_aux=True
-        )(_per_device(params, data_axis))
-        grads = reduce_gradients_across_devices(grads, reduce_type, data_axis)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {"loss": lax.pmean(loss, data_axis), "grad_norm": optax.tree.norm(grads)}
-        if has_aux:
-            metrics["aux"] = jax.tree.map(lambda value: lax.pmean(value, data_axis), aux)
-        return _with_fields(state, params, opt_state), metrics
+        loss, aux = loss_fn(params, *args) if has_aux else (loss_fn(params, *args), None)
+        metrics = {"mean_loss": lax.pmean(loss, data_axis)}
+        for keypath, value in jax.tree_util.tree_leaves_with_path(aux):  # scalars named by their paths
+            metrics[f"aux/{path_to_str(keypath) or 'value'}"] = lax.pmean(value, data_axis)
+        return reduce(loss, data_axis), metrics
 
-    sharded = jax.shard_map(
-        local_step,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), batch_specs, PartitionSpec()),
-        out_specs=(PartitionSpec(), PartitionSpec()),
-    )
-    return jax.jit(sharded)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), jax.tree.unflatten(*batch_specs),
+                                                        PartitionSpec()),
+                            out_specs=(PartitionSpec(), PartitionSpec()))
+    return lambda params, inputs: sharded(params, *inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("loss_fn", "tx", "mesh", "data_axis", "reduce_type", "has_aux",
+                                             "with_rng", "batch_specs"))
+def _step(params: Any, opt_state: Any, batch: Any, rng: jax.Array, *, loss_fn: Callable,
+          tx: optax.GradientTransformation, mesh: Mesh, data_axis: str, reduce_type: str, has_aux: bool,
+          with_rng: bool, batch_specs: Any) -> tuple[TrainState, dict[str, Any]]:
+    """One step of the engine's train step (``shardax.step.train``) on a plain parameter tree,
+    replicated over ``mesh``; jit's own cache keys it on the static settings."""
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    step = build_train_step(None, tx, _device_loss(loss_fn, mesh, data_axis, reduce_type, has_aux, with_rng,
+                                                   batch_specs),
+                            param_shardings=replicated, compute_shardings=replicated, gradient_shardings=replicated,
+                            batch_sharding=None, nonfinite="skip")
+    zero = jnp.zeros((), jnp.int32)
+    return step(TrainState(step=zero, params=params, opt_state=opt_state, rest=None, skipped=zero), (batch, rng))
 
 
 def data_parallel_train_step(
@@ -159,27 +166,34 @@ def data_parallel_train_step(
       mesh: the mesh; defaults to the one set with ``jax.set_mesh``.
       data_axis: the mesh axis the batch is split over.
       reduce_type: ``"mean"`` or ``"sum"`` of the per-device gradients.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged into metrics.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``: a scalar or a tree of scalars, each
+        averaged over devices into ``metrics["aux"]``, a dict by path (``{"noise": ...}``,
+        ``{"a/b": ...}``; a lone scalar as ``{"value": ...}``).
 
     Returns:
-      ``(new_state, metrics)`` with ``metrics = {"loss", "grad_norm"[, "aux"]}``; the loss is
-      the mean over devices.
+      ``(new_state, metrics)`` with ``metrics = {"loss", "grad_norm", "skipped_steps"[, "aux"]}``;
+      the loss is the mean over devices. It is the engine's step (``shardax.step.train``): a step
+      whose loss or gradient norm is not finite leaves the parameters and optimizer state as they
+      were and says so with ``skipped_steps == 1``.
     """
     check_reduce_type(reduce_type)
-    mesh = _current_mesh(mesh)
-    if data_axis not in mesh.shape:
-        raise UsageError(
-            f"data_axis={data_axis!r} is not an axis of the mesh {describe_mesh(mesh)}; "
-            f"use one of {tuple(mesh.axis_names)}"
-        )
+    mesh = _current_mesh(mesh, data_axis)
     tx = _check_state(state, optimizer)
     batch = place_batch(batch, NamedSharding(mesh, PartitionSpec(data_axis)))
-    leaves, batch_treedef = jax.tree.flatten(batch)
-    leaf_specs = tuple(leaf.sharding.spec for leaf in leaves)
-    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))
-    rng = rngs if rngs is not None else jax.random.key(0)
-    rng = jax.device_put(rng, NamedSharding(mesh, PartitionSpec()))
-    step = _compiled_step(
-        loss_fn, tx, mesh, data_axis, reduce_type, has_aux, rngs is not None, batch_treedef, leaf_specs
-    )
-    return step(state, batch, rng)
+    batch_specs = _specs(batch)
+    params, opt_state = jax.device_put(_state_fields(state), NamedSharding(mesh, PartitionSpec()))
+    rng = jax.device_put(rngs if rngs is not None else jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    new, metrics = _step(params, opt_state, batch, rng, loss_fn=loss_fn, tx=tx, mesh=mesh, data_axis=data_axis,
+                         reduce_type=reduce_type, has_aux=has_aux, with_rng=rngs is not None,
+                         batch_specs=batch_specs)
+    return _with_fields(state, new.params, new.opt_state), _metrics(metrics, has_aux)
+
+
+def _metrics(engine: dict[str, Any], has_aux: bool) -> dict[str, Any]:
+    """The engine's metrics as this step names them: the mean loss over devices (the engine's
+    ``loss`` is the reduced one, a sum under ``reduce_type="sum"``), ``aux`` gathered by path."""
+    metrics = {name: value for name, value in engine.items() if not name.startswith("aux/")}
+    metrics["loss"] = metrics.pop("mean_loss")
+    if has_aux:
+        metrics["aux"] = {name[len("aux/"):]: value for name, value in engine.items() if name.startswith("aux/")}
+    return metrics
