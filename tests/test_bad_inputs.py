@@ -72,7 +72,7 @@ CASES = [
     (["--steps", "-3"], "--steps -3 must be at least 1"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
-    (["--batch-size", "12"], "--batch-size 12 does not split over the batch axes ('data',) of mesh data=8"),
+    (["--batch-size", "12"], "a global batch of 12 rows (--batch-size 12) does not split over the batch axes ('data',) of mesh data=8"),
     (["--lr", "-1"], "--lr -1.0 must be a positive learning rate"),
     (["--lr", "0"], "--lr 0.0 must be a positive learning rate"),
     (["--log-every", "0"], "--log-every 0 must be at least 1"),

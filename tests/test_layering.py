@@ -99,3 +99,20 @@ def test_only_the_command_line_changes_process_wide_state():
             if isinstance(node, ast.Attribute) and node.attr == "setLevel":
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} setLevel")
     assert found == []
+
+
+def test_every_function_and_module_reads_in_one_sitting():
+    """No function over 50 lines (docstring included) and no module over 400: each does one job
+    that fits on a screen, and each module is one topic."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(PACKAGE)
+        if len(text.splitlines()) > 400:
+            long.append(f"{where}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 50:
+                    long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert not long, long

@@ -235,14 +235,15 @@ def one_pass():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda t, d: t.fit(BATCHES, steps=2, log_every=0), "log_every=0 must be at least 1"),
+    (lambda t, d: t.fit(BATCHES, steps=2, log_every=0), "`log_every=0` must be at least 1"),
     (lambda t, d: t.fit(BATCHES, steps=2, eval_data=one_pass()), "eval_data is a one-pass generator"),
-    (lambda t, d: t.fit(BATCHES, steps=2, resume=True), "resume=True needs checkpoint_dir"),
+    (lambda t, d: t.fit(BATCHES, steps=2, resume=True), "`resume=True` needs checkpoint_dir"),
     (lambda t, d: t.fit(BATCHES, steps=2, resume=True, checkpoint_dir=d), "resume: no checkpoint in"),
     (lambda t, d: t.fit(42, steps=2), "data is a int; give an iterable of batches"),
     (lambda t, d: t.fit([], steps=2), "the data gave no batches"),
     (lambda t, d: t.fit([{"inputs": np.ones((12, 12), np.float32), "labels": np.zeros(12, np.int32)}], steps=1),
-     "batch leaf 'inputs': dimension 0 has size 12, which does not divide over mesh axis 'data' of size 8"),
+     "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh data=8 times "
+     "`grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
 ])
 def test_bad_arguments_are_one_line_errors(call, message, tmp_path):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
@@ -261,7 +262,7 @@ def test_a_loss_fn_returning_something_else_is_a_clear_error():
 def test_checkpoints_are_never_overwritten_and_resume_checks_what_it_reads(tmp_path):
     trainer().fit(BATCHES, steps=2, checkpoint_dir=tmp_path)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME}
-    with pytest.raises(ValueError, match="already holds checkpoints \\(latest step 2\\); resume it"):
+    with pytest.raises(ValueError, match="already holds checkpoints \\(latest step 2\\); pass `resume=True` to continue"):
         trainer().fit(BATCHES, steps=4, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match=r"holds a different model: params.hidden.bias has shape \(40,\) there but \(48,\)"):
         Trainer(_Wider, optax.adamw(1e-2), classification_loss).fit(BATCHES, steps=4, checkpoint_dir=tmp_path,

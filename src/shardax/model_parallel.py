@@ -34,7 +34,8 @@ from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.rules import logical_axes_of, unannotated
-from shardax.sharding.strategies import Strategy, get_strategy
+from shardax.sharding.strategies import Strategy
+from shardax.step.settings import StepSettings
 from shardax.step.train import build_eval_step, build_train_step
 from shardax.step.loss import LossFn, split_loss
 from shardax.step.state import TrainState
@@ -82,6 +83,15 @@ class ParallelModel:
     abstract_state: TrainState
     state_shardings: TrainState
     trainable: Any = None
+
+    @classmethod
+    def create(cls, factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
+               axis_names: AxisNames = None, loss_fn: LossFn | None = None, example_batch: Any = None,
+               trainable: Any = None) -> ParallelModel:
+        """Lay ``factory``'s model and ``tx`` out by ``settings`` (resolved and checked once, see
+        ``shardax.step.settings``); the keywords are ``parallelize``'s."""
+        return _lay_out(factory, tx, settings, axis_names=axis_names, loss_fn=loss_fn,
+                        example_batch=example_batch, trainable=trainable)
 
     @property
     def mesh(self) -> Mesh:
@@ -227,12 +237,14 @@ class ParallelModel:
         return nnx.merge(self.graphdef, state.params, state.rest)
 
 
-def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh,
+def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh | str | None,
                 strategy: str | Strategy = "dp", *, axis_names: AxisNames = None, loss_fn: LossFn | None = None,
                 example_batch: Any = None, trainable: Any = None) -> ParallelModel:
     """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only.
 
     Args:
+      mesh: a ``Mesh``, a shape such as ``"data=4,model=2"``, or ``None`` (every device on
+        ``data``, plus what the strategy needs); checked against the strategy's axes.
       axis_names: for a model annotated with its own mesh axis names (weights declared with
         ``("fsdp", "tp")``, activations constrained to ``P("fsdp", None, "tp")``), which of
         shardax's mesh axes each plays, e.g. ``{"fsdp": "data", "tp": "model"}`` or
@@ -253,10 +265,16 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
     each group on that axis would only repeat each other's work. ``layout.notes()`` lists every
     weight left whole on it, and why.
     """
+    return ParallelModel.create(factory, tx, StepSettings.resolve(strategy, mesh), axis_names=axis_names,
+                                loss_fn=loss_fn, example_batch=example_batch, trainable=trainable)
+
+
+def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
+             axis_names: AxisNames = None, loss_fn: LossFn | None = None, example_batch: Any = None,
+             trainable: Any = None) -> ParallelModel:
+    """``parallelize`` on settings already resolved (``ParallelModel.create``)."""
     mapping = parse_axis_names(axis_names)
-    strategy = get_strategy(strategy)
-    strategy.check_mesh(mesh)
-    mesh, strategy = named_mesh(mesh, mapping), named_strategy(strategy, mapping)
+    mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
     trainable = _trainable(params, trainable)

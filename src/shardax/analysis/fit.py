@@ -17,10 +17,8 @@ from typing import Any
 from shardax.analysis.plan import StrategyPlan, plan_strategy
 from shardax.analysis.targets import Target
 from shardax.errors import UsageError
-from shardax.mesh import DeviceMeshManager
 from shardax.models.transformer import TransformerConfig
-from shardax.sharding.place import spec_axes
-from shardax.sharding.strategies import default_mesh, get_strategy
+from shardax.step.settings import StepSettings
 
 POLICIES = ("none", "dots_with_no_batch_dims_saveable", "dots_saveable", "full")
 
@@ -45,13 +43,8 @@ class Fit:
 def batch_granule(strategy: str, mesh_shape: str | None, target: Target, microbatches: int | None = None) -> int:
     """The rows a global batch must be a multiple of: the devices its rows are split over (times
     a pipeline's microbatches, one per stage unless given)."""
-    resolved = get_strategy(strategy)
-    mesh = DeviceMeshManager(target.devices()).create_device_mesh(mesh_shape or default_mesh(resolved.name))
-    rows = resolved.batch_spec(mesh)[0]
-    granule = math.prod(mesh.shape[axis] for axis in spec_axes(rows)) if rows else 1
-    if resolved.pipeline_axis:
-        granule *= microbatches or mesh.shape[resolved.pipeline_axis]
-    return granule
+    return StepSettings.resolve(strategy, mesh_shape, microbatches=microbatches,
+                                devices=target.devices()).rows_per_split()
 
 
 def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, target: Target, batch: int,
@@ -59,8 +52,8 @@ def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, targe
     """The compiled peak per device at this batch; infinity where XLA:TPU refuses, out of HBM."""
     from shardax.analysis.plan import compile_step, compiled_memory, out_of_memory, transformer_for
 
-    parallel = transformer_for(model, get_strategy(strategy), mesh_shape, None, target)
-    pipeline = {key: value for key, value in options.items() if get_strategy(strategy).pipeline_axis}
+    parallel = transformer_for(model, strategy, mesh_shape, None, target)
+    pipeline = {key: value for key, value in options.items() if parallel.strategy.pipeline_axis}
     try:
         return compiled_memory(compile_step(parallel, batch, model.seq_len, **pipeline))["peak"]
     except Exception as error:

@@ -24,12 +24,13 @@ from shardax.analysis.memory import predict_memory
 from shardax.analysis.theory import theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
-from shardax.mesh import DeviceMeshManager, describe_mesh, parse_mesh_shape
-from shardax.model_parallel import parallelize
+from shardax.mesh import describe_mesh, parse_mesh_shape
+from shardax.model_parallel import ParallelModel
 from shardax.models.presets import flops_per_token
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
 from shardax.sharding.report import format_bytes
-from shardax.sharding.strategies import STRATEGIES, default_mesh, get_strategy
+from shardax.sharding.strategies import STRATEGIES, get_strategy
+from shardax.step.settings import StepSettings
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -105,10 +106,8 @@ def transformer_for(model: TransformerConfig, strategy: Any, mesh_shape: str | N
     """``TransformerLM(model)`` parallelized by ``strategy`` (a name or a ``Strategy``) over
     ``mesh_shape`` (default: the strategy's own) of fake CPU devices or a ``target``'s devices,
     built abstractly: what ``shardax plan`` compiles."""
-    strategy = get_strategy(strategy) if isinstance(strategy, str) else strategy
-    devices = target.devices() if target is not None else None
-    mesh = DeviceMeshManager(devices).create_device_mesh(mesh_shape or default_mesh(strategy.name))
-    return parallelize(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), mesh, strategy)
+    settings = StepSettings.resolve(strategy, mesh_shape, devices=target.devices() if target is not None else None)
+    return ParallelModel.create(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), settings)
 
 
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
@@ -121,8 +120,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     ``context_attention``: how attention spans a sequence split over a ``context`` axis;
     ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
     the default ``device_memory``."""
-    resolved = get_strategy(strategy)
-    parallel = transformer_for(model, resolved, mesh_shape, tx, target)
+    parallel = transformer_for(model, strategy, mesh_shape, tx, target)
+    resolved = parallel.strategy
     mesh = parallel.mesh
     # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}

@@ -53,7 +53,6 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tup
     record, the model's config, the ``ParallelModel``, the state). ``check(config, step)`` runs
     before anything is read."""
     from shardax.lm.job import optimizer
-    from shardax.mesh import DeviceMeshManager
     from shardax.model_parallel import parallelize
     from shardax.models.transformer import TransformerConfig, TransformerLM
     from shardax.trainer.checkpoint import Checkpointer
@@ -77,8 +76,7 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tup
         if check is not None:
             check(config, step)
         tx, _ = optimizer(run["lr"], run["steps"])
-        mesh = DeviceMeshManager().create_device_mesh("data=-1")
-        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, mesh, "fsdp")
+        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
     return step, run, config, parallel, state
 

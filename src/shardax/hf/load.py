@@ -15,7 +15,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardax.errors import UsageError
-from shardax.mesh import DeviceMeshManager
 from shardax.model_parallel import ParallelModel, parallelize, trained_part
 from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
@@ -53,14 +52,9 @@ def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Any:
     return lambda rngs: TransformerLM(config, rngs=rngs)
 
 
-def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> tuple[TrainState, int]:
-    """A ``TrainState`` for ``parallel`` whose parameters are the checkpoint's in ``path``, each
-    device's slice read straight from the files; the optimizer's state starts from them. Returns
-    it and the bytes this process read. ``parallel``'s model must be the checkpoint's (a
-    ``TransformerLM`` of its config, scanned or looped, any remat or precision, with or
-    without LoRA adapters, which start from ``seed`` as ``parallel.init`` makes them)."""
-    path = Path(path)
-    abstract, shardings = parallel.abstract_state, parallel.state_shardings
+def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig:
+    """``parallel``'s model's config, checked to be a ``TransformerLM`` of the checkpoint's config."""
+    abstract = parallel.abstract_state
     model = nnx.merge(parallel.graphdef, abstract.params, abstract.rest)
     config = getattr(model, "config", None)
     if not isinstance(model, TransformerLM) or not isinstance(config, TransformerConfig):
@@ -74,54 +68,55 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
         raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
                          f"checkpoint's config.json gives {getattr(expected, differ[0])!r}; build the model with "
                          "shardax.hf.factory(path)")
-    tensors = SafeTensors(path)
-    _check_names(tensors, config)
+    return config
 
-    def fill(keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
-        name = path_to_str(keypath)
-        source, layer, below = _parameter_source(name, config)
 
-        def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
-            return tuple((s.start, s.stop) for s in _normalize(index, leaf.shape))
+def _read_slice(tensors: SafeTensors, config: TransformerConfig, name: str, dtype: Any,
+                index: tuple[slice, ...]) -> np.ndarray:
+    """One device's slice of parameter ``name``, filled a layer at a time: besides the slice
+    itself, only one layer's part of it is ever held."""
+    source, layer, below = _parameter_source(name, config)
+    out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+    if source is not None:
+        out[...] = source.read(tensors, index)
+    elif layer is not None:
+        out[...] = _sources(config, layer)[below].read(tensors, index)
+    else:
+        for row, at in enumerate(range(config.n_layers)[index[0]]):
+            out[row] = _sources(config, at)[below].read(tensors, index[1:])
+    return out
 
-        # devices that hold the same slice read it once; a slice is let go once its last device has it
-        wanted = collections.Counter(key(index) for index in
-                                     sharding.addressable_devices_indices_map(leaf.shape).values())
-        blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
-        def block(index: tuple[slice, ...]) -> np.ndarray:
-            at = key(index)
-            if at not in blocks:
-                blocks[at] = read(_normalize(index, leaf.shape))
-                tensors.release()
-            wanted[at] -= 1
-            return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
+def _fill(tensors: SafeTensors, config: TransformerConfig, keypath: Any, leaf: jax.ShapeDtypeStruct,
+          sharding: Any) -> jax.Array:
+    """The parameter at ``keypath`` in ``sharding``, this process's devices' slices read from the files."""
+    name = path_to_str(keypath)
 
-        def read(index: tuple[slice, ...]) -> np.ndarray:
-            """One device's slice, filled a layer at a time: besides the slice itself, only one
-            layer's part of it is ever held."""
-            out = np.empty(tuple(s.stop - s.start for s in index), leaf.dtype)
-            if source is not None:
-                out[...] = source.read(tensors, index)
-            elif layer is not None:
-                out[...] = _sources(config, layer)[below].read(tensors, index)
-            else:
-                for row, at in enumerate(range(config.n_layers)[index[0]]):
-                    out[row] = _sources(config, at)[below].read(tensors, index[1:])
-            return out
+    def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple((s.start, s.stop) for s in _normalize(index, leaf.shape))
 
-        array = jax.make_array_from_callback(leaf.shape, sharding, block)
-        _give_back_freed_memory()
-        return array
+    # devices that hold the same slice read it once; a slice is let go once its last device has it
+    wanted = collections.Counter(key(index) for index in
+                                 sharding.addressable_devices_indices_map(leaf.shape).values())
+    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
 
-    loaded = {path_to_str(keypath): fill(keypath, leaf, sharding) for (keypath, leaf), sharding in zip(
-        jax.tree_util.tree_leaves_with_path(abstract.params), jax.tree.leaves(shardings.params))
-        if not is_adapter(path_to_str(keypath))}
-    tensors.close()
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        at = key(index)
+        if at not in blocks:
+            blocks[at] = _read_slice(tensors, config, name, leaf.dtype, _normalize(index, leaf.shape))
+            tensors.release()
+        wanted[at] -= 1
+        return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
 
-    # the rest of the state in its shards: the step, the adapters, the optimizer's state over the
-    # trained weights and the model's other variables (the random weights init would make for
-    # the loaded ones are never computed)
+    array = jax.make_array_from_callback(leaf.shape, sharding, block)
+    _give_back_freed_memory()
+    return array
+
+
+def _with_the_rest(parallel: ParallelModel, seed: int, loaded: dict[str, jax.Array]) -> TrainState:
+    """The whole state in its shards around the ``loaded`` parameters: the step, the adapters, the
+    optimizer's state over the trained weights and the model's other variables (the random
+    weights init would make for the loaded ones are never computed)."""
     def start(loaded: dict[str, jax.Array]) -> TrainState:
         fresh = parallel.init(seed)
         params = jax.tree_util.tree_map_with_path(lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf),
@@ -129,8 +124,25 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
         return dataclasses.replace(fresh, params=params, opt_state=parallel.tx.init(
             trained_part(params, parallel.trainable)))
 
-    state = jax.jit(start, out_shardings=shardings, donate_argnums=0)(loaded)
-    return state, tensors.bytes_read
+    return jax.jit(start, out_shardings=parallel.state_shardings, donate_argnums=0)(loaded)
+
+
+def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> tuple[TrainState, int]:
+    """A ``TrainState`` for ``parallel`` whose parameters are the checkpoint's in ``path``, each
+    device's slice read straight from the files; the optimizer's state starts from them. Returns
+    it and the bytes this process read. ``parallel``'s model must be the checkpoint's (a
+    ``TransformerLM`` of its config, scanned or looped, any remat or precision, with or
+    without LoRA adapters, which start from ``seed`` as ``parallel.init`` makes them)."""
+    path = Path(path)
+    config = _checkpoint_config(parallel, path)
+    tensors = SafeTensors(path)
+    _check_names(tensors, config)
+    leaves = zip(jax.tree_util.tree_leaves_with_path(parallel.abstract_state.params),
+                 jax.tree.leaves(parallel.state_shardings.params))
+    loaded = {path_to_str(keypath): _fill(tensors, config, keypath, leaf, sharding)
+              for (keypath, leaf), sharding in leaves if not is_adapter(path_to_str(keypath))}
+    tensors.close()
+    return _with_the_rest(parallel, seed, loaded), tensors.bytes_read
 
 
 def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
@@ -139,13 +151,11 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
          lora: LoRA | None = None, seed: int = 0) -> Loaded:
     """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
     slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
-    ``"data=4,model=2"``, default every device on ``data``). ``tx`` (default: none) sets up the
+    ``"data=4,model=2"``, default every device on ``data`` plus what the strategy needs). ``tx`` (default: none) sets up the
     optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train."""
     path = Path(path)
     config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
     config = config if lora is None else lora.applied(config)
-    if mesh is None or isinstance(mesh, str):
-        mesh = DeviceMeshManager().create_device_mesh(mesh or "data=-1")
     SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
     state, read = initial_state(parallel, path, seed)

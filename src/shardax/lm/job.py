@@ -9,7 +9,6 @@ is the step) and the validation batches, and ends with a seeded sample of text.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,11 @@ from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config
 from shardax.lm.sampling import sample_tokens
-from shardax.mesh import DeviceMeshManager, describe_mesh
+from shardax.mesh import describe_mesh
 from shardax.model_parallel import ParallelModel
 from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
                                         weighted_next_token_loss)
-from shardax.sharding.strategies import default_mesh, get_strategy
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say, show_summary
 from shardax.trainer.trackers import parse_tracker
@@ -50,17 +48,6 @@ class TrainResult:
     directory: RunDirectory
 
 
-def _check_batch(batch: int, grad_accum: int, microbatches: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
-    split = math.prod(mesh.shape[a] for a in axes if a in mesh.shape) * grad_accum * microbatches
-    if batch % split:
-        pipeline = f" x --microbatches {microbatches}" if microbatches > 1 else ""
-        raise UsageError(
-            f"--batch-size {batch} does not split over the batch axes {axes} of mesh {describe_mesh(mesh)} "
-            f"times --grad-accum {grad_accum}{pipeline} (= {split}); use a multiple of {split}, "
-            f"e.g. {split * max(1, batch // split)}"
-        )
-
-
 def optimizer(lr: float, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     warmup = max(1, min(100, steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
@@ -77,12 +64,8 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
     checkpointer = Checkpointer(config.checkpoint_dir)
     try:
         checkpointer.lock.check_free()  # another run writing it: say so first
-        step = checkpointer.latest_step()
         if not config.resume:
-            if step is not None:
-                where = _checkpoints_flag(config)
-                raise UsageError(f"{where} already holds checkpoints (latest step {step}); pass --resume to continue "
-                                 f"that run, or choose another {where.split()[0]}")
+            checkpointer.refuse_fresh_start(_checkpoints_flag(config), "--resume")
             return None, None, {}
         step, _ = checkpointer.latest_good_step()  # damaged newer ones: the Trainer warns and sets them aside
         record = checkpointer.record(step)
@@ -154,13 +137,6 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     saved, step, record = _saved_run(config)
     run = resolve(config, saved)
     _check_not_finished(run, step, config)
-    strategy = get_strategy(config.strategy)
-    mesh = DeviceMeshManager().create_device_mesh(config.mesh or default_mesh(strategy.name))
-    strategy.check_mesh(mesh)
-    pipeline = {"microbatches": config.microbatches, "pipeline_repeats": config.pipeline_repeats,
-                "context_attention": config.context_attention}
-    stages = mesh.shape[strategy.pipeline_axis] if strategy.pipeline_axis else 1
-    _check_batch(run.batch_size, config.grad_accum, config.microbatches or stages, mesh, strategy.batch_axes)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
     _check_tokenizer(data, saved, step, config)
@@ -172,11 +148,13 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=mesh,
-                      strategy=strategy, grad_accum=config.grad_accum, seed=run.seed, eval_loss_fn=data.eval_loss, **pipeline,
-                      learning_rate=schedule, name="shardax train", example_batch=example, init_from=run.init_from,
-                      trackers=_trackers(config.tracker))
-    return trainer, data, run, _changes(record, config, mesh, model)
+    # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
+    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=config.mesh,
+                      strategy=config.strategy, grad_accum=config.grad_accum, microbatches=config.microbatches,
+                      pipeline_repeats=config.pipeline_repeats, context_attention=config.context_attention,
+                      seed=run.seed, eval_loss_fn=data.eval_loss, learning_rate=schedule, name="shardax train",
+                      example_batch=example, init_from=run.init_from, trackers=_trackers(config.tracker))
+    return trainer, data, run, _changes(record, config, trainer.mesh, model)
 
 
 def _trackers(specs: list[str] | None) -> list[str]:

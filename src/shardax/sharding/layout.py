@@ -21,7 +21,7 @@ from shardax.sharding.place import spec_axes
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of, unannotated
-from shardax.sharding.strategies import Strategy, get_strategy
+from shardax.sharding.strategies import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +59,14 @@ def check_names(params: Any, mesh: Mesh, strategy: Strategy) -> None:
         )
 
 
-def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy | str,
+def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy,
                  derived: Derived | None = None) -> dict[str, LeafLayout]:
     """``{path: LeafLayout}`` for every parameter of an (abstract or concrete) state.
 
     ``derived``: tensor parallelism read off the model's program, for parameters that carry no
     logical names (``shardax.sharding.derive``). Under a strategy that splits weights over a
-    tensor axis, each parameter left whole on it says why in ``LeafLayout.whole``."""
-    strategy = get_strategy(strategy)
-    strategy.check_mesh(mesh)
+    tensor axis, each parameter left whole on it says why in ``LeafLayout.whole``. The mesh has
+    the strategy's axes (``shardax.step.settings`` checked them)."""
     check_names(params, mesh, strategy)
     tensor = strategy.tensor_axis(mesh)
     layouts = {}
@@ -129,8 +128,7 @@ class Layout:
     leaves: dict[str, LeafLayout]
 
     @classmethod
-    def create(cls, params: Any, mesh: Mesh, strategy: Strategy | str, derived: Derived | None = None) -> "Layout":
-        strategy = get_strategy(strategy)
+    def create(cls, params: Any, mesh: Mesh, strategy: Strategy, derived: Derived | None = None) -> "Layout":
         return cls(mesh=mesh, strategy=strategy, leaves=leaf_layouts(params, mesh, strategy, derived))
 
     def _param_spec(self, attribute: str) -> Any:

@@ -237,6 +237,14 @@ class Checkpointer:
             if directory.is_dir():
                 seal(directory, jax.process_index())
 
+    def refuse_fresh_start(self, where: str, resume: str) -> None:
+        """A run that does not resume may not write over checkpoints: one line naming ``where``
+        they are and how to ``resume`` that run (said in the caller's words)."""
+        step = self.latest_step()
+        if step is not None:
+            raise UsageError(f"{where} already holds checkpoints (latest step {step}); pass {resume} to continue "
+                             "that run, or choose another directory")
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 

@@ -23,15 +23,19 @@ from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import RunDisplay, show_summary
 from shardax.trainer.metrics import MetricsLog, finite_or_none
 from shardax.trainer.preemption import StopSignals
+from shardax.trainer.settings import FitSettings
 from shardax.trainer.sources import BatchSource
 from shardax.trainer.trackers import Tracker, open_tracker
 
 
 class Trainer(Protocol):
     """What a run needs of ``shardax.Trainer`` (which this module does not import: the Trainer
-    starts runs, a run does not make Trainers)."""
+    starts runs, a run does not make Trainers). A run reads the trainer's state and never writes
+    it: ``Trainer.fit`` takes the run's final ``Run.state``."""
 
-    state: TrainState | None
+    @property
+    def state(self) -> TrainState | None: ...
+
     name: str
     seed: int
     parallel: Any
@@ -88,125 +92,115 @@ class FitResult:
 
 @dataclasses.dataclass
 class Run:
+    """One ``fit``: its settings, its state as it trains, and what it writes to."""
+
     trainer: Trainer
+    settings: FitSettings
     source: BatchSource
+    state: TrainState
     start_step: int
     display: RunDisplay
     metrics: MetricsLog
     trackers: list[Tracker]
     checkpointer: Checkpointer | None
-    record: dict[str, Any]
     notes: list[str]
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     last_eval: dict[str, float] | None = None
     best_eval_loss: float | None = None
-    on_nonfinite: str = "stop"
 
     @classmethod
-    def start(cls, trainer: Trainer, source: BatchSource, *, checkpoint_dir: str | None, resume: bool,
-              keep_checkpoints: int, metrics: str | None, tensorboard: str | None, steps: int | None,
-              record: dict[str, Any] | None, on_nonfinite: str) -> Run:
-        """Check every setting, then restore or initialise the state; nothing is written before."""
-        checkpointer = Checkpointer(checkpoint_dir, keep=keep_checkpoints) if checkpoint_dir else None
+    def start(cls, trainer: Trainer, source: BatchSource, settings: FitSettings) -> Run:
+        """Restore or initialise the state (the settings were checked as they were made); nothing
+        is written before."""
+        checkpointer = (Checkpointer(settings.checkpoint_dir, keep=settings.keep_checkpoints)
+                        if settings.checkpoint_dir else None)
         try:
-            run = cls._start(trainer, source, checkpointer, resume=resume, metrics=metrics,
-                             tensorboard=tensorboard, steps=steps, record=record)
-            run.on_nonfinite = on_nonfinite
-            return run
+            return cls._start(trainer, source, checkpointer, settings)
         except BaseException:
             if checkpointer is not None:
                 checkpointer.close()
             raise
 
     @classmethod
-    def _start(cls, trainer: Trainer, source: BatchSource, checkpointer: Checkpointer | None, *, resume: bool,
-               metrics: str | None, tensorboard: str | None, steps: int | None,
-               record: dict[str, Any] | None) -> Run:
+    def _start(cls, trainer: Trainer, source: BatchSource, checkpointer: Checkpointer | None,
+               settings: FitSettings) -> Run:
         notes = []
-        if resume:
-            if checkpointer is None:
-                raise UsageError("resume=True needs checkpoint_dir (where the run's checkpoints are)")
+        if settings.resume:
             if checkpointer.directory.is_dir():
                 checkpointer.hold()  # before anything is read, set aside or written
-            notes += _restore(trainer, checkpointer, source)
-        elif checkpointer is not None and checkpointer.latest_step() is not None:
-            raise UsageError(f"checkpoint directory {checkpointer.directory} already holds checkpoints (latest step "
-                             f"{checkpointer.latest_step()}); resume it, or choose another directory")
-        elif trainer.state is None:
-            trainer.init()
+            state, restored = _restore(trainer, checkpointer, source)
+            notes += restored
+        else:
+            if checkpointer is not None:
+                checkpointer.refuse_fresh_start(f"checkpoint directory {checkpointer.directory}", "`resume=True`")
+            state = trainer.state if trainer.state is not None else trainer.init()
         if checkpointer is not None:
             checkpointer.make_writable()
-            if checkpointer.lock.took_over:
-                dead = checkpointer.lock.took_over
-                notes.append(f"took over the lock of {checkpointer.directory} that a run which is no longer running "
-                             f"left (host {dead.get('host', '?')}, pid {dead.get('pid', '?')}, since "
-                             f"{dead.get('since', '?')})")
-        start = int(jax.device_get(trainer.state.step))
-        if steps is not None and start >= steps:
-            raise UsageError(f"the state is at step {start} and steps is {steps}; raise steps to train further")
+            notes += _took_over(checkpointer)
+        start = int(jax.device_get(state.step))
+        if settings.steps is not None and start >= settings.steps:
+            raise UsageError(f"the state is at step {start} and `steps={settings.steps}`; raise steps to train further")
         first = jax.process_index() == 0
-        metrics_log = MetricsLog(metrics if first else None, resume_from=start if resume else None)
+        metrics_log = MetricsLog(settings.metrics if first else None, resume_from=start if settings.resume else None)
         if metrics_log.note:
             notes.append(metrics_log.note)
         return cls(
-            trainer=trainer, source=source, start_step=start,
-            display=RunDisplay(steps, start, title=trainer.name),
-            metrics=metrics_log,
-            trackers=_open_trackers(trainer, tensorboard, record) if first else [],
-            checkpointer=checkpointer, record=dict(record or {}), notes=notes,
+            trainer=trainer, settings=settings, source=source, state=state, start_step=start,
+            display=RunDisplay(settings.steps, start, title=trainer.name), metrics=metrics_log,
+            trackers=_open_trackers(trainer, settings.tensorboard, settings.record) if first else [],
+            checkpointer=checkpointer, notes=notes,
         )
 
-    def loop(self, source: BatchSource, *, steps: int | None, evaluations: Callable | None, eval_every: int,
-             log_every: int, checkpoint_every: int, on_log: Callable | None,
-             tokens_per_example: int | None, summary: bool = True, loss_unit: str | None = None,
-             baselines: dict[str, float] | None = None) -> FitResult:
-        trainer, step_fn = self.trainer, self.trainer.train_step(self.on_nonfinite)
-        state, step, done = trainer.state, self.start_step, set()
-        clock = _Clock(step, tokens_per_example)
+    def loop(self, evaluations: Callable | None, on_log: Callable | None) -> FitResult:
+        """Step until ``steps`` (or the data's end), then what the last step gets, and the summary."""
+        settings, step_fn = self.settings, self.trainer.train_step(self.settings.on_nonfinite)
+        step, done, step_metrics = self.start_step, set(), {}
+        clock = _Clock(step, settings.tokens_per_example)
         with StopSignals() as stops:
-            while steps is None or step < steps:
-                batch = source.next()
+            while settings.steps is None or step < settings.steps:
+                batch = self.source.next()
                 if batch is None:
                     break
-                placed = trainer.place(batch)
-                state, step_metrics = step_fn(state, placed)
+                placed = self.trainer.place(batch)
+                self.state, step_metrics = step_fn(self.state, placed)
                 step += 1
-                trainer.state = state
                 clock.count(batch_rows(placed))
-                last = step == steps
-                due = {"log": step % log_every == 0 or step == self.start_step + 1 or last,
-                       "eval": evaluations is not None and ((eval_every and step % eval_every == 0) or last),
-                       "save": self.checkpointer is not None and ((checkpoint_every and step % checkpoint_every == 0)
-                                                                  or last)}
+                due = settings.due(step, step == self.start_step + 1, evaluations is not None,
+                                   self.checkpointer is not None)
                 self._after_step(step, step_metrics, clock, due, evaluations, on_log)
                 done = {name for name, wanted in due.items() if wanted}
                 if stops.reached(step):
                     self._stop(step, "save" in done, stops.received)
         if step == self.start_step:
             raise UsageError("the data gave no batches; give at least one batch to train on")
-        if steps is not None and step < steps:
-            self.display.print(f"the data ran out after step {step} (of {steps})")
+        if settings.steps is not None and step < settings.steps:
+            self.display.print(f"the data ran out after step {step} (of {settings.steps})")
         final = {"log": True, "eval": evaluations is not None, "save": self.checkpointer is not None}
         missing = {name: wanted and name not in done for name, wanted in final.items()}
         if any(missing.values()):  # the data ran out: the last step gets what a last step gets
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
         self._check_finite(step)
+        return self._finish(step, clock)
+
+    def _finish(self, step: int, clock: _Clock) -> FitResult:
+        settings = self.settings
         wall = clock.finish(self.checkpointer)
-        rows = self._summary(step, clock, wall, loss_unit, baselines or {})
-        image = self.metrics.plot(title=self.trainer.title(), loss_unit=loss_unit, baselines=baselines)
+        rows = self._summary(step, clock, wall, settings.loss_unit, settings.baselines or {})
+        image = self.metrics.plot(title=self.trainer.title(), loss_unit=settings.loss_unit,
+                                  baselines=settings.baselines)
         if image is not None:
             rows["metrics"] = f"{self.metrics.path}, curves {image}"
         self.display.close()
-        if summary:
+        if settings.summary:
             show_summary(self.trainer.name, rows)
-        return FitResult(state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
+        return FitResult(self.state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
                          clock.examples_per_sec(step), rows, image)
 
     def _check_finite(self, step: int) -> None:
         """Stop, naming the step, once a step's loss or gradient norm was not finite (``on_nonfinite="stop"``)."""
-        if self.on_nonfinite != "stop":
+        if self.settings.on_nonfinite != "stop":
             return
-        skipped = int(host_float(self.trainer.state.skipped))
+        skipped = int(host_float(self.state.skipped))
         if not skipped:
             return
         first = step - skipped + 1
@@ -252,7 +246,7 @@ class Run:
             self.display.advance(step)
         if due["eval"]:
             began = time.perf_counter()
-            self.last_eval = self.trainer.evaluate(evaluations)
+            self.last_eval = self.trainer.evaluate(evaluations, self.state)
             clock.pause(time.perf_counter() - began)
             loss = self.last_eval["loss"]
             self.best_eval_loss = loss if self.best_eval_loss is None else min(self.best_eval_loss, loss)
@@ -272,8 +266,8 @@ class Run:
 
     def _save(self, step: int) -> None:
         record = {"step": step, "data": self.source.record(), "seed": self.trainer.seed,
-                  "processes": jax.process_count(), **self.record}
-        self.checkpointer.save(step, self.trainer.state, record, data=self.source.save_args())
+                  "processes": jax.process_count(), **(self.settings.record or {})}
+        self.checkpointer.save(step, self.state, record, data=self.source.save_args())
 
     def _summary(self, step: int, clock: _Clock, wall: float, unit: str | None,
                  baselines: dict[str, float]) -> dict[str, str]:
@@ -317,7 +311,16 @@ def _open_trackers(trainer: Trainer, tensorboard: str | None, record: dict[str, 
     return opened
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> list[str]:
+def _took_over(checkpointer: Checkpointer) -> list[str]:
+    """A note when this run took over the lock a dead run left on the checkpoint directory."""
+    dead = checkpointer.lock.took_over
+    if not dead:
+        return []
+    return [f"took over the lock of {checkpointer.directory} that a run which is no longer running left (host "
+            f"{dead.get('host', '?')}, pid {dead.get('pid', '?')}, since {dead.get('since', '?')})"]
+
+
+def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> tuple[TrainState, list[str]]:
     """Restore the latest good checkpoint into the trainer's layout and the data source's position;
     newer damaged ones are set aside (renamed ``<step>.damaged``), each with a warning."""
     step, damaged = checkpointer.latest_good_step()
@@ -335,9 +338,8 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) 
     except FileNotFoundError as error:
         raise UsageError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position this "
                          f"run needs ({error}); resume with the processes and data it was saved with") from None
-    trainer.state = state
     source.resume(record.get("data", {}), step)
-    return notes + [f"resumed from step {step} of {checkpointer.directory}"]
+    return state, notes + [f"resumed from step {step} of {checkpointer.directory}"]
 
 
 class _Clock:

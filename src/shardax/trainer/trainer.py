@@ -25,17 +25,19 @@ from jax.sharding import Mesh
 
 from shardax import hf
 from shardax.errors import UsageError
-from shardax.mesh import DeviceMeshManager, describe_mesh
-from shardax.model_parallel import ModelFactory, ParallelModel, parallelize
+from shardax.mesh import describe_mesh
+from shardax.model_parallel import ModelFactory, ParallelModel
 from shardax.models.transformer import LoRA, TransformerLM
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
-from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
+from shardax.sharding.strategies import Strategy
 from shardax.step.loss import WEIGHT, LossFn
+from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
+from shardax.trainer.settings import FitSettings
 from shardax.trainer.trackers import parse_tracker
 
 
@@ -95,32 +97,21 @@ class Trainer:
                  axis_names: AxisNames = None, example_batch: Any = None,
                  init_from: str | Path | None = None, lora: LoRA | None = None,
                  trackers: Sequence[Any] = ()) -> None:
-        strategy = get_strategy(strategy)
         for tracker in trackers:
             parse_tracker(tracker)  # a bad one refused now, before any work; each fit opens them
         self.trackers = list(trackers)
-        if model is None:
-            if init_from is None:
-                raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
-                                 "otherwise give the model: lambda rngs: MyModel(..., rngs=rngs)")
-            model = hf.factory(init_from)
-        if lora is not None:
-            model = _with_lora(model, lora)
+        self.settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
+                                             pipeline_repeats=pipeline_repeats, context_attention=context_attention)
         self.init_from = init_from
-        if not isinstance(mesh, Mesh):
-            mesh = DeviceMeshManager().create_device_mesh(mesh or default_mesh(strategy.name))
-        if grad_accum < 1:
-            raise UsageError(f"grad_accum={grad_accum} must be at least 1 (microbatches per step)")
-        self.parallel: ParallelModel = parallelize(model, optimizer, mesh, strategy, axis_names=axis_names,
-                                                   loss_fn=loss_fn, example_batch=example_batch)
-        self.pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats,
-                         "context_attention": context_attention}
+        self.parallel: ParallelModel = ParallelModel.create(_factory(model, init_from, lora), optimizer, self.settings,
+                                                            axis_names=axis_names, loss_fn=loss_fn,
+                                                            example_batch=example_batch)
         self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
         self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
-        self.grad_accum, self.seed, self.name = grad_accum, seed, name
-        self.learning_rate = learning_rate
-        self.state: TrainState | None = None
+        self.seed, self.name, self.learning_rate = seed, name, learning_rate
+        self._state: TrainState | None = None
+        self._run: Run | None = None  # the fit under way: its state is the trainer's
         self._steps: dict[str, Callable] = {}
         self.checked = False  # whether the train step was traced on a batch's shapes (check_step)
         if example_batch is not None:
@@ -131,9 +122,22 @@ class Trainer:
         that whatever the first step would refuse (a batch that does not split, a sequence that
         does not cut into a context axis's chunks, a model a pipeline cannot stage) is refused now,
         before a run writes anything."""
+        leaves = [leaf for leaf in jax.tree.leaves(example_batch) if np.ndim(leaf)]
+        if leaves and (jax.process_count() == 1 or isinstance(leaves[0], jax.ShapeDtypeStruct)):
+            self.settings.check_batch(np.shape(leaves[0])[0])  # the global batch: said in its own words
         batch = abstract_batch(example_batch, self.parallel.layout.batch())
+        self.settings.check_batch(batch_rows(batch))
         jax.eval_shape(self.train_step(), self.parallel.abstract_state, batch)  # eval batches may hold more keys
         self.checked = True
+
+    @property
+    def state(self) -> TrainState | None:
+        """The latest state: a fit's as it trains (after each step), else the last one set."""
+        return self._run.state if self._run is not None else self._state
+
+    @state.setter
+    def state(self, state: TrainState | None) -> None:
+        self._state = state
 
     @property
     def mesh(self) -> Mesh:
@@ -155,13 +159,14 @@ class Trainer:
     def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
         if on_nonfinite not in self._steps:
-            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.grad_accum,
-                                                                 nonfinite=on_nonfinite, **self.pipeline)
+            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.settings.grad_accum,
+                                                                 nonfinite=on_nonfinite,
+                                                                 **self.settings.schedule_options)
         return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
         if "eval" not in self._steps:
-            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.pipeline)
+            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.settings.schedule_options)
         return self._steps["eval"]
 
     def place(self, batch: Any) -> Any:
@@ -247,58 +252,42 @@ class Trainer:
           data: batches as an iterable (list, generator, loader), a Grain dataset/DataLoader (its
             iterator state is checkpointed), or a function ``step -> batch``. With several
             processes each gives its own rows of every batch. See ``shardax.trainer.sources``.
-          steps: the step to train to (counted from the very start, resumes included).
           eval_data: held-out batches (a list, a Grain dataset, or a function returning an
             iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
-          log_every: steps between records (metrics file, progress, ``on_log``).
-          checkpoint_dir, checkpoint_every: asynchronous orbax checkpoints every so many steps
-            (0: only at the end) and at the end, each sealed (every file's size and SHA-256
-            digests, hashed by the process that wrote it) as it is committed; the latest
-            ``keep_checkpoints`` are kept.
-          resume: continue from the latest good checkpoint in ``checkpoint_dir`` (parameters,
-            optimizer, model state, RNG streams and data position, bit for bit). A newer one
-            that is damaged (a file missing, truncated or changed) is set aside with a warning.
-            Without ``resume``, a directory that already holds checkpoints is refused.
-          on_nonfinite: a step with a NaN/Inf loss or gradient norm is never applied. ``"stop"``
-            raises ``NonFiniteError`` naming it, at the next log or checkpoint step, and nothing
-            after it is applied or saved; ``"skip"`` goes on and counts it (``skipped_steps``).
-          metrics: a JSON-lines file of records; a PNG of the curves is written beside it.
-          tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``): the
-            same as ``Trainer(trackers=["tensorboard:DIR"])``, which also takes MLflow and W&B
-            (see ``shardax.trainer.trackers``).
           on_log: called with each record (every process, the same record).
-          tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
-          record: extra JSON saved in each checkpoint (a run's settings).
           header: extra lines printed after the set-up lines.
-          summary: print the closing table (its rows are also ``FitResult.summary``).
-          loss_unit: the loss's unit (``"nats/token"``), in the summary and on the plot's axis.
-          baselines: reference losses by name (``{"unigram": 3.24}``), in the summary and drawn on
-            the plot's loss as dashed lines.
+          steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
+            on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
+            baselines: the run's ``FitSettings`` (each described there), checked before anything
+            runs or is written.
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
-        for label, value, least in (("log_every", log_every, 1), ("eval_every", eval_every, 0),
-                                    ("checkpoint_every", checkpoint_every, 0), ("steps", steps or 1, 1),
-                                    ("keep_checkpoints", keep_checkpoints, 1)):
-            if value < least:
-                raise UsageError(f"{label}={value} must be at least {least}")
+        settings = FitSettings(steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
+                               on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
+                               baselines)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
-        if on_nonfinite not in ("stop", "skip"):
-            raise UsageError(f"on_nonfinite={on_nonfinite!r}; use 'stop' or 'skip'")
         if not self.checked and (example := source.first_batch()) is not None:
             self.check_step(example)  # what the first step would refuse, refused before anything is written
-        run = Run.start(self, source, checkpoint_dir=checkpoint_dir, resume=resume, keep_checkpoints=keep_checkpoints,
-                        metrics=metrics, tensorboard=tensorboard, steps=steps, record=record,
-                        on_nonfinite=on_nonfinite)
+        run = self._run = Run.start(self, source, settings)
         try:
             run.display.print(*self.describe(), *header, *run.notes)
-            return run.loop(source, steps=steps, evaluations=evaluations, eval_every=eval_every, log_every=log_every,
-                            checkpoint_every=checkpoint_every, on_log=on_log, tokens_per_example=tokens_per_example,
-                            summary=summary, loss_unit=loss_unit, baselines=baselines)
+            return run.loop(evaluations, on_log)
         finally:
+            self._run, self.state = None, run.state
             run.close()
+
+
+def _factory(model: ModelFactory | None, init_from: str | Path | None, lora: LoRA | None) -> ModelFactory:
+    """The model to lay out: ``model``, or ``init_from``'s own; with ``lora``'s adapters."""
+    if model is None:
+        if init_from is None:
+            raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
+                             "otherwise give the model: lambda rngs: MyModel(..., rngs=rngs)")
+        model = hf.factory(init_from)
+    return model if lora is None else _with_lora(model, lora)
 
 
 def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:

@@ -1,0 +1,79 @@
+"""How one ``Trainer.fit`` runs, checked once: ``FitSettings``.
+
+``Trainer.fit``'s keywords become one frozen ``FitSettings``; its checks run as it is made, so
+that a bad value is refused before anything runs or is written, and the run (``trainer/run.py``)
+takes the object as it is. How each step is computed is ``shardax.step.settings.StepSettings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardax.errors import UsageError
+from shardax.step.settings import check_at_least, check_nonfinite
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSettings:
+    """``Trainer.fit``'s settings.
+
+    Attributes:
+      steps: the step to train to (counted from the very start, resumes included); ``None``:
+        until the data runs out.
+      eval_every: steps between evaluations of ``eval_data`` (0: only at the end).
+      log_every: steps between records (metrics file, progress, ``on_log``).
+      checkpoint_dir, checkpoint_every: asynchronous orbax checkpoints every so many steps
+        (0: only at the end) and at the end, each sealed (every file's size and SHA-256
+        digests, hashed by the process that wrote it) as it is committed; the latest
+        ``keep_checkpoints`` are kept.
+      resume: continue from the latest good checkpoint in ``checkpoint_dir`` (parameters,
+        optimizer, model state, RNG streams and data position, bit for bit). A newer one
+        that is damaged (a file missing, truncated or changed) is set aside with a warning.
+        Without ``resume``, a directory that already holds checkpoints is refused.
+      on_nonfinite: a step with a NaN/Inf loss or gradient norm is never applied. ``"stop"``
+        raises ``NonFiniteError`` naming it, at the next log or checkpoint step, and nothing
+        after it is applied or saved; ``"skip"`` goes on and counts it (``skipped_steps``).
+      metrics: a JSON-lines file of records; a PNG of the curves is written beside it.
+      tensorboard: a directory for TensorBoard event files (needs ``tensorboardX``): the
+        same as ``Trainer(trackers=["tensorboard:DIR"])``, which also takes MLflow and W&B
+        (see ``shardax.trainer.trackers``).
+      tokens_per_example: log ``tokens_per_sec`` as well as ``examples_per_sec``.
+      record: extra JSON saved in each checkpoint (a run's settings).
+      summary: print the closing table (its rows are also ``FitResult.summary``).
+      loss_unit: the loss's unit (``"nats/token"``), in the summary and on the plot's axis.
+      baselines: reference losses by name (``{"unigram": 3.24}``), in the summary and drawn on
+        the plot's loss as dashed lines.
+    """
+
+    steps: int | None = None
+    eval_every: int = 0
+    log_every: int = 10
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    keep_checkpoints: int = 3
+    on_nonfinite: str = "stop"
+    metrics: str | None = None
+    tensorboard: str | None = None
+    tokens_per_example: int | None = None
+    record: dict[str, Any] | None = None
+    summary: bool = True
+    loss_unit: str | None = None
+    baselines: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0), ("keep_checkpoints", 1)):
+            check_at_least(name, getattr(self, name), least)
+        if self.steps is not None:
+            check_at_least("steps", self.steps, 1)
+        check_nonfinite(self.on_nonfinite)
+        if self.resume and self.checkpoint_dir is None:
+            raise UsageError("`resume=True` needs checkpoint_dir (where the run's checkpoints are)")
+
+    def due(self, step: int, first: bool, evaluating: bool, saving: bool) -> dict[str, bool]:
+        """What step ``step`` writes: a log record, an evaluation, a checkpoint (the last step all)."""
+        last = step == self.steps
+        return {"log": step % self.log_every == 0 or first or last,
+                "eval": evaluating and ((self.eval_every and step % self.eval_every == 0) or last),
+                "save": saving and ((self.checkpoint_every and step % self.checkpoint_every == 0) or last)}
