@@ -165,7 +165,8 @@ def test_a_context_axis_the_model_cannot_use_is_refused_by_the_trainer_before_fi
 
 @pytest.mark.parametrize("rows, length, error", [
     (16, 15, r"a sequence of 14 tokens does not cut into 8 equal chunks \(context=4"),
-    (5, 17, r"batch leaf 'tokens': dimension 0 has size 5, which does not divide over mesh axis 'data'")])
+    (5, 17, r"a global batch of 5 rows \(`batch_size=5`\) does not split over the batch axes \('data',\) of "
+            r"mesh data=2,context=4 times `grad_accum=1` \(= 2\); use a multiple of 2, e.g. 4")])
 def test_what_the_first_step_would_refuse_is_refused_by_fit_before_anything_is_written(tmp_path, rows, length,
                                                                                        error):
     """No example_batch: fit traces the step on the data's first batch before it opens the metrics

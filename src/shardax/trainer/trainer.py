@@ -256,10 +256,12 @@ class Trainer:
             iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
           on_log: called with each record (every process, the same record).
           header: extra lines printed after the set-up lines.
-          steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
-            on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
-            baselines: the run's ``FitSettings`` (each described there), checked before anything
-            runs or is written.
+
+        The other keywords (``steps``, ``eval_every``, ``log_every``, ``checkpoint_dir``,
+        ``checkpoint_every``, ``resume``, ``keep_checkpoints``, ``on_nonfinite``, ``metrics``,
+        ``tensorboard``, ``tokens_per_example``, ``record``, ``summary``, ``loss_unit``,
+        ``baselines``) are the run's ``FitSettings``, each described there, and checked before
+        anything runs or is written.
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
