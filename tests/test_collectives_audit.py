@@ -213,3 +213,47 @@ def test_gpu_async_pairs_count_once():
     assert by_kind["collective-permute"].bytes == 8 * F32
     assert by_kind["reduce-scatter"].bytes == 8 * 4 * F32
     assert summarize(by_kind.values())["all-reduce"] == {"count": 1, "bytes": 2080}
+
+
+# XLA:TPU's windowed einsum (a matmul whose result is reduce-scattered, as a loop of partial
+# matmuls and collective-permutes) is unrolled twice: its counter starts at 0 and steps by 2
+# below 4, so the body runs twice (reading `counter < 4` alone says 4). No known_trip_count on TPU.
+def windowed_loop(start: int, step: int, bound: int) -> str:
+    return f"""\
+HloModule jit_step, is_scheduled=true, num_partitions=8
+
+%body (param: (f32[8], u32[])) -> (f32[8], u32[]) {{
+  %param = (f32[8]{{0}}, u32[]) parameter(0)
+  %acc = f32[8]{{0}} get-tuple-element(%param), index=0
+  %counter = u32[] get-tuple-element(%param), index=1
+  %collective-permute-start = (f32[8]{{0}}, f32[8]{{0}}, u32[], u32[]) collective-permute-start(%acc), \
+channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}
+  %collective-permute-done = f32[8]{{0}} collective-permute-done(%collective-permute-start)
+  %step = u32[] constant({step})
+  %next = u32[] add(%counter, %step)
+  ROOT %tuple = (f32[8]{{0}}, u32[]) tuple(%collective-permute-done, %next)
+}}
+
+%condition (param.1: (f32[8], u32[])) -> pred[] {{
+  %param.1 = (f32[8]{{0}}, u32[]) parameter(0)
+  %bound = u32[] constant({bound})
+  %counter.1 = u32[] get-tuple-element(%param.1), index=1
+  ROOT %compare = pred[] compare(%counter.1, %bound), direction=LT
+}}
+
+ENTRY %main (p0: f32[8]) -> f32[8] {{
+  %p0 = f32[8]{{0}} parameter(0)
+  %start = u32[] constant({start})
+  %first = u32[] copy(%start)
+  %init = (f32[8]{{0}}, u32[]) tuple(%p0, %first)
+  %loop = (f32[8]{{0}}, u32[]) while(%init), condition=%condition, body=%body
+  ROOT %out = f32[8]{{0}} get-tuple-element(%loop), index=0
+}}
+"""
+
+
+@pytest.mark.parametrize("start, step, bound, trips", [(0, 1, 4, 4), (0, 2, 4, 2), (1, 2, 8, 4), (0, 3, 8, 3)])
+def test_a_loop_runs_its_body_as_its_counter_steps(start, step, bound, trips):
+    [permute] = find_collectives(windowed_loop(start, step, bound))
+    assert permute.kind == "collective-permute" and permute.bytes == 8 * F32
+    assert permute.executions == trips

@@ -205,9 +205,11 @@ def shape_bytes(shape: str) -> int:
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def _trip_count(computations: dict[str, Computation], loop: Instruction) -> int:
+def _trip_count(computations: dict[str, Computation], loop: Instruction, parent: Computation | None = None) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where it wrote one (CPU, GPU), else
-    the bound of its condition ``counter < N`` (XLA:TPU's form; JAX's loops count up from 0)."""
+    read off its condition ``counter < N``, the counter's step in the body and its start in the
+    loop's initial tuple (XLA:TPU's form; JAX's loops count up from 0 by 1, and XLA:TPU's windowed
+    einsums, unrolled twice, by 2)."""
     known = _TRIP_COUNT.search(loop.attributes.get("backend_config", ""))
     if known:
         return int(known.group(1))
@@ -218,15 +220,63 @@ def _trip_count(computations: dict[str, Computation], loop: Instruction) -> int:
     root = by_name.get(condition.root)
     if root is None or root.opcode != "compare" or root.attributes.get("direction") != "LT" or len(root.operands) != 2:
         return 1
-    bound = by_name.get(root.operands[1])
-    if bound is None or bound.opcode != "constant" or not bound.operands or not bound.operands[0].isdigit():
+    bound = _constant(by_name, root.operands[1])
+    if bound is None:
         return 1
-    return int(bound.operands[0])
+    counter = by_name.get(root.operands[0])
+    index = counter.attributes.get("index", "") if counter is not None and counter.opcode == "get-tuple-element" else ""
+    if not index.isdigit():
+        return bound
+    step = _counter_step(computations.get(loop.attributes.get("body", "").lstrip("%")), int(index))
+    start = _initial_value(parent, loop, int(index))
+    return max(-(-(bound - start) // step), 0)
+
+
+def _constant(by_name: dict[str, Instruction], name: str) -> int | None:
+    """The integer a scalar ``constant`` (or a copy of one) holds; None for anything else."""
+    instruction = by_name.get(name)
+    while instruction is not None and instruction.opcode == "copy" and instruction.operands:
+        instruction = by_name.get(instruction.operands[0])
+    if instruction is None or instruction.opcode != "constant" or not instruction.operands:
+        return None
+    return int(instruction.operands[0]) if instruction.operands[0].isdigit() else None
+
+
+def _counter_step(body: Computation | None, index: int) -> int:
+    """What the loop body adds to tuple element ``index`` each trip (1 unless it reads ``+ c``)."""
+    if body is None:
+        return 1
+    by_name = {instruction.name: instruction for instruction in body.instructions}
+    root = by_name.get(body.root)
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return 1
+    update = by_name.get(root.operands[index])
+    if update is None or update.opcode != "add":
+        return 1
+    steps = [_constant(by_name, operand) for operand in update.operands]
+    counters = [by_name.get(operand) for operand in update.operands]
+    reads_counter = any(other is not None and other.opcode == "get-tuple-element"
+                        and other.attributes.get("index") == str(index) for other in counters)
+    known = [step for step in steps if step is not None]
+    return known[0] if reads_counter and len(known) == 1 and known[0] > 0 else 1
+
+
+def _initial_value(parent: Computation | None, loop: Instruction, index: int) -> int:
+    """The counter's start: element ``index`` of the loop's initial tuple when it is a constant, else 0."""
+    if parent is None or not loop.operands:
+        return 0
+    by_name = {instruction.name: instruction for instruction in parent.instructions}
+    initial = by_name.get(loop.operands[0])
+    if initial is None or initial.opcode != "tuple" or index >= len(initial.operands):
+        return 0
+    start = _constant(by_name, initial.operands[index])
+    return start if start is not None else 0
 
 
 def executions(computations: dict[str, Computation]) -> dict[str, int]:
     """Runs per program execution of each computation: while bodies times their known trip counts."""
     runs = {name: 1 for name in computations}
+    trips: dict[tuple[str, str], int] = {}
     for _ in range(len(computations)):  # nested loops settle within as many passes as computations
         changed = False
         for computation in computations.values():
@@ -237,7 +287,10 @@ def executions(computations: dict[str, Computation]) -> dict[str, int]:
                         runs[called], changed = count, True
                 if instruction.opcode != "while":
                     continue
-                count = runs[computation.name] * _trip_count(computations, instruction)
+                key = (computation.name, instruction.name)
+                if key not in trips:
+                    trips[key] = _trip_count(computations, instruction, computation)
+                count = runs[computation.name] * trips[key]
                 for role in ("body", "condition"):
                     called = instruction.attributes.get(role, "").lstrip("%")
                     if called in runs and runs[called] != count:

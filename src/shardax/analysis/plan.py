@@ -76,13 +76,23 @@ class StrategyPlan:
         return record
 
 
-def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1, **pipeline: Any):
+def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1,
+                 compiler_options: dict[str, Any] | None = None, **pipeline: Any):
     """The next-token train step of ``parallel`` compiled ahead of time for one batch shape
-    (``pipeline``: ``microbatches`` and ``pipeline_repeats`` under a pipeline strategy)."""
+    (``pipeline``: ``microbatches`` and ``pipeline_repeats`` under a pipeline strategy;
+    ``compiler_options``: XLA flags for this compile)."""
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
     step = parallel.train_step(weighted_next_token_loss, grad_accum=grad_accum, **pipeline)
-    return step.lower(parallel.abstract_state, batch).compile()
+    return step.lower(parallel.abstract_state, batch).compile(compiler_options=compiler_options)
+
+
+# XLA:TPU turns a matmul whose result is reduce-scattered, or whose operand is all-gathered,
+# into a loop of partial matmuls and collective-permutes ("windowed einsum", a collective
+# matmul: seen on v5e slices under fsdp_tp), and its cost analysis counts a loop's body once.
+# FLOPs are counted on the same step compiled without them: the same matmuls, unsplit.
+WHOLE_MATMULS = {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+                 "xla_tpu_enable_windowed_einsum_for_all_gather": False}
 
 
 def out_of_memory(error: Exception) -> bool:
@@ -171,14 +181,18 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     """
     if target.chip.platform == "cuda":  # XLA:GPU has no cost analysis without a GPU
         return None, None
-    if not model.scan_layers and grad_accum == 1 and compiled is not None:
+    if not model.scan_layers and grad_accum == 1:
+        if compiled is None or "windowed_dot_general" in compiled.as_text():
+            compiled = compile_step(transformer_for(model, strategy, mesh_shape, tx, target), batch_size,
+                                    model.seq_len, compiler_options=WHOLE_MATMULS)
         cost = compiled.cost_analysis()
         return float(cost["flops"]), float(cost["bytes accessed"])
     costs = []
     for layers in (1, 2):
         shallow = dataclasses.replace(model, n_layers=layers, scan_layers=False)
         parallel = transformer_for(shallow, strategy, mesh_shape, tx, target)
-        cost = compile_step(parallel, batch_size // grad_accum, model.seq_len).cost_analysis()
+        cost = compile_step(parallel, batch_size // grad_accum, model.seq_len,
+                            compiler_options=WHOLE_MATMULS).cost_analysis()
         costs.append((float(cost["flops"]), float(cost["bytes accessed"])))
     (flops_1, bytes_1), (flops_2, bytes_2) = costs
     extra = model.n_layers - 1
