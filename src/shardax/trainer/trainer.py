@@ -266,9 +266,11 @@ class Trainer:
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
-        settings = FitSettings(steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
-                               on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
-                               baselines)
+        settings = FitSettings(steps=steps, eval_every=eval_every, log_every=log_every, checkpoint_dir=checkpoint_dir,
+                               checkpoint_every=checkpoint_every, resume=resume, keep_checkpoints=keep_checkpoints,
+                               on_nonfinite=on_nonfinite, metrics=metrics, tensorboard=tensorboard,
+                               tokens_per_example=tokens_per_example, record=record, summary=summary,
+                               loss_unit=loss_unit, baselines=baselines)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
