@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -63,32 +64,13 @@ class Computation:
             self.users.setdefault(operand, []).append((instruction, index))
 
 
-def _balanced_end(text: str, start: int) -> int:
-    """Index just past the bracket group opening at ``text[start]`` (double-quoted strings skipped)."""
-    depth, position, in_string = 0, start, False
-    while position < len(text):
+def _scan(text: str, start: int = 0) -> Iterator[tuple[int, str, int, bool]]:
+    """Each character from ``start`` with the bracket depth after it and whether it lies outside
+    every double-quoted string (backslash escapes inside strings honoured)."""
+    depth, in_string, escaped = 0, False, False
+    for position in range(start, len(text)):
         char = text[position]
-        if in_string:
-            if char == "\\":
-                position += 1
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in _OPENERS:
-            depth += 1
-        elif char in _CLOSERS:
-            depth -= 1
-            if depth == 0:
-                return position + 1
-        position += 1
-    return len(text)
-
-
-def split_top_level(text: str) -> list[str]:
-    """Split on commas that sit outside every bracket and string."""
-    parts, depth, current, in_string, escaped = [], 0, [], False, False
-    for char in text:
+        outside = not in_string and char != '"'
         if escaped:
             escaped = False
         elif in_string:
@@ -99,13 +81,22 @@ def split_top_level(text: str) -> list[str]:
             depth += 1
         elif char in _CLOSERS:
             depth -= 1
-        elif char == "," and depth == 0:
-            parts.append("".join(current).strip())
-            current = []
-            continue
-        current.append(char)
-    tail = "".join(current).strip()
-    return parts + [tail] if tail else parts
+        yield position, char, depth, outside
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]`` (double-quoted strings skipped)."""
+    for position, char, depth, outside in _scan(text, start):
+        if outside and char in _CLOSERS and depth == 0:
+            return position + 1
+    return len(text)
+
+
+def split_top_level(text: str) -> list[str]:
+    """Split on commas that sit outside every bracket and string."""
+    cuts = [position for position, char, depth, outside in _scan(text) if outside and char == "," and depth == 0]
+    parts = [text[begin + 1:end].strip() for begin, end in zip([-1, *cuts], [*cuts, len(text)])]
+    return parts if parts[-1] else parts[:-1]
 
 
 def _parse_instruction(line: str) -> tuple[Instruction, bool] | None:
