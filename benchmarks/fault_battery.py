@@ -12,7 +12,7 @@ as ``<step>.damaged``), and what went wrong. What "passed" means:
 - a fault that ends the command: a non-zero exit, one line on stderr naming the problem, no
   traceback, and nothing already saved changed.
 The cases live in ``benchmarks/faults/``, one module per kind of fault (``interrupted``,
-``damaged``, ``data``, ``launch``); ``faults/common.py`` holds what they share.
+``damaged``, ``data``, ``launch``); ``faults/battery.py`` holds what they share.
 Writes ``benchmarks/results/fault_battery.json``.
 """
 
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from faults import damaged, data, interrupted, launch  # noqa: F401 - each registers its cases
-from faults.common import (BASE, BIG_CORPUS, CASES, CORPUS, RESULTS, SHARDS, WORK, _REFERENCE, final_params,
-                           shardax, train_args)
+from faults.battery import (BASE, BIG_CORPUS, CASES, CORPUS, RESULTS, SHARDS, WORK, _REFERENCE, final_params,
+                            shardax, train_args)
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""What every fault case shares: the paths, running shardax as a user does, and reading what a
-run committed."""
+"""The battery itself: its registry of cases (``CASES``, ``case``), its working paths, running
+shardax as a user does, and reading what a run committed."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from faults.common import (BASE, CORPUS, QUICK, STEPS, case, committed, env, logged, lost, one_line,
-                           resume_to_the_end, same_as_uninterrupted, shardax, start, train_args, wait_for)
+from faults.battery import (BASE, CORPUS, QUICK, STEPS, case, committed, env, logged, lost, one_line,
+                            resume_to_the_end, same_as_uninterrupted, shardax, start, train_args, wait_for)
 
 
 def damaged_latest(how: Callable[[Path], None]):

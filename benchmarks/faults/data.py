@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from faults.common import (BIG_CORPUS, CORPUS, QUICK, SHARDS, case, env, final_params, one_line, shardax,
-                           wait_for)
+from faults.battery import (BIG_CORPUS, CORPUS, QUICK, SHARDS, case, env, final_params, one_line, shardax,
+                            wait_for)
 
 
 def prepared(folder: Path) -> Path:

@@ -6,8 +6,8 @@ import shutil
 import signal
 from pathlib import Path
 
-from faults.common import (BASE, STEPS, case, committed, logged, lost, resume_to_the_end, shardax, start,
-                           train_args, wait_for)
+from faults.battery import (BASE, STEPS, case, committed, logged, lost, resume_to_the_end, shardax, start,
+                            train_args, wait_for)
 
 
 def kill_after(step: int, how: str = "step"):

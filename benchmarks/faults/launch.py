@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from faults.common import (BASE, STEPS, case, committed, env, logged, lost, resume_to_the_end, shardax,
-                           train_args, wait_for)
+from faults.battery import (BASE, STEPS, case, committed, env, logged, lost, resume_to_the_end, shardax,
+                            train_args, wait_for)
 from faults.damaged import flip, largest
 
 
