@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import shardax
 from shardax.analysis.fit import batch_granule, fit
 from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy, step_cost, transformer_for
-from shardax.analysis.targets import CHIPS, Target, parse_target, require_tpu_compiler
+from shardax.analysis.targets import CHIPS, Target, cuda_plugin, parse_target, require_tpu_compiler
 from shardax.errors import UsageError
 from shardax.models.presets import flops_per_token
 from shardax.sharding.strategies import get_strategy
@@ -145,15 +145,22 @@ def test_plan_command_for_a_target():
     assert refused.returncode == 2 and "--fit searches one strategy at a time" in refused.stderr
 
 
-@pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")])
-def test_xla_gpu_on_h100_8(strategy, mesh):
+@pytest.mark.parametrize("strategy, mesh, compute_dtype", [
+    ("dp", "data=8", "float32"), ("fsdp", "data=8", "float32"), ("tp", "data=4,model=2", "float32"),
+    ("dp", "data=8", "bfloat16"), ("fsdp_tp", "data=4,model=2", "bfloat16")])
+def test_xla_gpu_on_h100_8(strategy, mesh, compute_dtype):
     """JAX's CUDA plugin compiles for 8 H100s it cannot see (a GpuTargetConfigProto describes
-    them): the step fits 80 GB, sends what theory says, and its roofline counts NVLink."""
-    # the gpu-plan extra; not in the test extra (see pyproject.toml): run with it installed
-    pytest.importorskip("jax_cuda12_plugin", reason="pip install shardax[gpu-plan] to compile for H100s")
+    them): the step fits 80 GB, sends what theory says, and its roofline counts NVLink. In
+    bfloat16, XLA:GPU sends the weights, their gradients and TP's activations in bfloat16."""
+    if cuda_plugin() is None:  # the gpu-plan extra, which the test extra installs
+        pytest.skip("pip install shardax[gpu-plan] to compile for H100s")
     target = parse_target("h100-8")
     assert target.describe() == "h100-8: 8 NVIDIA H100 SXM GPUs on 1 host" and len(target.devices()) == 8
-    plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
+    model = dataclasses.replace(MODEL, compute_dtype=compute_dtype)
+    plan = plan_strategy(model, strategy, mesh, batch_size=16, target=target)
+    if compute_dtype == "bfloat16":  # about half of what float32 sends, and counted so
+        assert plan.collective_bytes < 0.6 * plan_strategy(MODEL, strategy, mesh, batch_size=16,
+                                                           target=target).collective_bytes
     assert plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
     assert plan.cost["flops"] is None  # XLA:GPU's cost analysis needs a GPU: the model's FLOPs are used

@@ -157,7 +157,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
         theoretical_collective_bytes=theoretical_collective_bytes(
             parallel.layout, model, batch_size, schedule, context or "all-gather",
-            gather_matrices_in_bfloat16=target is not None and target.chip.platform == "tpu"),
+            compiler="cpu" if target is None else target.chip.platform),
         fits=None if device_memory is None else measured["peak"] <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model, target)
               + _bubble_note(schedule)),

@@ -175,11 +175,17 @@ def require_compiler(target: Target) -> None:
     """Refuse in one line when the compiler for the target's platform is not installed."""
     if target.chip.platform != "cuda":
         return require_tpu_compiler()
-    import importlib.util
-
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    if cuda_plugin() is None:
         raise UsageError(f"--target {target.name}: needs XLA:GPU's compiler (JAX's CUDA plugin), which is not "
                          f"installed; {GPU_INSTALL_HINT} installs it (no GPU or CUDA libraries needed)")
+
+
+def cuda_plugin() -> str | None:
+    """The installed JAX CUDA plugin (CUDA 12 or 13; JAX 0.11's GPU images carry 13), if any."""
+    import importlib.util
+
+    return next((name for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")
+                 if importlib.util.find_spec(name) is not None), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,8 +194,13 @@ def _gpu_topology(topology: str) -> Any:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology_name="", platform="cuda", topology=f"1 x {hosts} x {per_host}",
-                                        target_config=H100_TARGET_CONFIG)
+    try:
+        return topologies.get_topology_desc(topology_name="", platform="cuda",
+                                            topology=f"1 x {hosts} x {per_host}", target_config=H100_TARGET_CONFIG)
+    except NotImplementedError:  # the plugin did not register: it found no CUDA, and JAX was not told CPU only
+        raise UsageError("XLA:GPU's compiler did not start: on a host without CUDA, JAX's CUDA plugin loads "
+                         "only when JAX runs on CPU; set JAX_PLATFORMS=cpu before JAX starts "
+                         "(`shardax plan` does)") from None
 
 
 def require_tpu_compiler() -> None:

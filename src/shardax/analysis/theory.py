@@ -88,15 +88,39 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
     return float(model.n_layers * per_layer + once)
 
 
-def _narrowing(leaf: Any, compute: Any, gather_matrices_in_bfloat16: bool) -> float:
+# What each compiler sends in a narrower dtype than the stored float32 (``compiler`` below):
+# XLA:CPU sends what is stored; XLA:TPU, at JAX's default precision, multiplies float32 in
+# bfloat16 and converts FSDP's weight matrices before it gathers them; XLA:GPU sends whatever
+# the model computes in its compute dtype in that dtype: the weights it gathers, their
+# gradients, and tensor parallelism's activations.
+COMPILERS = ("cpu", "tpu", "cuda")
+
+
+def _narrowing(leaf: Any, compute: Any, compiler: str) -> float:
     """The share of ``leaf``'s stored bytes its gather for compute sends (1.0: all of them)."""
-    if not (gather_matrices_in_bfloat16 and jnp.issubdtype(leaf.dtype, jnp.floating)):
+    if compiler == "cpu" or not jnp.issubdtype(leaf.dtype, jnp.floating):
         return 1.0
-    travels = 2 if len(leaf.shape) >= 2 else jnp.dtype(compute or leaf.dtype).itemsize
+    travels = jnp.dtype(compute or leaf.dtype).itemsize
+    if compiler == "tpu" and len(leaf.shape) >= 2:
+        travels = 2
     return min(travels / jnp.dtype(leaf.dtype).itemsize, 1.0)
 
 
-def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, gather_matrices_in_bfloat16: bool) -> float:
+def _looked_up(leaf: Any) -> bool:
+    """A table whose rows are looked up by token (an ``nnx.Embed``'s ``embedding``, or one whose
+    first logical axis is the vocabulary): its gradient is scattered, and summed, in float32."""
+    return leaf.path.split("/")[-1] == "embedding" or bool(leaf.logical and leaf.logical[0] == "vocab")
+
+
+def _gradient_narrowing(leaf: Any, compute: Any, compiler: str) -> float:
+    """The share of ``leaf``'s stored bytes its gradient's reduction sends: XLA:GPU reduces the
+    gradients of what was computed in the compute dtype in that dtype, before converting them."""
+    if compiler != "cuda" or _looked_up(leaf):
+        return 1.0
+    return _narrowing(leaf, compute, compiler)
+
+
+def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, compiler: str) -> float:
     """What the parameters and their gradients send per device: FSDP's gathers and reduce-scatters,
     a circular schedule's regrouping, and the gradients summed over context and data-parallel copies."""
     shape = dict(layout.mesh.shape)
@@ -112,28 +136,32 @@ def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, gather_matrice
         within_group = _bytes_per_group(leaf, shape, strategy)
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
         staged = stages > 1 and _split_into_stages(leaf, strategy)
-        narrowed = _narrowing(leaf, compute, gather_matrices_in_bfloat16)
+        narrowed = _narrowing(leaf, compute, compiler)
+        gradient = _gradient_narrowing(leaf, compute, compiler) * within_group
         if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
-            total += ((1 if staged else 2) * narrowed + 1) * (gather - 1) / gather * within_group
+            total += (1 if staged else 2) * narrowed * (gather - 1) / gather * within_group
+            total += (gather - 1) / gather * gradient
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
-            total += 2 * (gather - 1) / gather * within_group
+            total += 2 * (gather - 1) / gather * gradient
         if staged and schedule.repeats > 1:  # a circular schedule regroups the stage's layers, and their gradients
             total += 2 * circular_regroup_share(schedule) * within_group
         # under a pipeline, what is not split into stages (embeddings, the head) is used by rows
         # split over the stages too, so its gradients are summed over them as well
         copies = replicas * (stages if stages > 1 and not staged else 1)
         if context > 1:
-            total += 2 * (context - 1) / context * within_group / (gather if gathered else 1)
+            total += 2 * (context - 1) / context * gradient / (gather if gathered else 1)
         if copies > 1:  # data parallelism across groups (dp, zero*, tp's data axis, hsdp's replicas)
-            total += 2 * (copies - 1) / copies * within_group / (gather if gathered else 1)
+            total += 2 * (copies - 1) / copies * gradient / (gather if gathered else 1)
             if strategy.optimizer_axes and not strategy.shard_gradients:  # ZeRO-1: all-gather updated params
                 total += (copies - 1) / copies * within_group
     return total
 
 
-def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
+def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any,
+                           compiler: str) -> float:
     """What tensor parallelism sends per device: two all-reduces of the activations per layer in
-    each direction, and those around the embedding and the head (0 without a split ``model`` axis)."""
+    each direction (XLA:GPU sends them in the compute dtype), and those around the embedding and
+    the head, in float32 (0 without a split ``model`` axis)."""
     shape = dict(layout.mesh.shape)
     model_size = shape.get("model", 1)
     if model is None or model_size <= 1 or "model" not in str(layout.strategy.param_rules):
@@ -141,6 +169,8 @@ def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule
     rows = batch_rows_per_device(layout, batch_size)
     activation = rows * model.seq_len * model.d_model * 4 / shape.get("context", 1)
     layers, ends = model.n_layers, activation
+    if compiler == "cuda":
+        activation *= jnp.dtype(getattr(model, "compute_dtype", None) or "float32").itemsize / 4
     if schedule is not None:  # each stage runs its L/(R*S) layers on a microbatch per iteration
         layers = model.n_layers // (schedule.stages * schedule.repeats) * schedule.iterations
         if schedule.microbatches % schedule.stages == 0:  # the head works on rows split over the stages
@@ -151,17 +181,19 @@ def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule
 
 def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
                                  context_attention: str = "all-gather",
-                                 gather_matrices_in_bfloat16: bool = False) -> float:
+                                 compiler: str = "cpu") -> float:
     """The least a step of this strategy must send per device (see the module docstring).
 
-    ``gather_matrices_in_bfloat16``: the weight matrices FSDP gathers for compute travel in
-    bfloat16, as XLA:TPU compiles them: at JAX's default precision it multiplies float32 in
-    bfloat16 and converts before it gathers (XLA:CPU gathers the stored float32). Vectors
-    travel in the compute dtype; gradients are reduce-scattered in the parameters' dtype.
+    ``compiler``: the platform compiled for, one of :data:`COMPILERS`, which decides the dtype
+    things travel in. ``"cpu"``: as stored. ``"tpu"``: the weight matrices FSDP gathers travel in
+    bfloat16 (XLA:TPU multiplies float32 in bfloat16 at JAX's default precision, and converts
+    before it gathers), vectors in the compute dtype, gradients in the parameters' dtype.
+    ``"cuda"``: what is computed in the compute dtype travels in it: gathered weights, their
+    gradients (not a looked-up table's, scattered in float32), tensor parallelism's activations.
     """
     total = context_attention_bytes(layout, model, batch_size, context_attention)
     total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     compute = getattr(model, "compute_dtype", None)
-    total += _parameter_bytes(layout, schedule, compute, gather_matrices_in_bfloat16)
-    total += _tensor_parallel_bytes(layout, model, batch_size, schedule)
+    total += _parameter_bytes(layout, schedule, compute, compiler)
+    total += _tensor_parallel_bytes(layout, model, batch_size, schedule, compiler)
     return total
