@@ -62,6 +62,8 @@ def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
     target = parse_target("tpu-v5p-8")
     plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
     assert plan.target == "tpu-v5p-8" and plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
+    # the analytic state (parameters, optimizer state, batch), in XLA:TPU's tiles, is its arguments to the byte
+    assert plan.predicted["state"] == plan.compiled["arguments"]
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
     model_flops = flops_per_token(MODEL) * 16 * MODEL.seq_len / 4
     assert plan.cost["model_flops"] == pytest.approx(model_flops)
@@ -113,7 +115,7 @@ def test_multi_host_v5e_16(strategy, mesh, model, batch):
     target = parse_target("tpu-v5e-16")
     assert target.hosts == 4 and len(target.devices()) == 16
     plan = plan_strategy(model, strategy, mesh, batch_size=batch, target=target)
-    assert plan.mesh == mesh and plan.fits is True
+    assert plan.mesh == mesh and plan.fits is True and plan.predicted["state"] == plan.compiled["arguments"]
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
     # 6 N counts the untied input table, a gather with no FLOPs: 5.5% of the longer model's (so 0.93)
     assert (0.95 if model is MODEL else 0.9) <= plan.cost["flops"] / plan.cost["model_flops"] <= 1.1, plan.cost

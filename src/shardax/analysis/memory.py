@@ -1,8 +1,9 @@
 """What a strategy should keep on each device, from shapes and specs alone (no compile).
 
-The state is exact (each leaf's shard); the activations are autodiff's residuals under the
-remat policy plus a working set with factors fitted to XLA:CPU's compiled peaks
-(``benchmarks/plan_fit.py``; see ``WORKING_SET``), pipelines and context parallelism on top.
+The state is exact (each leaf's shard; for a TPU target in XLA:TPU's tiles, ``tiled_bytes``);
+the activations are autodiff's residuals under the remat policy plus a working set with factors
+fitted to XLA:CPU's compiled peaks (``benchmarks/plan_fit.py``; see ``WORKING_SET``), pipelines
+and context parallelism on top.
 """
 
 from __future__ import annotations
@@ -60,13 +61,38 @@ class MemoryPrediction:
         return self.params + self.gradients + self.optimizer + self.batch + self.activations
 
 
-def _per_device(layout: Layout, attribute: str) -> int:
+def _round_up(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of an array as XLA:TPU lays it out in HBM: in tiles of 128 along its minor dimension
+    and, for two or more dimensions, of 8 rows of 32 bits (16 of bfloat16) along the next, fewer
+    when that dimension is smaller (1, 2, 4). The minor dimension is the last one unless making
+    another one minor pads less. Checked against XLA:TPU's argument bytes (every byte) on
+    tiny/small and two held-out shapes under dp, fsdp, tp and fsdp_tp."""
+    if len(shape) <= 1:
+        return _round_up(math.prod(shape), 128) * itemsize
+    rows = 32 // itemsize
+
+    def laid_out(minor: int) -> int:
+        order = [size for axis, size in enumerate(shape) if axis != minor] + [shape[minor]]
+        tile = min(rows, 1 << max(order[-2] - 1, 0).bit_length())
+        return math.prod(order[:-2]) * _round_up(order[-2], tile) * _round_up(order[-1], 128) * itemsize
+
+    last = laid_out(len(shape) - 1)
+    return min([last] + [laid_out(axis) for axis in range(len(shape) - 1)])
+
+
+def _per_device(layout: Layout, attribute: str, tiled: bool = False) -> int:
     shape = dict(layout.mesh.shape)
     total = 0
     for leaf in layout.leaves.values():
         spec = getattr(leaf, attribute)
-        split = math.prod(_axes_size(shape, spec_axes(entry)) for entry in spec)
-        total += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // split
+        splits = [_axes_size(shape, spec_axes(entry)) for entry in spec]
+        local = tuple(-(-size // split) for size, split in zip(leaf.shape, [*splits, *[1] * len(leaf.shape)]))
+        itemsize = np.dtype(leaf.dtype).itemsize
+        total += tiled_bytes(local, itemsize) if tiled else math.prod(leaf.shape) * itemsize // math.prod(splits)
     return total
 
 
@@ -278,15 +304,16 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
 
 
-def _sharded_bytes(abstract: Any, shardings: Any) -> int:
-    """Bytes per device of a tree laid out by ``shardings`` (shapes and specs only, no compile)."""
+def _sharded_bytes(abstract: Any, shardings: Any, tiled: bool = False) -> int:
+    """Bytes per device of a tree laid out by ``shardings`` (shapes and specs only, no compile);
+    ``tiled``: in XLA:TPU's tiles (``tiled_bytes``)."""
     import jax
 
-    sizes = jax.tree.map(
-        lambda leaf, sharding: math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize,
-        abstract, shardings,
-    )
-    return int(sum(jax.tree.leaves(sizes)))
+    def size(leaf: Any, sharding: Any) -> int:
+        shard, itemsize = sharding.shard_shape(leaf.shape), np.dtype(leaf.dtype).itemsize
+        return tiled_bytes(shard, itemsize) if tiled else math.prod(shard) * itemsize
+
+    return int(sum(jax.tree.leaves(jax.tree.map(size, abstract, shardings))))
 
 
 def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
@@ -314,14 +341,17 @@ def _replicas(layout: Layout) -> int:
 
 
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
-                   schedule: Any = None, context_attention: str = "all-gather") -> MemoryPrediction:
+                   schedule: Any = None, context_attention: str = "all-gather",
+                   compiler: str = "cpu") -> MemoryPrediction:
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
-    pipeline ``schedule``, if it runs one)."""
+    pipeline ``schedule``, if it runs one); for ``compiler="tpu"``, the state and gradients in
+    XLA:TPU's tiles."""
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
+    tiled = compiler == "tpu"
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
     looped = model is not None and not model.scan_layers
     gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
-    gradients, replicas = _per_device(layout, gradient_spec), _replicas(layout)
+    gradients, replicas = _per_device(layout, gradient_spec, tiled), _replicas(layout)
     # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
     # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
     # XLA:CPU keeps it for some shapes and not others (medium yes, small no): half is counted.
@@ -329,12 +359,13 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     if replicas > 1 and layout.strategy.gather_axes:
         scattered = gradients // replicas // (2 if grad_accum > 1 else 1)
     return MemoryPrediction(
-        params=_sharded_bytes(abstract.params, shardings.params),
+        params=_sharded_bytes(abstract.params, shardings.params, tiled),
         # with accumulation, the running sum and one microbatch's gradients
         gradients=gradients * (2 if grad_accum > 1 else 1) + scattered,
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
-                                 (shardings.opt_state, shardings.step, shardings.skipped)),
-        batch=batch_rows_per_device(layout, batch_size) * (seq_len + 1) * 4,
+                                 (shardings.opt_state, shardings.step, shardings.skipped), tiled),
+        batch=(tiled_bytes if tiled else lambda shape, itemsize: math.prod(shape) * itemsize)(
+            (batch_rows_per_device(layout, batch_size), seq_len + 1), 4),
         activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
                      else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
     )

@@ -143,7 +143,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
-    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule, context or "all-gather")
+    prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
+                                context or "all-gather", compiler="cpu" if target is None else target.chip.platform)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
