@@ -69,8 +69,8 @@ def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     """Bytes of an array as XLA:TPU lays it out in HBM: in tiles of 128 along its minor dimension
     and, for two or more dimensions, of 8 rows of 32 bits (16 of bfloat16) along the next, fewer
     when that dimension is smaller (1, 2, 4). The minor dimension is the last one unless making
-    another one minor pads less. Checked against XLA:TPU's argument bytes (every byte) on
-    tiny/small and two held-out shapes under dp, fsdp, tp and fsdp_tp."""
+    another one minor pads less. The state sized so equals XLA:TPU's argument bytes to the byte
+    (``tests/test_tpu_plan.py``; tiny, small and two held-out shapes checked besides)."""
     if len(shape) <= 1:
         return _round_up(math.prod(shape), 128) * itemsize
     rows = 32 // itemsize
@@ -84,15 +84,23 @@ def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return min([last] + [laid_out(axis) for axis in range(len(shape) - 1)])
 
 
+def _stored_bytes(shape: tuple[int, ...], itemsize: int, tiled: bool) -> int:
+    """An array's bytes: its elements', or, ``tiled``, in XLA:TPU's tiles."""
+    return tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
+
+
 def _per_device(layout: Layout, attribute: str, tiled: bool = False) -> int:
     shape = dict(layout.mesh.shape)
     total = 0
     for leaf in layout.leaves.values():
-        spec = getattr(leaf, attribute)
-        splits = [_axes_size(shape, spec_axes(entry)) for entry in spec]
-        local = tuple(-(-size // split) for size, split in zip(leaf.shape, [*splits, *[1] * len(leaf.shape)]))
+        splits = [_axes_size(shape, spec_axes(entry)) for entry in getattr(leaf, attribute)]
+        splits += [1] * (len(leaf.shape) - len(splits))
         itemsize = np.dtype(leaf.dtype).itemsize
-        total += tiled_bytes(local, itemsize) if tiled else math.prod(leaf.shape) * itemsize // math.prod(splits)
+        if tiled:  # each device's block, rounded up where a dimension does not split evenly
+            total += tiled_bytes(tuple(_round_up(size, split) // split for size, split in zip(leaf.shape, splits)),
+                                 itemsize)
+        else:
+            total += math.prod(leaf.shape) * itemsize // math.prod(splits)
     return total
 
 
@@ -309,11 +317,10 @@ def _sharded_bytes(abstract: Any, shardings: Any, tiled: bool = False) -> int:
     ``tiled``: in XLA:TPU's tiles (``tiled_bytes``)."""
     import jax
 
-    def size(leaf: Any, sharding: Any) -> int:
-        shard, itemsize = sharding.shard_shape(leaf.shape), np.dtype(leaf.dtype).itemsize
-        return tiled_bytes(shard, itemsize) if tiled else math.prod(shard) * itemsize
-
-    return int(sum(jax.tree.leaves(jax.tree.map(size, abstract, shardings))))
+    sizes = jax.tree.map(lambda leaf, sharding: _stored_bytes(sharding.shard_shape(leaf.shape),
+                                                              np.dtype(leaf.dtype).itemsize, tiled),
+                         abstract, shardings)
+    return int(sum(jax.tree.leaves(sizes)))
 
 
 def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
@@ -364,8 +371,7 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         gradients=gradients * (2 if grad_accum > 1 else 1) + scattered,
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped), tiled),
-        batch=(tiled_bytes if tiled else lambda shape, itemsize: math.prod(shape) * itemsize)(
-            (batch_rows_per_device(layout, batch_size), seq_len + 1), 4),
+        batch=_stored_bytes((batch_rows_per_device(layout, batch_size), seq_len + 1), 4, tiled),
         activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
                      else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
     )
