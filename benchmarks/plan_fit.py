@@ -126,7 +126,8 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
     model = model_of(settings)
     parallel = transformer_for(model, strategy, mesh, target=target)
     peak = compiled_memory(compile_step(parallel, batch, model.seq_len, microbatches))["peak"]
-    prediction = predict_memory(parallel, model, batch, model.seq_len, microbatches)
+    prediction = predict_memory(parallel, model, batch, model.seq_len, microbatches,
+                                compiler="cpu" if target is None else target.chip.platform)
     terms = working_set_terms(parallel.layout, model, batch, microbatches)
     base = prediction.total - prediction.activations + terms.pop("kept")
     print(f"{settings} {strategy} {mesh} batch {batch}/{microbatches}: {peak / 1e6:.1f} MB", flush=True)
