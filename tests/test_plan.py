@@ -62,6 +62,9 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_nonsense():
     with pytest.raises(ValueError, match="`device_memory='lots'` is not a size; write it like 80GB"):
         parse_bytes("lots")
+    from shardax.analysis.memory import check_compiler
+    with pytest.raises(ValueError, match="compiler='gpu'; use one of cpu, tpu, cuda"):
+        check_compiler("gpu")
 
 
 def test_cli_json_for_a_billion_parameter_preset():

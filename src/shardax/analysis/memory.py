@@ -16,6 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from shardax.errors import UsageError
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
 
@@ -59,6 +60,16 @@ class MemoryPrediction:
     @property
     def total(self) -> int:
         return self.params + self.gradients + self.optimizer + self.batch + self.activations
+
+
+# The platforms a plan is compiled for, as ``compiler`` arguments name them.
+COMPILERS = ("cpu", "tpu", "cuda")
+
+
+def check_compiler(compiler: str) -> None:
+    if compiler not in COMPILERS:
+        raise UsageError(f"compiler={compiler!r}; use one of {', '.join(COMPILERS)} "
+                         f"(the platform the step is compiled for)")
 
 
 def _round_up(size: int, multiple: int) -> int:
@@ -353,6 +364,7 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     """Bytes per device of a ``ParallelModel``'s step, from its shapes and shardings (and its
     pipeline ``schedule``, if it runs one); for ``compiler="tpu"``, the state and gradients in
     XLA:TPU's tiles."""
+    check_compiler(compiler)
     layout, abstract, shardings = parallel.layout, parallel.abstract_state, parallel.state_shardings
     tiled = compiler == "tpu"
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.

@@ -23,7 +23,7 @@ from shardax.sharding.place import spec_axes
 
 
 from shardax.analysis.memory import (_axes_size, _bytes_per_group, _model_split_dims, _replicas,
-                                     _split_into_stages, batch_rows_per_device)
+                                     _split_into_stages, batch_rows_per_device, check_compiler)
 
 
 def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
@@ -93,7 +93,6 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant
 # bfloat16 and converts FSDP's weight matrices before it gathers them; XLA:GPU sends whatever
 # the model computes in its compute dtype in that dtype: the weights it gathers, their
 # gradients, and tensor parallelism's activations.
-COMPILERS = ("cpu", "tpu", "cuda")
 
 
 def _narrowing(leaf: Any, compute: Any, compiler: str) -> float:
@@ -184,13 +183,15 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
                                  compiler: str = "cpu") -> float:
     """The least a step of this strategy must send per device (see the module docstring).
 
-    ``compiler``: the platform compiled for, one of :data:`COMPILERS`, which decides the dtype
-    things travel in. ``"cpu"``: as stored. ``"tpu"``: the weight matrices FSDP gathers travel in
-    bfloat16 (XLA:TPU multiplies float32 in bfloat16 at JAX's default precision, and converts
-    before it gathers), vectors in the compute dtype, gradients in the parameters' dtype.
-    ``"cuda"``: what is computed in the compute dtype travels in it: gathered weights, their
-    gradients (not a looked-up table's, scattered in float32), tensor parallelism's activations.
+    ``compiler``: the platform compiled for, one of ``shardax.analysis.memory.COMPILERS``, which
+    decides the dtype things travel in. ``"cpu"``: as stored. ``"tpu"``: the weight matrices FSDP
+    gathers travel in bfloat16 (XLA:TPU multiplies float32 in bfloat16 at JAX's default
+    precision, and converts before it gathers), vectors in the compute dtype, gradients in the
+    parameters' dtype. ``"cuda"``: what is computed in the compute dtype travels in it: gathered
+    weights, their gradients (not a looked-up table's, scattered in float32), tensor
+    parallelism's activations.
     """
+    check_compiler(compiler)
     total = context_attention_bytes(layout, model, batch_size, context_attention)
     total += 0.0 if schedule is None else pipeline_point_to_point_bytes(layout, model, batch_size, schedule)
     compute = getattr(model, "compute_dtype", None)
