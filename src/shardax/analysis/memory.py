@@ -2,20 +2,20 @@
 
 The state is exact (each leaf's shard; for a TPU target in XLA:TPU's tiles, ``tiled_bytes``);
 the activations are autodiff's residuals under the remat policy plus a working set with factors
-fitted to XLA:CPU's compiled peaks (``benchmarks/plan_fit.py``; see ``WORKING_SET``), pipelines
-and context parallelism on top.
+fitted to XLA:CPU's compiled peaks (``benchmarks/plan_fit.py``; see ``WORKING_SET``), or for a
+TPU target the residuals as XLA:TPU keeps them and factors fitted to its peaks
+(``WORKING_SET_TPU``); pipelines and context parallelism on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
+from shardax.analysis.residuals import STAND_IN, Residual, traced_residuals
 from shardax.errors import UsageError
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
@@ -120,44 +120,6 @@ def batch_rows_per_device(layout: Layout, batch_size: int) -> int:
     return max(batch_size // split, 1)
 
 
-# Stand-in sizes for tracing: distinct numbers, so each dimension of a saved residual can be
-# told apart (rows, sequence, heads, head size, half a head for rotary, MLP width, vocabulary,
-# layers) and mapped back to its size on one device. Model width is heads x head size.
-_STAND_IN = dict(rows=23, seq=19, heads=5, head=14, mlp=13, vocab=17, layers=29)
-
-
-@functools.lru_cache(maxsize=64)
-def _residual_shapes(model: Any, layers: int = _STAND_IN["layers"]) -> tuple[tuple[tuple[int, ...], int], ...]:
-    """What autodiff keeps for the backward pass of ``TransformerLM`` with ``layers`` layers
-    (shapes in stand-in sizes, item sizes in bytes): the residuals of ``jax.vjp``, less the
-    parameters it holds on to."""
-    import jax
-    from flax import nnx
-
-    from shardax.models.transformer import TransformerLM, next_token_loss
-
-    size = _STAND_IN
-    stand_in = dataclasses.replace(model, vocab_size=size["vocab"], seq_len=size["seq"],
-                                   d_model=size["heads"] * size["head"], n_heads=size["heads"],
-                                   n_layers=layers, d_ff=size["mlp"])
-    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
-                                       nnx.Param, ...)
-
-    def loss(params: Any, tokens: Any) -> Any:
-        return next_token_loss(nnx.merge(graphdef, params, rest), {"tokens": tokens})
-
-    tokens = jax.ShapeDtypeStruct((size["rows"], size["seq"] + 1), jnp.int32)
-    kept = jax.tree.leaves(jax.eval_shape(lambda p, t: jax.vjp(loss, p, t)[1], params, tokens))
-    arguments = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves((params, tokens))]
-    shapes = []
-    for leaf in kept:
-        if (tuple(leaf.shape), leaf.dtype) in arguments:  # a parameter, not an activation
-            arguments.remove((tuple(leaf.shape), leaf.dtype))
-            continue
-        shapes.append((tuple(leaf.shape), np.dtype(leaf.dtype).itemsize))
-    return tuple(shapes)
-
-
 def _model_split_dims(layout: Layout) -> dict[str, int]:
     """How many ways the parameters split heads, MLP width and vocabulary over axes other than
     the batch axes (tensor parallelism); 1 where any parameter keeps that dimension whole."""
@@ -174,7 +136,7 @@ def _model_split_dims(layout: Layout) -> dict[str, int]:
 
 def _actual_sizes(model: Any, rows: int, split: dict[str, int]) -> dict[int, int]:
     """Each stand-in size -> its size on one device."""
-    size = _STAND_IN
+    size = STAND_IN
     return {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
             size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
             size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
@@ -186,8 +148,8 @@ def _looped_residual_bytes(model: Any, rows: int, split: dict[str, int]) -> int:
     and with two blocks, each further block keeping what the second added."""
     model = dataclasses.replace(model, scan_layers=False, remat="none")
     actual = _actual_sizes(model, rows, split)
-    one, two = (sum(math.prod(actual.get(dim, dim) for dim in dims) * itemsize
-                    for dims, itemsize in _residual_shapes(model, layers))
+    one, two = (sum(math.prod(actual.get(dim, dim) for dim in kept.dims) * kept.itemsize
+                    for kept in traced_residuals(model, layers) if not kept.parameter)
                 for layers in (1, 2))
     return one + (model.n_layers - 1) * (two - one)
 
@@ -197,28 +159,44 @@ def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
     return _residual_bytes(model, rows, _model_split_dims(layout))[:2]
 
 
-def _residual_bytes(model: Any, rows: int, split: dict[str, int]) -> tuple[int, int, int]:
+def _kept_bytes(kept: Residual, real: tuple[int, ...], compiler: str, shards: int = 1) -> int:
+    """What one residual (``real``: its shape on a device) takes: its elements', or on XLA:TPU, in
+    its tiles, float32 matmul operands in bfloat16 (also in float32 when they are used otherwise
+    too), and a parameter only as the bfloat16 copy of a stacked layer weight a matmul reads (of
+    each device's shard, ``shards`` of them, where FSDP gathers it)."""
+    if compiler != "tpu":
+        return 0 if kept.parameter else math.prod(real) * kept.itemsize
+    narrowed = kept.itemsize == 4 and "dot" in kept.uses
+    if kept.parameter:
+        stacked = real and kept.dims[0] == STAND_IN["layers"]
+        return real[0] * tiled_bytes(real[1:], 2) // shards if narrowed and stacked else 0
+    return (tiled_bytes(real, 2) if narrowed else 0) + (
+        0 if narrowed and kept.uses == {"dot"} else tiled_bytes(real, kept.itemsize))
+
+
+def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str = "cpu",
+                    shards: int = 1) -> tuple[int, int, int]:
     """(all residuals, one layer's residuals without remat, the part of those that are the
-    sequence x sequence attention scores) per device, for ``rows`` rows."""
+    sequence x sequence attention scores) per device, for ``rows`` rows, as ``compiler`` keeps them
+    (``shards``: how many ways FSDP splits the weights)."""
     # Traced with scanned layers whatever the model uses: a loop of blocks keeps the same
     # residuals per layer, and stacking shows which of them belong to a layer.
     model = dataclasses.replace(model, scan_layers=True)
-    size = _STAND_IN
     actual = _actual_sizes(model, rows, split)
 
-    def total(shapes: Any) -> tuple[int, int, int]:
+    def total(residuals: Any) -> tuple[int, int, int]:
         every = per_layer = scores = 0
-        for dims, itemsize in shapes:
-            nbytes = math.prod(actual.get(dim, dim) for dim in dims) * itemsize
+        for kept in residuals:
+            nbytes = _kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
             every += nbytes
-            if dims and dims[0] == size["layers"]:
+            if kept.dims and kept.dims[0] == STAND_IN["layers"] and not kept.parameter:
                 per_layer += nbytes // model.n_layers
-                if dims.count(size["seq"]) >= 2:
+                if kept.dims.count(STAND_IN["seq"]) >= 2:
                     scores += nbytes // model.n_layers
         return every, per_layer, scores
 
-    every, _, _ = total(_residual_shapes(model))
-    _, layer, scores = total(_residual_shapes(dataclasses.replace(model, remat="none")))
+    every, _, _ = total(traced_residuals(model))
+    _, layer, scores = total(traced_residuals(dataclasses.replace(model, remat="none")))
     return every, layer, scores
 
 
@@ -247,13 +225,15 @@ WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"
 # on them, and their earlier factors stay.
 WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
                "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
-# ``benchmarks/plan_fit.py --target tpu-v5p-16`` fits the same terms to XLA:TPU's compiled peak
-# (96 steps, 80 held out; results/plan_fit_tpu.json) and they do not describe it: worst error
-# 13-62% on the steps fitted, 17-39% held out (with a factor on the kept residuals too, scanned
-# layers: 11-30% and 21-39%), no better on held-out shapes than these factors for three of the
-# four classes. XLA:TPU keeps less than autodiff's residuals on some steps (state and residuals
-# alone reach 1.16x its peak) and far more on others. Until a model that holds is found, a TPU
-# target's plan uses these factors and reports XLA:TPU's compiled peak beside them.
+# For a TPU target: the residuals as XLA:TPU keeps them (``_kept_bytes``) and factors fitted by
+# ``benchmarks/plan_fit.py --target tpu-v5p-16`` to XLA:TPU's compiled peak on the steps above its
+# floor of 300 MB per chip (below it XLA:TPU holds a varying part of the temporaries in the chip's
+# own memory). Worst error 5-11% on the steps fitted; held out (the same shapes as XLA:CPU's,
+# fixed before any fit), worst 11% (median 3%) with scanned layers and no remat, 10% (3%) with a
+# dots policy, 16% (7%) with full remat, 21% (6%) with blocks in a loop, where the plan before
+# (float32 residuals, XLA:CPU's factors) read 29% (14%), 16% (9%), 31% (7%) and 67% (56%).
+WORKING_SET_TPU = {"none": (1.88, 1.758, 0.0, 0.0, 0.0), "full": (0.0, 4.316, 0.667, 2.448, 0.0),
+                   "dots": (1.865, 1.993, 0.028, 0.0, 0.0), "looped": (0.524, 4.109)}
 
 
 def working_set_class(model: Any) -> str:
@@ -264,7 +244,8 @@ def working_set_class(model: Any) -> str:
     return model.remat if model.remat in ("none", "full") else "dots"
 
 
-def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> dict[str, int]:
+def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
+                      compiler: str = "cpu") -> dict[str, int]:
     """Bytes per device of a ``TransformerLM``'s step: ``kept`` (the residuals autodiff keeps
     under the remat policy, exact, counted whole) and the terms of its class (see
     ``WORKING_SET_TERMS``): with scanned layers, one layer's residuals without remat other than
@@ -279,20 +260,27 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
     if not model.scan_layers:
         gathered = model.n_layers * weights if gathers else 0
         return {"kept": 0, "residuals": _looped_residual_bytes(model, rows, split), "gathered_layers": gathered}
-    kept, layer, scores = _residual_bytes(model, rows, split)
-    unsplit = _residual_bytes(model, rows, dict.fromkeys(split, 1))[1] - layer if max(split.values()) > 1 else 0
+    shards = _axes_size(dict(layout.mesh.shape), layout.strategy.gather_axes)
+    kept, layer, scores = _residual_bytes(model, rows, split, compiler, shards)
+    unsplit = (_residual_bytes(model, rows, dict.fromkeys(split, 1), compiler)[1] - layer
+               if max(split.values()) > 1 else 0)
     return {"kept": kept, "layer": layer - scores, "scores": scores, "unsplit": unsplit, "weights": weights,
             "gathered": weights if gathers else 0}
 
 
-def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1) -> int:
+def working_set_factors(kind: str, compiler: str = "cpu") -> tuple[float, ...]:
+    """The fitted factors of a class of model for ``compiler`` (XLA:TPU's where they were fitted)."""
+    return WORKING_SET_TPU[kind] if compiler == "tpu" and kind in WORKING_SET_TPU else WORKING_SET[kind]
+
+
+def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1, compiler: str = "cpu") -> int:
     """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
     model's remat policy, plus the working set of one layer's backward pass (see above)."""
     if model is None:
         return 0
-    terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
-    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind],
-                                                                               WORKING_SET[kind])))
+    terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model)
+    factors = working_set_factors(kind, compiler)
+    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind], factors)))
 
 
 def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
@@ -335,21 +323,22 @@ def _sharded_bytes(abstract: Any, shardings: Any, tiled: bool = False) -> int:
 
 
 def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
-                             variant: str = "all-gather") -> int:
+                             variant: str = "all-gather", compiler: str = "cpu") -> int:
     """``activation_bytes`` with the sequence split over a ``context`` axis of C: each device keeps
     1/C of every activation (under ``all-gather`` its scores are its share of the queries against
     the whole sequence); ``ring`` keeps no scores at all (its backward pass recomputes them)."""
     shards = dict(layout.mesh.shape).get("context", 1)
     if shards == 1 or model is None:
-        return activation_bytes(layout, model, batch_size, grad_accum)
+        return activation_bytes(layout, model, batch_size, grad_accum, compiler)
     if variant == "ring":
-        terms, kind = working_set_terms(layout, model, batch_size, grad_accum), working_set_class(model)
+        terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model)
         if kind != "looped":
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
-        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind], WORKING_SET[kind]))
+        whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind],
+                                                                       working_set_factors(kind, compiler)))
         return int(whole) // shards
-    return activation_bytes(layout, model, batch_size, grad_accum) // shards
+    return activation_bytes(layout, model, batch_size, grad_accum, compiler) // shards
 
 
 def _replicas(layout: Layout) -> int:
@@ -384,6 +373,9 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped), tiled),
         batch=_stored_bytes((batch_rows_per_device(layout, batch_size), seq_len + 1), 4, tiled),
+        # a pipeline's activations as XLA:CPU keeps them, whatever the compiler: XLA:TPU's fit has
+        # no pipeline (with it, small and medium on v5p-8 read 0.80-0.82 of XLA:TPU's peak; 1.00-1.04 so)
         activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
-                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention)),
+                     else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention,
+                                                   compiler)),
     )
