@@ -43,7 +43,7 @@ from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  #
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target  # noqa: E402
-from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, predict_memory,  # noqa: E402
+from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, WORKING_SET_TPU, predict_memory,  # noqa: E402
                                      working_set_class, working_set_factors, working_set_terms)
 from shardax.models.presets import get_preset  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
@@ -116,6 +116,14 @@ def tpu_training_cases() -> list[tuple[dict, str, str, int, int]]:
     cases += [({"preset": "medium", "remat": remat}, s, m, 64, 1) for remat in policies for s, m in some]
     cases += [({**shape, "remat": remat}, "fsdp", "data=8", 16, 1) for shape in [*SEQUENCES, WIDE] for remat in policies]
     cases += [({"preset": "small", "remat": remat}, "fsdp", "data=8", 64, 4) for remat in ("none", "full")]
+    # Added with the floor (TPU_FLOOR), before the refit, so that every class has steps above it:
+    # four times small's batch under every strategy and policy, blocks in a loop too, and the long
+    # sequences at batch 64 under a few.
+    cases += [({"preset": "small", "remat": remat}, s, m, 256, 1) for remat in policies for s, m in every]
+    cases += [({"preset": "small", "remat": remat, "scan_layers": False}, s, m, 256, 1)
+              for remat in ("none", "full") for s, m in every]
+    cases += [({**shape, "remat": remat}, s, m, 64, 1) for shape in SEQUENCES for remat in ("none", "full")
+              for s, m in some]
     return cases
 
 
@@ -164,7 +172,7 @@ def with_terms(row: dict, compiler: str = "cpu") -> dict:
                                 compiler=compiler)
     terms = working_set_terms(parallel.layout, model, row["batch_size"], row["grad_accum"], compiler)
     base = prediction.total - prediction.activations + terms.pop("kept")
-    return {**row, "class": working_set_class(model), "base": base, "terms": terms}
+    return {**row, "class": working_set_class(model, compiler), "base": base, "terms": terms}
 
 
 def case_key(row: dict) -> str:
@@ -229,8 +237,8 @@ def main() -> None:
         training = [row for row in training if row["peak"] >= TPU_FLOOR]
         held_out = [row for row in held_out if row["peak"] >= TPU_FLOOR]
     compiler = "cpu" if target is None else target.chip.platform
-    shipped_factors = {name: working_set_factors(name, compiler) for name in WORKING_SET}
-    for name in ("none", "full", "dots", "looped"):
+    shipped_factors = {name: working_set_factors(name, compiler) for name in (WORKING_SET_TPU if target else WORKING_SET)}
+    for name in ("none", "full", "dots", "looped") + (("looped_remat",) if target is not None else ()):
         rows = [row for row in training if row["class"] == name]
         factors, worst = fit(rows, WORKING_SET_TERMS[name])
         report["factors"][name] = factors

@@ -226,6 +226,31 @@ def test_residuals_are_what_autodiff_keeps():
     assert alone / 2 < split < alone
 
 
+def test_residuals_are_labelled_by_what_the_backward_pass_does_with_them():
+    """The labels the TPU plan sizes residuals by: with scanned layers, every stacked layer weight
+    matrix the backward pass holds on to feeds a matmul; of the attention probabilities, one copy
+    feeds the value product's matmul and one the softmax gradient. Sized for XLA:TPU, a float32
+    residual that only feeds matmuls takes half its bytes (bfloat16, in whole tiles here), one used
+    both ways 1.5 times, and a stacked weight only its bfloat16 copy (of a shard under FSDP)."""
+    from shardax.analysis.memory import _kept_bytes
+    from shardax.analysis.residuals import STAND_IN, Residual, traced_residuals
+
+    config = tiny_transformer_config(remat="none", positions="rotary", scan_layers=True)
+    residuals = traced_residuals(config)
+    layers, seq = STAND_IN["layers"], STAND_IN["seq"]
+    weights = [r for r in residuals if r.parameter and len(r.dims) >= 3 and r.dims[0] == layers]
+    assert len(weights) == 4 and all(r.uses == {"dot"} for r in weights)  # qkv, out, MLP in and out
+    scores = [r.uses for r in residuals if r.dims[0] == layers and r.dims.count(seq) == 2]
+    assert sorted(scores, key=sorted) == [{"dot"}, {"other"}]
+    real = (8, 4, 64, 128)
+    dot_only, both = Residual((layers, 1, 2, 3), 4, frozenset({"dot"}), False), Residual(
+        (layers, 1, 2, 3), 4, frozenset({"dot", "other"}), False)
+    assert _kept_bytes(dot_only, real, "tpu") * 2 == _kept_bytes(dot_only, real, "cpu") == math.prod(real) * 4
+    assert _kept_bytes(both, real, "tpu") == math.prod(real) * 6
+    assert _kept_bytes(weights[0], real, "cpu") == 0 and _kept_bytes(weights[0], real, "tpu") == math.prod(real) * 2
+    assert _kept_bytes(weights[0], real, "tpu", shards=4) == math.prod(real) // 2
+
+
 @pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4), ("[4,2]<=[2,4]T(1,0)", 2),
                                           ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}", 2), ("", 8),
     ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}", 2),

@@ -81,7 +81,7 @@ def test_analytic_peak_against_xla_tpu_on_held_out_shapes(shape, strategy, mesh,
     """Two of benchmarks/suite.py's held-out shapes (never fitted on), above the TPU fit's floor of
     300 MB: the analytic peak, residuals sized as XLA:TPU keeps them (float32 matmul operands in
     bfloat16, bfloat16 copies of the layer weights) and XLA:TPU's fitted working set, is within 5%
-    of XLA:TPU's compiled peak (of the 31 held-out steps above the floor, 16 are; the worst is 21% off)."""
+    of XLA:TPU's compiled peak (of the 31 held-out steps above the floor, 18 are; the worst is 27% off)."""
     from shardax.analysis.memory import predict_memory
 
     model = tiny_transformer_config(positions="rotary", **{"vocab_size": 256, **shape})

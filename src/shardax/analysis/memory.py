@@ -215,6 +215,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str 
 WORKING_SET_TERMS = {"none": ("layer", "scores", "unsplit", "weights", "gathered"),
                      "looped": ("residuals", "gathered_layers")}
 WORKING_SET_TERMS["full"] = WORKING_SET_TERMS["dots"] = WORKING_SET_TERMS["none"]
+WORKING_SET_TERMS["looped_remat"] = WORKING_SET_TERMS["looped"]
 # Fitted by benchmarks/plan_fit.py (minimax relative error against XLA:CPU's compiled peak) over
 # compiled steps of every preset from tiny to 1b, sequences of 512 and 1024, a 1024-wide model,
 # under every strategy, with microbatches and a 2x4 tensor mesh, and the shapes tests/test_plan.py
@@ -228,19 +229,23 @@ WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35,
 # For a TPU target: the residuals as XLA:TPU keeps them (``_kept_bytes``) and factors fitted by
 # ``benchmarks/plan_fit.py --target tpu-v5p-16`` to XLA:TPU's compiled peak on the steps above its
 # floor of 300 MB per chip (below it XLA:TPU holds a varying part of the temporaries in the chip's
-# own memory). Worst error 5-11% on the steps fitted; held out (the same shapes as XLA:CPU's,
-# fixed before any fit), worst 11% (median 3%) with scanned layers and no remat, 10% (3%) with a
-# dots policy, 16% (7%) with full remat, 21% (6%) with blocks in a loop, where the plan before
-# (float32 residuals, XLA:CPU's factors) read 29% (14%), 16% (9%), 31% (7%) and 67% (56%).
-WORKING_SET_TPU = {"none": (1.88, 1.758, 0.0, 0.0, 0.0), "full": (0.0, 4.316, 0.667, 2.448, 0.0),
-                   "dots": (1.865, 1.993, 0.028, 0.0, 0.0), "looped": (0.524, 4.109)}
+# own memory). XLA:TPU recomputes under remat in a Python loop too (small at batch 256 under dp:
+# 1.32 GB without remat, 0.43 GB with full remat), so looped blocks under remat are a class of
+# their own there. Worst error on the steps fitted: 10%, 12%, 15%, 17% and 40% (none, dots,
+# full, looped, looped_remat). Held out (the same shapes as XLA:CPU's, fixed before any fit):
+# worst 8% (median 3%) with scanned layers and no remat, 10% (3%) with a dots policy, 20% (9%)
+# with full remat, 27% (7%) with blocks in a loop (none held out under remat), where the plan
+# before (float32 residuals, XLA:CPU's factors) read 29% (14%), 16% (9%), 31% (7%), 67% (56%).
+WORKING_SET_TPU = {"none": (1.342, 2.81, 0.373, 0.0, 0.51), "full": (1.324, 1.404, 0.165, 5.787, 5.222),
+                   "dots": (1.979, 1.94, 0.011, 0.0, 0.0), "looped": (0.574, 4.184), "looped_remat": (0.179, 2.418)}
 
 
-def working_set_class(model: Any) -> str:
-    """Which fitted factors a model uses: ``looped`` (blocks in a Python loop), else by remat
-    policy ``none``, ``full`` or ``dots`` (both dots policies)."""
+def working_set_class(model: Any, compiler: str = "cpu") -> str:
+    """Which fitted factors a model uses: ``looped`` (blocks in a Python loop; on XLA:TPU, which
+    recomputes in a loop too, ``looped_remat`` under a remat policy), else by remat policy
+    ``none``, ``full`` or ``dots`` (both dots policies)."""
     if not model.scan_layers:
-        return "looped"
+        return "looped_remat" if compiler == "tpu" and model.remat != "none" else "looped"
     return model.remat if model.remat in ("none", "full") else "dots"
 
 
@@ -278,7 +283,7 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
     model's remat policy, plus the working set of one layer's backward pass (see above)."""
     if model is None:
         return 0
-    terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model)
+    terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model, compiler)
     factors = working_set_factors(kind, compiler)
     return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind], factors)))
 
@@ -331,7 +336,7 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
     if shards == 1 or model is None:
         return activation_bytes(layout, model, batch_size, grad_accum, compiler)
     if variant == "ring":
-        terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model)
+        terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model, compiler)
         if kind != "looped":
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
