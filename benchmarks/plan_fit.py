@@ -56,10 +56,10 @@ AS_FITTED = {"tiny": {"seq_len": 128}}
 SEQUENCES = [dict(d_model=256, n_heads=4, n_layers=4, d_ff=1024, seq_len=seq) for seq in (512, 1024)]
 WIDE = dict(d_model=1024, n_heads=16, n_layers=4, d_ff=4096, seq_len=128)
 # XLA:TPU places part of a step's temporaries in the chip's own memory, not HBM (memory space 1
-# of its buffer assignment: 46 MB for a 3-layer, 320-wide model's dp step on 8 v5p chips,
-# whose memory analysis counts 54 MB of temporaries),
-# and no model of HBM alone describes a step that small; its fit and checks keep to steps whose
-# compiled peak is above this many bytes per chip (those below are reported apart).
+# of its buffer assignment: 46 MB for a 3-layer, 320-wide model's dp step on 8 v5p chips, whose
+# memory analysis counts 54 MB of temporaries), and no model of HBM alone describes a step that
+# small: the TPU fit and its errors keep to steps whose compiled peak is above this many bytes per
+# chip (those below stay in the report's rows, neither fitted nor scored).
 TPU_FLOOR = 300e6
 
 
@@ -150,11 +150,10 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
 def measured(cases: list[tuple], cache: dict[str, dict], target=None, keep: Path | None = None) -> list[dict]:
     """Each case measured, or taken from ``cache`` (keyed by the case) when it is there; with
     ``keep``, every case measured is written there at once (a stopped run resumes from it)."""
-    rows = []
+    rows, compiler = [], "cpu" if target is None else target.chip.platform
     for case in cases:
         key = json.dumps(case, sort_keys=True)  # the same form as case_key
         fresh = key not in cache
-        compiler = "cpu" if target is None else target.chip.platform
         rows.append(measure(*case, target=target) if fresh else with_terms(cache[key], compiler))
         cache[key] = rows[-1]
         if fresh and keep is not None:
