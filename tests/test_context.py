@@ -207,6 +207,21 @@ def test_activation_bytes_per_device_fall_as_one_over_C():
     assert _temporaries(8, 512, "ring") < _temporaries(8, 512)
 
 
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_ring_activations_are_planned_for_every_class_on_every_compiler(scan_layers):
+    """Ring attention's activations per device, for scanned layers and for blocks in a loop (on a
+    TPU target a class of its own under remat), are predicted on both compilers and fall below
+    the all-gather variant's."""
+    from shardax.analysis.memory import context_activation_bytes
+    from shardax.analysis.plan import transformer_for
+
+    model = tiny_transformer_config(seq_len=64, remat="dots_saveable", positions="rotary", scan_layers=scan_layers)
+    layout = transformer_for(model, "dp", "data=2,context=4").layout
+    for compiler in ("cpu", "tpu"):
+        ring = context_activation_bytes(layout, model, 8, 1, "ring", compiler)
+        assert 0 < ring <= context_activation_bytes(layout, model, 8, 1, "all-gather", compiler)
+
+
 COMM_CASES = [("dp", "data=2,context=4", "all-gather", "none"), ("dp", "data=2,context=4", "ring", "none"),
               ("fsdp", "data=1,context=8", "ring", "none"), ("tp", "data=2,context=2,model=2", "all-gather", "none"),
               ("dp", "data=2,context=4", "all-gather", "dots_saveable")]

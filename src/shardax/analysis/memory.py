@@ -337,7 +337,7 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
         return activation_bytes(layout, model, batch_size, grad_accum, compiler)
     if variant == "ring":
         terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model, compiler)
-        if kind != "looped":
+        if "scores" in terms:  # scanned layers (blocks in a loop keep no separate scores term)
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
         whole = terms["kept"] + sum(f * terms[name] for name, f in zip(WORKING_SET_TERMS[kind],
