@@ -4,13 +4,15 @@ multi-host slices, the batch search, and the one-line errors."""
 
 import dataclasses
 import json
+import re
 import sys
 
 import pytest
 
 from cli_helpers import shardax
 from shardax.analysis.fit import batch_granule, fit
-from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy, step_cost, transformer_for
+from shardax.analysis.plan import (compile_step, compiled_memory, device_bytes, out_of_memory, plan_strategy,
+                                    step_cost, transformer_for)
 from shardax.analysis.targets import CHIPS, Target, cuda_plugin, parse_target, require_tpu_compiler
 from shardax.errors import UsageError
 from shardax.models.presets import flops_per_token
@@ -148,11 +150,30 @@ def test_fit_finds_the_largest_batch_that_fits():
     [result] = fit(MODEL, "dp", "data=4", small, policies=("none",))
     granule = batch_granule("dp", "data=4", small)
     assert granule == 4 and result.batch_size % granule == 0 and result.batch_size >= granule
-    assert result.plan.fits and result.plan.compiled["peak"] <= 48 * 10**6
+    assert result.plan.fits and result.plan.compiled_bytes_per_device <= 48 * 10**6
     over = compile_step(transformer_for(MODEL, get_strategy("dp"), "data=4", None, small),
                         result.batch_size + granule, MODEL.seq_len)
-    assert compiled_memory(over)["peak"] > 48 * 10**6
+    assert device_bytes(compiled_memory(over)) > 48 * 10**6
     assert result.tokens_per_s > 0 and result.probes <= 10
+
+
+def test_what_fits_a_tpu_is_what_xla_tpu_allocates():
+    """XLA:TPU's memory analysis overestimates: at 4096 rows per v5e chip it counts 17.1 GB, more
+    than the chip's 16 GB, yet XLA:TPU compiles the step, and its buffer assignment's heap needs
+    13.2 GB. The plan reads that heap, so it fits. At 1.5x the batch XLA:TPU refuses, and the
+    temporaries its refusal names are 1.5x that heap, not 1.5x the memory analysis's."""
+    target = parse_target("tpu-v5e-4")
+    measured = compiled_memory(compile_step(transformer_for(MODEL, "dp", "data=4", target=target), 16384,
+                                            MODEL.seq_len))
+    hbm = target.per_device()["hbm_bytes"]
+    assert measured["peak"] > hbm >= measured["hbm_peak"] == device_bytes(measured)  # so the plan says it fits
+    heap, estimate = measured["hbm_heap"], measured["temporaries"]
+    assert measured["hbm_peak"] == measured["peak"] - estimate + heap and heap < 0.85 * estimate
+    with pytest.raises(Exception) as refused:
+        compile_step(transformer_for(MODEL, "dp", "data=4", target=target), 3 * 16384 // 2, MODEL.seq_len)
+    assert out_of_memory(refused.value), str(refused.value)
+    needed = float(re.search(r"HLO temporaries \(([\d.]+)G\)", str(refused.value)).group(1)) * 2**30
+    assert needed == pytest.approx(1.5 * heap, rel=0.03)
 
 
 def test_plan_command_for_a_target():

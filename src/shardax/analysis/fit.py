@@ -2,7 +2,8 @@
 
 For each remat policy (least recomputation first) the step is compiled for the target at
 growing global batches, doubling and then bisecting on whole rows per data-parallel device,
-until XLA's compiled peak no longer fits the chip's HBM. The largest batch that fits is then
+until the compiled step no longer fits the chip's HBM (XLA:TPU's own count: its buffer
+assignment's heap, see :mod:`shardax.analysis.heap`). The largest batch that fits is then
 costed (FLOPs and a roofline step time, see :mod:`shardax.analysis.targets`), and the policy
 with the most tokens per second at its largest batch is recommended; a wanted global batch
 larger than that is reached by gradient accumulation over microbatches of that size.
@@ -50,12 +51,12 @@ def batch_granule(strategy: str, mesh_shape: str | None, target: Target, microba
 def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, target: Target, batch: int,
           **options: Any) -> float:
     """The compiled peak per device at this batch; infinity where XLA:TPU refuses, out of HBM."""
-    from shardax.analysis.plan import compile_step, compiled_memory, out_of_memory, transformer_for
+    from shardax.analysis.plan import compile_step, compiled_memory, device_bytes, out_of_memory, transformer_for
 
     parallel = transformer_for(model, strategy, mesh_shape, None, target)
     pipeline = {key: value for key, value in options.items() if parallel.strategy.pipeline_axis}
     try:
-        return compiled_memory(compile_step(parallel, batch, model.seq_len, **pipeline))["peak"]
+        return device_bytes(compiled_memory(compile_step(parallel, batch, model.seq_len, **pipeline)))
     except Exception as error:
         if out_of_memory(error):
             return math.inf

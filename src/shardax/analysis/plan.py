@@ -18,6 +18,7 @@ import jax
 import optax
 
 from shardax.analysis.collectives import find_collectives, summarize
+from shardax.analysis.heap import compile_with_heap, hbm_heap
 from shardax.analysis.lint import lint
 from shardax.analysis.targets import Target, roofline
 from shardax.analysis.memory import predict_memory
@@ -49,7 +50,7 @@ class StrategyPlan:
     strategy: str
     mesh: str
     predicted: dict[str, int]  # params, gradients, optimizer, batch, activations, state, total
-    compiled: dict[str, int]  # arguments, outputs, temporaries, aliased, peak
+    compiled: dict[str, int]  # arguments, outputs, temporaries, aliased, peak (XLA:TPU: hbm_heap, hbm_peak)
     collectives: dict[str, dict[str, float]]  # kind -> count, bytes, wire_bytes (per step, per device)
     collective_bytes: float  # what the compiled step sends per device per step
     theoretical_collective_bytes: float
@@ -67,7 +68,7 @@ class StrategyPlan:
 
     @property
     def compiled_bytes_per_device(self) -> int:
-        return self.compiled["peak"]
+        return device_bytes(self.compiled)
 
     def to_json(self) -> dict[str, Any]:
         record = dataclasses.asdict(self)
@@ -84,7 +85,7 @@ def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1,
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
     step = parallel.train_step(weighted_next_token_loss, grad_accum=grad_accum, **pipeline)
-    return step.lower(parallel.abstract_state, batch).compile(compiler_options=compiler_options)
+    return compile_with_heap(step.lower(parallel.abstract_state, batch), compiler_options)
 
 
 # XLA:TPU turns a matmul whose result is reduce-scattered, or whose operand is all-gathered,
@@ -103,12 +104,25 @@ def out_of_memory(error: Exception) -> bool:
 
 def compiled_memory(compiled) -> dict[str, int]:
     """XLA's ``memory_analysis()`` of a compiled step per device, with its peak: arguments,
-    temporaries and outputs, less the outputs that reuse (alias) donated arguments."""
+    temporaries and outputs, less the outputs that reuse (alias) donated arguments. Compiled by
+    XLA:TPU, also its buffer assignment's heap (``hbm_heap``) and the peak with the heap in place
+    of the estimated temporaries (``hbm_peak``): what XLA:TPU holds the chip to (see
+    :mod:`shardax.analysis.heap`)."""
     memory = compiled.memory_analysis()
     measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
                 "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
     measured["peak"] = measured["arguments"] + measured["temporaries"] + measured["outputs"] - measured["aliased"]
+    heap = hbm_heap(compiled)
+    if heap is not None:
+        measured["hbm_heap"] = heap
+        measured["hbm_peak"] = measured["peak"] - measured["temporaries"] + heap
     return measured
+
+
+def device_bytes(measured: dict[str, int]) -> int:
+    """What one device needs of ``compiled_memory``'s figures: XLA:TPU's heap-based peak where
+    known, else the memory analysis's peak."""
+    return measured.get("hbm_peak", measured["peak"])
 
 
 def transformer_for(model: TransformerConfig, strategy: Any, mesh_shape: str | None = None, tx: Any = None,
@@ -159,7 +173,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         theoretical_collective_bytes=theoretical_collective_bytes(
             parallel.layout, model, batch_size, schedule, context or "all-gather",
             compiler="cpu" if target is None else target.chip.platform),
-        fits=None if device_memory is None else measured["peak"] <= device_memory,
+        fits=None if device_memory is None else device_bytes(measured) <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model, target)
               + _bubble_note(schedule)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
@@ -280,25 +294,25 @@ def recommend(plans: list[StrategyPlan], device_memory: int | None, model: Trans
         return "No strategy could be compiled for this mesh."
     fitting = [p for p in plans if p.fits is not False]
     if fitting and all(p.roofline for p in fitting):  # compiled for a target: the fastest step that fits
-        best = min(fitting, key=lambda p: (p.roofline["step_s"], p.compiled["peak"]))
+        best = min(fitting, key=lambda p: (p.roofline["step_s"], p.compiled_bytes_per_device))
         others = ", ".join(f"{p.strategy} {p.roofline['step_s'] * 1e3:.3f} ms" for p in fitting if p is not best)
         return (f"Recommended: {best.strategy} on mesh {best.mesh}: the shortest roofline step, "
                 f"{best.roofline['step_s'] * 1e3:.3f} ms ({best.roofline['bound']}-bound, MFU at most "
-                f"{100 * best.roofline['mfu']:.1f}%), {format_bytes(best.compiled['peak'])} per device within "
+                f"{100 * best.roofline['mfu']:.1f}%), {format_bytes(best.compiled_bytes_per_device)} per device within "
                 f"{format_bytes(device_memory)}" + (f" (others: {others})." if others else "."))
     if fitting:
-        best = min(fitting, key=lambda p: (p.collective_bytes, p.compiled["peak"]))
+        best = min(fitting, key=lambda p: (p.collective_bytes, p.compiled_bytes_per_device))
         budget = f"within {format_bytes(device_memory)} per device" if device_memory else "(no --device-memory given)"
         others = ", ".join(f"{p.strategy} {format_bytes(p.collective_bytes)}" for p in fitting if p is not best)
-        return (f"Recommended: {best.strategy} on mesh {best.mesh}. It needs {format_bytes(best.compiled['peak'])} "
-                f"per device {budget} and sends {format_bytes(best.collective_bytes)} per device per step, the "
+        return (f"Recommended: {best.strategy} on mesh {best.mesh}. It needs "
+                f"{format_bytes(best.compiled_bytes_per_device)} per device {budget} and sends {format_bytes(best.collective_bytes)} per device per step, the "
                 f"least of the strategies that fit" + (f" (others: {others})." if others else "."))
-    smallest = min(plans, key=lambda p: p.compiled["peak"])
-    need = smallest.compiled["peak"] / max(device_memory or 1, 1)
+    smallest = min(plans, key=lambda p: p.compiled_bytes_per_device)
+    need = smallest.compiled_bytes_per_device / max(device_memory or 1, 1)
     hints = [f"about {need:.1f}x the devices with {smallest.strategy} (its state shrinks with the data axis)"]
     if model.remat == "none":
         hints.append("--remat full (activations kept per layer only at its input)")
     hints.append("--grad-accum 4 or more (a quarter of the activations)")
     hints.append("tensor parallelism (fsdp_tp) to split activations and weights further")
     return (f"Nothing fits {format_bytes(device_memory)} per device: the smallest is {smallest.strategy} with "
-            f"{format_bytes(smallest.compiled['peak'])}. To fit, try " + "; ".join(hints) + ".")
+            f"{format_bytes(smallest.compiled_bytes_per_device)}. To fit, try " + "; ".join(hints) + ".")

@@ -42,6 +42,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from shardax.analysis import heap
 from shardax.errors import UsageError
 
 INSTALL_HINT = 'pip install "shardax[tpu-plan]"'
@@ -214,8 +215,9 @@ def require_tpu_compiler() -> None:
 
 @contextlib.contextmanager
 def _libtpu_environment(generation: str) -> Iterator[None]:
-    """What libtpu needs to load on a host without TPUs, and the process environment put back
-    as it was afterwards: libtpu writes warnings into ``TPU_WORKER_ID`` and the like when it
+    """What libtpu needs to load on a host without TPUs (and the flags that make it write each
+    program's buffer assignment, see :mod:`shardax.analysis.heap`), and the process environment
+    put back as it was afterwards: libtpu writes warnings into ``TPU_WORKER_ID`` and the like when it
     finds no TPU host, which would make this process (and those it starts) look like a pod."""
     saved = dict(os.environ)
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no TPU host metadata server to ask
@@ -224,6 +226,8 @@ def _libtpu_environment(generation: str) -> Iterator[None]:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     # libtpu takes a lock file so that one process owns the host's TPUs; compiling owns none
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if "xla_jf_dump_to" not in os.environ.get("LIBTPU_INIT_ARGS", ""):  # the heap each compile reserves
+        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {heap.libtpu_flags()}".strip()
     try:
         yield
     finally:

@@ -104,7 +104,10 @@ def _target_row(plan: Any) -> list[str]:
     ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
     flops = (f"{cost['flops'] / 1e9:.2f} G ({cost['flops'] / cost['model_flops']:.2f}x)" if cost["flops"]
              else f"{cost['model_flops'] / 1e9:.2f} G (model)")
-    return [plan.strategy, plan.mesh, format_bytes(plan.compiled["peak"]), "yes" if plan.fits else "no",
+    needs = format_bytes(plan.compiled_bytes_per_device)
+    if "hbm_peak" in plan.compiled:  # and XLA's memory analysis, which estimates more
+        needs += f" ({format_bytes(plan.compiled['peak'])})"
+    return [plan.strategy, plan.mesh, needs, "yes" if plan.fits else "no",
             f"{format_bytes(plan.collective_bytes)} ({ratio:.2f}x)", flops, f"{bound['step_s'] * 1e3:.3f} ms",
             bound["bound"], f"{100 * bound['mfu']:.1f}%"]
 
@@ -118,13 +121,17 @@ def print_target_plans(plans: list[Any], skipped: list[str], target: Any, descri
     console = Console(highlight=False, soft_wrap=True, width=max(Console().width, 150))
     compiler = "XLA:GPU" if target.chip.platform == "cuda" else "XLA:TPU"
     table = Table(title=f"shardax plan: {description} on {target.describe()} ({compiler})")
-    for header in ("strategy", "mesh", "peak per chip", f"fits {format_bytes(target.per_device()['hbm_bytes'])}",
+    heap = any("hbm_peak" in plan.compiled for plan in plans)
+    for header in ("strategy", "mesh", "HBM per chip (estimate)" if heap else "peak per chip", f"fits {format_bytes(target.per_device()['hbm_bytes'])}",
                    "sent per step (vs theory)", "FLOPs (vs 6N·tokens + attention)", "roofline step", "bound", "MFU"):
         table.add_column(header)
     for plan in plans:
         table.add_row(*_target_row(plan))
     console.print(table)
-    console.print(f"Per device, as {compiler} compiled the step for this target. The roofline step is the slowest of "
+    heap_note = ("HBM per chip is what XLA:TPU's buffer assignment reserves (its heap, the arguments and the "
+                 "outputs), which XLA:TPU checks against the chip; in brackets, XLA's memory analysis, an estimate "
+                 "that runs higher. " if heap else "")
+    console.print(f"Per device, as {compiler} compiled the step for this target. {heap_note}The roofline step is the slowest of "
                   "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI or NVLink traffic "
                   "(bytes sent / bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
                   "so the MFU is an upper bound. A pipeline's compute and HBM traffic are those of the same step "
@@ -159,7 +166,7 @@ def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) 
             print(f"  remat {r.remat:<34} nothing fits ({r.probes} compiles)")
             continue
         bound = r.plan.roofline
-        print(f"  remat {r.remat:<34} largest batch {r.batch_size:>6}: {format_bytes(r.plan.compiled['peak'])} per "
+        print(f"  remat {r.remat:<34} largest batch {r.batch_size:>6}: {format_bytes(r.plan.compiled_bytes_per_device)} per "
               f"chip, roofline {bound['step_s'] * 1e3:.2f} ms ({bound['bound']}-bound), MFU {100 * bound['mfu']:.1f}%, "
               f"{r.tokens_per_s:,.0f} tokens/s ({r.probes} compiles)")
     chosen = best(results)

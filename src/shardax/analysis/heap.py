@@ -1,0 +1,76 @@
+"""The HBM a TPU step needs, as XLA:TPU itself counts it: its buffer assignment's heap.
+
+XLA:TPU's ``memory_analysis()`` estimates a program's temporaries, and the estimate runs high:
+25-32% above the heap its buffer assignment reserves for a step under dp. The heap is what
+XLA:TPU checks against the chip when it compiles, so it is what fits or not. Compiled for a
+v5e (16 GB), the ``tiny`` model's dp step at a batch whose memory analysis counts 21 GB compiles;
+at a batch 25% larger XLA:TPU refuses with "the total memory required for HLO temporaries
+(18.60G) exceeds available HBM (15.75G)", which is that batch's heap, not its estimate.
+
+libtpu writes each program's buffer assignment into a folder when it starts with
+``--xla_jf_dump_to`` (category ``misc`` is that one file, about 100 KB). shardax starts libtpu
+so when it first describes a TPU slice (:mod:`shardax.analysis.targets`) and reads the heap
+after each compile. Where libtpu was started otherwise, or a compile came from JAX's
+compilation cache, the heap is unknown and the memory analysis stands in.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import os
+import re
+import shutil
+import tempfile
+import weakref
+from typing import Any
+
+_folder: str | None = None
+_heaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), preallocated-temp:", re.MULTILINE)
+
+
+def libtpu_flags() -> str:
+    """``LIBTPU_INIT_ARGS`` that make libtpu write each program's buffer assignment into a
+    folder of this process's own (removed when it exits)."""
+    global _folder
+    if _folder is None:
+        _folder = tempfile.mkdtemp(prefix="shardax-buffer-assignments-")
+        atexit.register(shutil.rmtree, _folder, True)
+    return f"--xla_jf_dump_to={_folder} --xla_jf_dump_category_filter=misc --xla_jf_dump_llo_text=false"
+
+
+def heap_bytes(buffer_assignment: str) -> int:
+    """The preallocated temporaries of the default memory space, HBM (an allocation with a
+    ``color`` is in another space, such as the chip's on-chip memory)."""
+    return sum(int(size) for size in _ALLOCATION.findall(buffer_assignment))
+
+
+def _take() -> int | None:
+    """The heap of the program compiled last, from the buffer assignments written since the
+    previous call (which are then removed); None when there are none."""
+    if _folder is None:
+        return None
+    paths = sorted(glob.glob(os.path.join(_folder, "*buffer-assignment.txt")), key=os.path.getmtime)
+    heap = None
+    if paths:
+        with open(paths[-1]) as file:
+            heap = heap_bytes(file.read())
+    for path in paths:
+        os.remove(path)
+    return heap
+
+
+def compile_with_heap(lowered: Any, compiler_options: dict[str, Any] | None = None) -> Any:
+    """``lowered.compile(...)``, noting XLA:TPU's heap for :func:`hbm_heap` where libtpu wrote it."""
+    _take()  # what earlier compiles left
+    compiled = lowered.compile(compiler_options=compiler_options)
+    heap = _take()
+    if heap is not None:
+        _heaps[compiled] = heap
+    return compiled
+
+
+def hbm_heap(compiled: Any) -> int | None:
+    """XLA:TPU's HBM heap for a program compiled by :func:`compile_with_heap`, if known."""
+    return _heaps.get(compiled)
