@@ -253,11 +253,14 @@ def table() -> str:
             values = [scale * row[field] for row in rows if row.get(field)]
             return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "-"
 
-        peaks = ", ".join(f"{row['strategy']} {row['peak_gb']:.2f}" if "peak_gb" in row else
+        heaps = all("hbm_peak_gb" in row for row in rows)
+        peaks = ", ".join((f"{row['strategy']} {row['hbm_peak_gb']:.2f} ({row['peak_gb']:.2f})" if heaps else
+                           f"{row['strategy']} {row['peak_gb']:.2f}") if "peak_gb" in row else
                           f"{row['strategy']} does not fit" for row in entry["rows"])
         lines.append(f"| 21. {key} (batch {entry['batch_size']} x {entry['seq_len']}) compiled by XLA:TPU on this CPU "
                      f"host, {'every strategy' if len(entry['rows']) >= 10 else 'strategies that spread a 1b model'}: "
-                     f"GB per chip; collectives sent vs theory; XLA FLOPs vs 6 N tokens + "
+                     f"GB per chip{' as XLA:TPU allocates it (its memory analysis in brackets)' if heaps else ''}; "
+                     f"collectives sent vs theory; XLA FLOPs vs 6 N tokens + "
                      f"attention; roofline MFU (upper bound); shardax's analytic peak vs XLA:TPU's | {peaks}; "
                      f"{span('sent_vs_theory')}x; {span('flops_vs_model', digits=3)}x; {span('mfu', 100, 1)}%; "
                      f"{span('predicted_vs_compiled')}x | all fit; within 5% of theory; ~1; -; within 5% (not yet) |")

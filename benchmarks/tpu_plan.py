@@ -3,6 +3,7 @@
     python benchmarks/tpu_plan.py                                  # tiny..large on tpu-v5p-8
     python benchmarks/tpu_plan.py --target tpu-v5e-64 --preset 1b  # one preset on another slice
     python benchmarks/tpu_plan.py --analytic-only  # the analytic peak again, against the stored compiles
+    python benchmarks/tpu_plan.py --heap-only      # XLA:TPU's heap-based peak of each stored row (one compile each)
 
 Needs ``pip install "shardax[tpu-plan]"`` (libtpu; no TPU). For each preset (its own batch and
 sequence length, float32 weights) and strategy (its default mesh over the slice), ``shardax
@@ -33,9 +34,13 @@ def main() -> None:
     parser.add_argument("--strategy", action="append", help="default: all")
     parser.add_argument("--analytic-only", action="store_true",
                         help="recompute the analytic peak of every stored row (no compile), after a change to it")
+    parser.add_argument("--heap-only", action="store_true",
+                        help="compile each stored row's step again for XLA:TPU's heap-based peak and what fits by it")
     args = parser.parse_args()
     if args.analytic_only:
         return reanalyse()
+    if args.heap_only:
+        return add_heaps()
 
     from shardax.analysis.plan import out_of_memory, plan_strategy
     from shardax.analysis.targets import parse_target
@@ -58,6 +63,7 @@ def main() -> None:
                 print(f"{args.target} {name:<7} {strategy:<8} does not fit: {rows[-1]['error']}", flush=True)
                 continue
             row = {"strategy": strategy, "mesh": plan.mesh, "peak_gb": plan.compiled["peak"] / 1e9,
+                   "hbm_peak_gb": plan.compiled_bytes_per_device / 1e9,
                    "fits": plan.fits, "sent_mb": plan.collective_bytes / 1e6,
                    "sent_vs_theory": plan.collective_bytes / max(plan.theoretical_collective_bytes, 1),
                    "flops_vs_model": (plan.cost["flops"] / plan.cost["model_flops"]) if plan.cost["flops"] else None,
@@ -99,6 +105,30 @@ def reanalyse() -> None:
             print(f"{key} {row['strategy']:<8} analytic peak {before:.3f}x -> {row['predicted_vs_compiled']:.3f}x",
                   flush=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def add_heaps() -> None:
+    """Each stored row's step compiled again: XLA:TPU's heap-based peak (see shardax.analysis.heap)
+    and whether the chip holds it."""
+    from shardax.analysis.plan import compile_step, compiled_memory, device_bytes, transformer_for
+    from shardax.analysis.targets import parse_target
+    from shardax.models.presets import get_preset
+
+    results = json.loads(RESULTS.read_text())
+    for key, entry in results.items():
+        target_name, name = key.split()
+        target, model = parse_target(target_name), get_preset(name).config()
+        for row in entry["rows"]:
+            if "peak_gb" not in row:
+                continue
+            parallel = transformer_for(model, row["strategy"], row["mesh"], None, target)
+            pipeline = {"microbatches": None, "pipeline_repeats": 1} if parallel.strategy.pipeline_axis else {}
+            measured = compiled_memory(compile_step(parallel, entry["batch_size"], model.seq_len, **pipeline))
+            row["hbm_peak_gb"] = device_bytes(measured) / 1e9
+            row["fits"] = device_bytes(measured) <= target.per_device()["hbm_bytes"]
+            print(f"{key} {row['strategy']:<8} {row['peak_gb']:7.3f} GB estimated, {row['hbm_peak_gb']:7.3f} GB "
+                  f"by XLA:TPU's heap, fits={row['fits']}", flush=True)
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
