@@ -13,6 +13,7 @@ end on the held-out shapes.
     python benchmarks/plan_fit.py            # compile what is not in the cache (minutes), fit, report
     python benchmarks/plan_fit.py --fresh    # compile everything again (after a model change)
     python benchmarks/plan_fit.py --target tpu-v5p-16   # the same, compiled by XLA:TPU for 8 chips
+    python benchmarks/plan_fit.py --target tpu-v5p-16 --heap   # fitted to XLA:TPU's heap-based peak
 
 The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (compared with the shipped factors,
 ``memory.WORKING_SET_TPU``; needs ``pip install "shardax[tpu-plan]"``): its training cases are fewer
@@ -222,18 +223,26 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="compile every case again (after a model change)")
     parser.add_argument("--no-held-out", action="store_true", help="fit only; do not compile the held-out shapes")
     parser.add_argument("--target", help="compile for this TPU slice (8 chips, e.g. tpu-v5p-16) instead")
+    parser.add_argument("--heap", action="store_true", help="with --target: fit to XLA:TPU's heap-based peak "
+                        "(shardax.analysis.heap), compiling the cached cases that lack it")
     options = parser.parse_args()
+    if options.heap and not options.target:
+        parser.error("--heap needs --target: only XLA:TPU's compiles have a heap")
     target = parse_target(options.target) if options.target else None
-    report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}"
+    report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}" + ("_heap" if options.heap else "")
     results = RESULTS.parent / f"{report_name}.json"
     saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())
     cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
     partial = results.with_suffix(".partial.json")  # what a stopped run measured
     if partial.exists() and not options.fresh:
         cache |= {case_key(row): row for row in json.loads(partial.read_text())["training"]}
+    if options.heap:
+        cache = {key: row for key, row in cache.items() if "hbm_peak" in row}
     training = measured(training_cases() if target is None else tpu_training_cases(), cache, target, partial)
     held_out = [] if options.no_held_out else measured(held_out_cases(), cache, target, partial)
     report = {"target": options.target, "training": training, "held_out": held_out, "factors": {}, "errors": {}}
+    if options.heap:  # fitted to the heap-based peak; the report keeps both
+        training, held_out = ([{**row, "peak": row["hbm_peak"]} for row in rows] for rows in (training, held_out))
     if target is not None:  # fitted and tested where HBM holds the temporaries
         report["floor"] = TPU_FLOOR
         training = [row for row in training if row["peak"] >= TPU_FLOOR]
