@@ -3,9 +3,10 @@
 XLA:TPU's ``memory_analysis()`` estimates a program's temporaries, and the estimate runs high:
 25-32% above the heap its buffer assignment reserves for a step under dp. The heap is what
 XLA:TPU checks against the chip when it compiles, so it is what fits or not. Compiled for a
-v5e (16 GB), the ``tiny`` model's dp step at a batch whose memory analysis counts 21 GB compiles;
-at a batch 25% larger XLA:TPU refuses with "the total memory required for HLO temporaries
-(18.60G) exceeds available HBM (15.75G)", which is that batch's heap, not its estimate.
+v5e-8 (16 GB a chip), a 3-layer, 320-wide model's dp step at a batch whose memory analysis
+counts 21 GB compiles; at a batch 25% larger XLA:TPU refuses with "the total memory required
+for HLO temporaries (18.60G) exceeds available HBM (15.75G)", GiB that are that batch's heap,
+not its estimate (docs/plan.md has the figures).
 
 libtpu writes each program's buffer assignment into a folder when it starts with
 ``--xla_jf_dump_to`` (category ``misc`` is that one file, about 100 KB). shardax starts libtpu

@@ -305,8 +305,8 @@ def recommend(plans: list[StrategyPlan], device_memory: int | None, model: Trans
         budget = f"within {format_bytes(device_memory)} per device" if device_memory else "(no --device-memory given)"
         others = ", ".join(f"{p.strategy} {format_bytes(p.collective_bytes)}" for p in fitting if p is not best)
         return (f"Recommended: {best.strategy} on mesh {best.mesh}. It needs "
-                f"{format_bytes(best.compiled_bytes_per_device)} per device {budget} and sends {format_bytes(best.collective_bytes)} per device per step, the "
-                f"least of the strategies that fit" + (f" (others: {others})." if others else "."))
+                f"{format_bytes(best.compiled_bytes_per_device)} per device {budget} and sends "
+                f"{format_bytes(best.collective_bytes)} per device per step, the least of the strategies that fit" + (f" (others: {others})." if others else "."))
     smallest = min(plans, key=lambda p: p.compiled_bytes_per_device)
     need = smallest.compiled_bytes_per_device / max(device_memory or 1, 1)
     hints = [f"about {need:.1f}x the devices with {smallest.strategy} (its state shrinks with the data axis)"]
