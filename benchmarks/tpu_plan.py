@@ -83,52 +83,50 @@ def main() -> None:
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
-def reanalyse() -> None:
-    """Each stored row's analytic peak against its stored XLA:TPU peak, predicted again from shapes."""
-    from shardax.analysis.memory import predict_memory
+def stored_steps(results: dict):
+    """(key, entry, target, model, row, parallel) for each stored row that compiled, its step
+    built again for its target (abstractly: nothing is compiled here)."""
     from shardax.analysis.plan import transformer_for
     from shardax.analysis.targets import parse_target
     from shardax.models.presets import get_preset
 
-    results = json.loads(RESULTS.read_text())
     for key, entry in results.items():
         target_name, name = key.split()
         target, model = parse_target(target_name), get_preset(name).config()
         for row in entry["rows"]:
-            if "peak_gb" not in row:
-                continue
-            parallel = transformer_for(model, row["strategy"], row["mesh"], None, target)
-            schedule = parallel.schedule(microbatches=None, pipeline_repeats=1) if parallel.strategy.pipeline_axis else None
-            predicted = predict_memory(parallel, model, entry["batch_size"], model.seq_len, 1, schedule,
-                                       compiler=target.chip.platform)
-            before, row["predicted_vs_compiled"] = row["predicted_vs_compiled"], predicted.total / (row["peak_gb"] * 1e9)
-            print(f"{key} {row['strategy']:<8} analytic peak {before:.3f}x -> {row['predicted_vs_compiled']:.3f}x",
-                  flush=True)
+            if "peak_gb" in row:
+                yield key, entry, target, model, row, transformer_for(model, row["strategy"], row["mesh"], None, target)
+
+
+def reanalyse() -> None:
+    """Each stored row's analytic peak against its stored XLA:TPU peak, predicted again from shapes."""
+    from shardax.analysis.memory import predict_memory
+
+    results = json.loads(RESULTS.read_text())
+    for key, entry, target, model, row, parallel in stored_steps(results):
+        schedule = parallel.schedule(microbatches=None, pipeline_repeats=1) if parallel.strategy.pipeline_axis else None
+        predicted = predict_memory(parallel, model, entry["batch_size"], model.seq_len, 1, schedule,
+                                   compiler=target.chip.platform)
+        before, row["predicted_vs_compiled"] = row["predicted_vs_compiled"], predicted.total / (row["peak_gb"] * 1e9)
+        print(f"{key} {row['strategy']:<8} analytic peak {before:.3f}x -> {row['predicted_vs_compiled']:.3f}x",
+              flush=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 def add_heaps() -> None:
     """Each stored row's step compiled again: XLA:TPU's heap-based peak (see shardax.analysis.heap)
     and whether the chip holds it."""
-    from shardax.analysis.plan import compile_step, compiled_memory, device_bytes, transformer_for
-    from shardax.analysis.targets import parse_target
-    from shardax.models.presets import get_preset
+    from shardax.analysis.plan import compile_step, compiled_memory, device_bytes
 
     results = json.loads(RESULTS.read_text())
-    for key, entry in results.items():
-        target_name, name = key.split()
-        target, model = parse_target(target_name), get_preset(name).config()
-        for row in entry["rows"]:
-            if "peak_gb" not in row:
-                continue
-            parallel = transformer_for(model, row["strategy"], row["mesh"], None, target)
-            pipeline = {"microbatches": None, "pipeline_repeats": 1} if parallel.strategy.pipeline_axis else {}
-            measured = compiled_memory(compile_step(parallel, entry["batch_size"], model.seq_len, **pipeline))
-            row["hbm_peak_gb"] = device_bytes(measured) / 1e9
-            row["fits"] = device_bytes(measured) <= target.per_device()["hbm_bytes"]
-            print(f"{key} {row['strategy']:<8} {row['peak_gb']:7.3f} GB estimated, {row['hbm_peak_gb']:7.3f} GB "
-                  f"by XLA:TPU's heap, fits={row['fits']}", flush=True)
-            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    for key, entry, target, model, row, parallel in stored_steps(results):
+        pipeline = {"microbatches": None, "pipeline_repeats": 1} if parallel.strategy.pipeline_axis else {}
+        measured = compiled_memory(compile_step(parallel, entry["batch_size"], model.seq_len, **pipeline))
+        row["hbm_peak_gb"] = device_bytes(measured) / 1e9
+        row["fits"] = device_bytes(measured) <= target.per_device()["hbm_bytes"]
+        print(f"{key} {row['strategy']:<8} {row['peak_gb']:7.3f} GB estimated, {row['hbm_peak_gb']:7.3f} GB "
+              f"by XLA:TPU's heap, fits={row['fits']}", flush=True)
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
