@@ -295,7 +295,8 @@ def pipeline_held_out(target_name: str | None = None) -> dict:
                              pipeline_repeats=repeats, target=target)
         rows.append({**overrides, "strategy": strategy, "mesh": mesh, "batch_size": batch,
                      "microbatches": microbatches, "repeats": repeats, "predicted_peak": plan.predicted["total"],
-                     "compiled_peak": plan.compiled["peak"], "peak_ratio": plan.predicted["total"] / plan.compiled["peak"]})
+                     "compiled_peak": plan.compiled_bytes_per_device, "estimated_peak": plan.compiled["peak"],
+                     "peak_ratio": plan.predicted["total"] / plan.compiled_bytes_per_device})
         print(f"{overrides} {strategy} {mesh} M{microbatches} R{repeats}: {rows[-1]['peak_ratio']:.3f}", flush=True)
     name = "pipeline_held_out" + (f"_{target_name}" if target_name else "")
     return save(name.replace("-", "_"), {"target": target_name or "XLA:CPU, 8 devices", "cases": rows,

@@ -174,6 +174,15 @@ def _kept_bytes(kept: Residual, real: tuple[int, ...], compiler: str, shards: in
         0 if narrowed and kept.uses == {"dot"} else tiled_bytes(real, kept.itemsize))
 
 
+def _weight_copy_bytes(layout: Layout, model: Any, compiler: str) -> int:
+    """The bfloat16 copies of the stacked layer weights among what XLA:TPU keeps (none elsewhere)."""
+    model = dataclasses.replace(model, scan_layers=True)
+    actual, shards = _actual_sizes(model, 1, _model_split_dims(layout)), _axes_size(
+        dict(layout.mesh.shape), layout.strategy.gather_axes)
+    return sum(_kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
+               for kept in traced_residuals(model) if kept.parameter)
+
+
 def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str = "cpu",
                     shards: int = 1) -> tuple[int, int, int]:
     """(all residuals, one layer's residuals without remat, the part of those that are the
@@ -227,17 +236,18 @@ WORKING_SET_TERMS["looped_remat"] = WORKING_SET_TERMS["looped"]
 WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
                "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
 # For a TPU target: the residuals as XLA:TPU keeps them (``_kept_bytes``) and factors fitted by
-# ``benchmarks/plan_fit.py --target tpu-v5p-16`` to XLA:TPU's compiled peak on the steps above its
-# floor of 300 MB per chip (below it XLA:TPU holds a varying part of the temporaries in the chip's
-# own memory). XLA:TPU recomputes under remat in a Python loop too (small at batch 256 under dp:
-# 1.32 GB without remat, 0.43 GB with full remat), so looped blocks under remat are a class of
-# their own there. Worst error on the steps fitted: 10%, 12%, 15%, 17% and 40% (none, dots,
-# full, looped, looped_remat). Held out (the same shapes as XLA:CPU's, fixed before any fit):
-# worst 8% (median 3%) with scanned layers and no remat, 10% (3%) with a dots policy, 20% (9%)
-# with full remat, 27% (7%) with blocks in a loop (none held out under remat), where the plan
-# before (float32 residuals, XLA:CPU's factors) read 29% (14%), 16% (9%), 31% (7%), 67% (56%).
-WORKING_SET_TPU = {"none": (1.342, 2.81, 0.373, 0.0, 0.51), "full": (1.324, 1.404, 0.165, 5.787, 5.222),
-                   "dots": (1.979, 1.94, 0.011, 0.0, 0.0), "looped": (0.574, 4.184), "looped_remat": (0.179, 2.418)}
+# ``benchmarks/plan_fit.py --target tpu-v5p-16 --heap`` to XLA:TPU's heap-based peak
+# (``plan.device_bytes``: what XLA:TPU allocates and checks against the chip, 0.75-0.94 of its
+# memory analysis) on the steps above its floor of 300 MB per chip (below it XLA:TPU holds a
+# varying part of the temporaries in the chip's own memory). XLA:TPU recomputes under remat in a
+# Python loop too, so looped blocks under remat are a class of their own there. Worst error on
+# the steps fitted: 6%, 8%, 15%, 19% and 41% (none, dots, full, looped, looped_remat). Held out
+# (the same shapes as XLA:CPU's, fixed before any fit): 18 of 28 steps within 5%; worst 11%
+# (median 2%) with scanned layers and no remat, 7% (4%) with a dots policy, 25% (6%) with full
+# remat, 33% (6%) with blocks in a loop (none held out under remat). The factors fitted before to
+# the memory analysis read, against the heap on the same steps, 23%, 17%, 53% and 36% worst.
+WORKING_SET_TPU = {"none": (0.451, 1.063, 0.151, 0.0, 0.0), "full": (0.629, 1.395, 0.0, 1.502, 5.486),
+                   "dots": (0.713, 1.027, 0.151, 0.0, 0.0), "looped": (0.556, 4.053), "looped_remat": (0.167, 2.019)}
 
 
 def working_set_class(model: Any, compiler: str = "cpu") -> str:
@@ -288,7 +298,8 @@ def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: in
     return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind], factors)))
 
 
-def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> int:
+def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any,
+                              compiler: str = "cpu") -> int:
     """Activation memory per device of ``TransformerLM`` run as a pipeline (``schedule``).
 
     Every iteration keeps, for the backward pass, what its stage's chunk of L/(R*S) layers keeps
@@ -299,7 +310,8 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     or FSDP's gathered weights), the copy. And, when a chunk has several layers, one iteration's
     residuals again: the scan over the chunk stacks them inside the loop over iterations, and
     they are copied into (and, for the backward pass, out of) the loop's stack, as XLA:CPU and
-    XLA:TPU both compile it."""
+    XLA:TPU both compile it. XLA:TPU's loop reads the stage's float32 weights (no bfloat16 copies
+    among the residuals) and runs on a copy only of FSDP's gathered weights."""
     shape, strategy = dict(layout.mesh.shape), layout.strategy
     groups = _axes_size(shape, strategy.batch_axes)
     rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
@@ -308,11 +320,13 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
     stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
                         if _split_into_stages(leaf, strategy))
-    copies = 1 + (1 if groups > 1 else 0)
-    kept = activation_bytes(layout, virtual, rows * groups)
+    copies = 1 + (1 if (strategy.gather_axes if compiler == "tpu" else groups > 1) else 0)
+    weight_copies = _weight_copy_bytes(layout, virtual, compiler) // virtual.n_layers  # a layer's
+    kept = activation_bytes(layout, virtual, rows * groups, compiler=compiler) - weight_copies * virtual.n_layers
     # a chunk of one layer is no scan: its residuals go straight into the loop's stack
     one_fewer = activation_bytes(layout, dataclasses.replace(virtual, n_layers=virtual.n_layers - chunk),
-                                 rows * groups) if chunk > 1 else kept
+                                 rows * groups, compiler=compiler) - weight_copies * (virtual.n_layers - chunk)
+    one_fewer = one_fewer if chunk > 1 else kept
     return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
 
 
@@ -378,9 +392,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped), tiled),
         batch=_stored_bytes((batch_rows_per_device(layout, batch_size), seq_len + 1), 4, tiled),
-        # a pipeline's activations as XLA:CPU keeps them, whatever the compiler: XLA:TPU's fit has
-        # no pipeline (with it, small and medium on v5p-8 read 0.80-0.82 of XLA:TPU's peak; 1.00-1.04 so)
-        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule) if schedule is not None
+        activations=(pipeline_activation_bytes(layout, model, batch_size, schedule, compiler)
+                     if schedule is not None
                      else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention,
                                                    compiler)),
     )
