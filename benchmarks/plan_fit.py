@@ -234,6 +234,8 @@ def main() -> None:
     if options.heap and not options.target:
         parser.error("--heap needs --target: only XLA:TPU's compiles have a heap")
     target = parse_target(options.target) if options.target else None
+    if target is not None:  # libtpu starts here, with the flags that write the heap (shardax.analysis.heap),
+        target.devices()    # before anything else starts JAX's backends, libtpu among them, without them
     report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}" + ("_heap" if options.heap else "")
     results = RESULTS.parent / f"{report_name}.json"
     saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())

@@ -11,8 +11,9 @@ not its estimate (docs/plan.md has the figures).
 libtpu writes each program's buffer assignment into a folder when it starts with
 ``--xla_jf_dump_to`` (category ``misc`` is that one file, about 100 KB). shardax starts libtpu
 so when it first describes a TPU slice (:mod:`shardax.analysis.targets`) and reads the heap
-after each compile. Where libtpu was started otherwise, or a compile came from JAX's
-compilation cache, the heap is unknown and the memory analysis stands in.
+after each compile. Where libtpu was started otherwise (JAX's TPU backend started it first, or
+``LIBTPU_INIT_ARGS`` names a dump folder of its own), or a compile came from JAX's compilation
+cache, the heap is unknown: the memory analysis stands in, and a warning says so.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 import weakref
 from typing import Any
+
+import jax
 
 _folder: str | None = None
 _heaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -69,7 +73,18 @@ def compile_with_heap(lowered: Any, compiler_options: dict[str, Any] | None = No
     heap = _take()
     if heap is not None:
         _heaps[compiled] = heap
+    elif _for_tpu(compiled):
+        warnings.warn("XLA:TPU's heap is unknown for this step (libtpu started before shardax described a TPU "
+                      "target, or LIBTPU_INIT_ARGS has its own --xla_jf_dump_to, or the compile was cached): "
+                      "its memory is XLA's memory analysis, an estimate that runs higher; describe the target "
+                      "(shardax.analysis.targets.parse_target(...).devices()) before anything else uses JAX",
+                      stacklevel=3)
     return compiled
+
+
+def _for_tpu(compiled: Any) -> bool:
+    shardings = jax.tree.leaves(compiled.input_shardings)
+    return bool(shardings) and next(iter(shardings[0].device_set)).platform == "tpu"
 
 
 def hbm_heap(compiled: Any) -> int | None:

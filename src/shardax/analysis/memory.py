@@ -239,15 +239,14 @@ WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35,
 # ``benchmarks/plan_fit.py --target tpu-v5p-16 --heap`` to XLA:TPU's heap-based peak
 # (``plan.device_bytes``: what XLA:TPU allocates and checks against the chip, 0.75-0.94 of its
 # memory analysis) on the steps above its floor of 300 MB per chip (below it XLA:TPU holds a
-# varying part of the temporaries in the chip's own memory). XLA:TPU recomputes under remat in a
-# Python loop too, so looped blocks under remat are a class of their own there. Worst error on
-# the steps fitted: 6%, 8%, 15%, 19% and 41% (none, dots, full, looped, looped_remat). Held out
-# (the same shapes as XLA:CPU's, fixed before any fit): 18 of 28 steps within 5%; worst 11%
-# (median 2%) with scanned layers and no remat, 7% (4%) with a dots policy, 25% (6%) with full
-# remat, 33% (6%) with blocks in a loop (none held out under remat). The factors fitted before to
-# the memory analysis read, against the heap on the same steps, 23%, 17%, 53% and 36% worst.
-WORKING_SET_TPU = {"none": (0.451, 1.063, 0.151, 0.0, 0.0), "full": (0.629, 1.395, 0.0, 1.502, 5.486),
-                   "dots": (0.713, 1.027, 0.151, 0.0, 0.0), "looped": (0.556, 4.053), "looped_remat": (0.167, 2.019)}
+# varying part of the temporaries in the chip's own memory), 2048-wide layers among them.
+# XLA:TPU recomputes under remat in a Python loop too, so looped blocks under remat are a class
+# of their own there. Worst error on the steps fitted: 7%, 8%, 15%, 19% and 41% (none, dots,
+# full, looped, looped_remat). Held out (the same shapes as XLA:CPU's, fixed before any fit): 19
+# of 28 steps within 5%; worst 12% (median 2%) with scanned layers and no remat, 9% (5%) with a
+# dots policy, 7% (6%) with full remat, 33% (6%) with blocks in a loop (none held out under remat).
+WORKING_SET_TPU = {"none": (0.609, 0.645, 0.392, 0.545, 0.0), "full": (0.98, 1.323, 0.0, 0.87, 0.0),
+                   "dots": (0.984, 0.399, 0.141, 0.547, 0.0), "looped": (0.556, 4.053), "looped_remat": (0.167, 2.019)}
 
 
 def working_set_class(model: Any, compiler: str = "cpu") -> str:
