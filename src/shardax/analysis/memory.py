@@ -324,8 +324,8 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     kept = activation_bytes(layout, virtual, rows * groups, compiler=compiler) - weight_copies * virtual.n_layers
     # a chunk of one layer is no scan: its residuals go straight into the loop's stack
     one_fewer = activation_bytes(layout, dataclasses.replace(virtual, n_layers=virtual.n_layers - chunk),
-                                 rows * groups, compiler=compiler) - weight_copies * (virtual.n_layers - chunk)
-    one_fewer = one_fewer if chunk > 1 else kept
+                                 rows * groups, compiler=compiler) - weight_copies * (virtual.n_layers - chunk) \
+        if chunk > 1 else kept
     return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
 
 
