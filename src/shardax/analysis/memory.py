@@ -310,7 +310,8 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     residuals again: the scan over the chunk stacks them inside the loop over iterations, and
     they are copied into (and, for the backward pass, out of) the loop's stack, as XLA:CPU and
     XLA:TPU both compile it. XLA:TPU's loop reads the stage's float32 weights (no bfloat16 copies
-    among the residuals) and runs on a copy only of FSDP's gathered weights."""
+    among the residuals); under FSDP it reduces the summed gradient into a float32 buffer as large
+    and gathers the weights in bfloat16: 2.5 times the stage's weights, else once (the sum)."""
     shape, strategy = dict(layout.mesh.shape), layout.strategy
     groups = _axes_size(shape, strategy.batch_axes)
     rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
@@ -319,7 +320,7 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
     stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
                         if _split_into_stages(leaf, strategy))
-    copies = 1 + (1 if (strategy.gather_axes if compiler == "tpu" else groups > 1) else 0)
+    copies = (2.5 if strategy.gather_axes else 1) if compiler == "tpu" else 1 + (1 if groups > 1 else 0)
     weight_copies = _weight_copy_bytes(layout, virtual, compiler) // virtual.n_layers  # a layer's
     kept = activation_bytes(layout, virtual, rows * groups, compiler=compiler) - weight_copies * virtual.n_layers
     # a chunk of one layer is no scan: its residuals go straight into the loop's stack
