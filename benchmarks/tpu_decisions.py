@@ -27,52 +27,14 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
-from shardax import blocks  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, step_cost, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target, roofline  # noqa: E402
-from shardax.models import ops, transformer  # noqa: E402
+from shardax.models import transformer  # noqa: E402
 from shardax.models.presets import flops_per_token, get_preset  # noqa: E402
 from shardax.sharding.strategies import get_strategy  # noqa: E402
-from shardax.step import train  # noqa: E402
+from step_variants import cond_update, plain_autodiff, remat_every_loop  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tpu_decisions.json"
-
-
-@contextlib.contextmanager
-def plain_autodiff():
-    """Layer norm and GELU differentiated by JAX itself (what the custom VJPs replace)."""
-    saved = ops.layer_norm, ops.gelu
-    ops.layer_norm = lambda x, scale, bias: ops._normalized(x)[0] * scale + bias
-    ops.gelu = jax.nn.gelu
-    try:
-        yield
-    finally:
-        ops.layer_norm, ops.gelu = saved
-
-
-@contextlib.contextmanager
-def cond_update():
-    """The update inside a ``lax.cond``, computed only when it applies (what XLA:CPU's step does)."""
-    saved = train.keep_where
-    train.keep_where = lambda apply, update, kept, select: saved(apply, update, kept, select=False)
-    try:
-        yield
-    finally:
-        train.keep_where = saved
-
-
-@contextlib.contextmanager
-def remat_every_loop():
-    """Layers in a Python loop under ``nnx.remat`` even with ``--remat none`` and nothing to gather
-    (the step as shipped leaves such a loop without it)."""
-    saved = blocks.REMAT_POLICIES["none"]
-    blocks.REMAT_POLICIES["none"] = jax.checkpoint_policies.everything_saveable
-    try:
-        yield
-    finally:
-        blocks.REMAT_POLICIES["none"] = saved
 
 
 def measure(target, preset: str, variant, **settings) -> dict:
