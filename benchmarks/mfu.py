@@ -4,7 +4,8 @@
     python benchmarks/mfu.py --preset tiny --steps 3 --allow-cpu   # check the script on a CPU
 
 It takes the largest preset (and the largest of its batch size, 1/2, 1/4 or 1/8 of it) whose
-compiled step fits the device's memory, trains it on random tokens, and reports tokens/s,
+compiled step fits the device's memory, with its blocks laid as ``shardax train`` lays them under
+dp (in a Python loop on a GPU: ``blocks_in_a_loop``), trains it on random tokens, and reports tokens/s,
 the device's peak memory and
 
     MFU = flops_per_token x tokens per second / the device's dense bf16 peak,
@@ -32,7 +33,7 @@ import numpy as np
 import optax
 
 from shardax import DeviceMeshManager, parallelize
-from shardax.models.presets import PRESETS, flops_per_token, get_preset, parameter_count
+from shardax.models.presets import PRESETS, blocks_in_a_loop, flops_per_token, get_preset, parameter_count
 from shardax.analysis.plan import compile_step, compiled_memory
 from shardax.models.transformer import TransformerLM, attention_implementation
 
@@ -56,7 +57,8 @@ def peak_flops(device: jax.Device, override_tflops: float | None) -> float:
 
 
 def build(preset: str, batch_size: int, remat: str | None, attention: str):
-    overrides = {"compute_dtype": "bfloat16", "attention": attention} | ({"remat": remat} if remat else {})
+    overrides = {"compute_dtype": "bfloat16", "attention": attention,  # blocks laid as shardax train lays them
+                 "scan_layers": not blocks_in_a_loop(jax.default_backend(), "dp")} | ({"remat": remat} if remat else {})
     config = get_preset(preset).config(**overrides)
     mesh = DeviceMeshManager().create_device_mesh("data=1")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh, "dp")
@@ -128,6 +130,7 @@ def main() -> None:
         "benchmark": "mfu", "machine": f"{device.device_kind}, jax {jax.__version__}",
         "preset": preset, "parameters": parameter_count(config), "batch_size": batch_size,
         "seq_len": config.seq_len, "remat": config.remat, "compute_dtype": config.compute_dtype,
+        "scan_layers": config.scan_layers,
         "attention": kernel, "attention_why": why,
         "step_s": step_s, "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token(config), "formula": "6 N + 12 L d T per token",

@@ -39,6 +39,23 @@ def mb(value):
     return f"{value / 1e6:.2f} MB"
 
 
+def gpu_decisions_rows(decisions: dict | None) -> list[str]:
+    """Benchmark 24: each group of the step's choices timed on a GPU, one row per group."""
+    if not decisions:
+        return []
+    lines = []
+    for key, rows in decisions.items():
+        if not isinstance(rows, dict):
+            continue
+        parts = [f"{label}: " + (f"{row['step_ms']:.1f} ms, MFU {100 * row['mfu']:.1f}%, "
+                                 f"{row['compiled_peak_bytes'] / 1e9:.1f} GB" if "error" not in row
+                                 else "out of memory" if "RESOURCE_EXHAUSTED" in row["error"] else row["error"])
+                 for label, row in rows.items()]
+        lines.append(f"| 24. The step's choices timed on one {decisions['machine']}, `{key}`, dp, bf16 (median of "
+                     f"{decisions['steps']} steps; compiled peak) | {'; '.join(parts)} | keep what is faster |")
+    return lines
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -291,14 +308,16 @@ def table() -> str:
                         for row in mfu.get("top_ops", []))
         others = "; ".join(f"remat {run['remat']}, batch {run['batch_size']}: {100 * run['mfu']:.1f}%"
                            for run in mfu.get("other_runs", []))
+        blocks = "scanned" if mfu.get("scan_layers", True) else "in a Python loop"
         lines.append(f"| 7. MFU on one {mfu['machine']}, `{mfu['preset']}` in bf16, batch {mfu['batch_size']}, "
-                     f"remat {mfu['remat']}, attention {mfu.get('attention', '?')} ({mfu['formula']}) | "
+                     f"remat {mfu['remat']}, attention {mfu.get('attention', '?')}, blocks {blocks} ({mfu['formula']}) | "
                      f"{100 * mfu['mfu']:.1f}% ({mfu['tokens_per_s']:,.0f} tok/s, "
                      f"{mfu['model_flops_per_s'] / 1e12:.0f} TFLOP/s, peak {mfu['peak_bytes_in_use'] / 1e9:.1f} GB"
                      f"{'; ' + others if others else ''}; top ops, none over 6%: {top}) | >= 50% |")
     else:
         lines.append("| 7. MFU on one H100/H200 (`benchmarks/mfu.py`) | not measured: no GPU was lent to this task "
                      "| >= 50% |")
+    lines.extend(gpu_decisions_rows(load("gpu_decisions")))
     aot = load("h100_aot")
     if aot:
         cases = [row for row in aot["cases"] if "real" in row]

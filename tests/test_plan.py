@@ -184,8 +184,8 @@ def test_plan_for_blocks_in_a_loop(remat):
     assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE["looped"]), (
         plan.predicted, plan.compiled)
     assert [note for note in plan.lint if "Python loop" in note] == [
-        "layers in a Python loop (scan_layers=False): XLA keeps every layer's activations live whatever the remat "
-        "policy, so remat only costs time; use scanned layers to save memory. The peak predicted for dp with looped "
+        "layers in a Python loop (scan_layers=False): XLA:CPU keeps every layer's activations live whatever the "
+        "remat policy, so remat only costs time here (not on GPUs or TPUs). The peak predicted for dp with looped "
         "layers is rough (up to 20% off XLA:CPU's)"]
 
 

@@ -27,7 +27,7 @@ from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh, parse_mesh_shape
 from shardax.model_parallel import ParallelModel
-from shardax.models.presets import flops_per_token
+from shardax.models.presets import blocks_in_a_loop, flops_per_token
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
 from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import STRATEGIES, get_strategy
@@ -61,6 +61,7 @@ class StrategyPlan:
     target: str | None = None  # the accelerator compiled for (None: fake CPU devices)
     cost: dict[str, float | None] | None = None  # a target's: flops, hbm_bytes, model_flops per device per step
     roofline: dict[str, Any] | None = None  # a target's: compute_s, memory_s, network_s, step_s, bound, mfu
+    scan_layers: bool = True  # the model's blocks scanned, or in a Python loop
 
     @property
     def predicted_bytes_per_device(self) -> int:
@@ -169,12 +170,13 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         device_memory = int(target.per_device()["hbm_bytes"])
     plan = StrategyPlan(
         strategy=resolved.name, mesh=describe_mesh(mesh), predicted=predicted, compiled=measured,
+        scan_layers=model.scan_layers,
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
         theoretical_collective_bytes=theoretical_collective_bytes(
             parallel.layout, model, batch_size, schedule, context or "all-gather",
             compiler="cpu" if target is None else target.chip.platform),
         fits=None if device_memory is None else device_bytes(measured) <= device_memory,
-        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel) + _bfloat16_note(model, target)
+        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel, target) + _bfloat16_note(model, target)
               + _bubble_note(schedule)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
         target=None if target is None else target.name,
@@ -266,21 +268,25 @@ def _bfloat16_note(model: TransformerConfig, target: Target | None = None) -> li
             "and 715 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
 
 
-def _looped_layers_note(model: TransformerConfig, parallel: Any) -> list[str]:
-    if model.scan_layers:
+def _looped_layers_note(model: TransformerConfig, parallel: Any, target: Any) -> list[str]:
+    if model.scan_layers or target is not None:  # XLA:TPU and XLA:GPU free a looped layer's activations under remat
         return []
-    return [f"layers in a Python loop (scan_layers=False): XLA keeps every layer's activations live whatever "
-            f"the remat policy, so remat only costs time; use scanned layers to save memory. The peak predicted "
+    return [f"layers in a Python loop (scan_layers=False): XLA:CPU keeps every layer's activations live whatever "
+            f"the remat policy, so remat only costs time here (not on GPUs or TPUs). The peak predicted "
             f"for {parallel.strategy.name} with looped layers is rough (up to 20% off XLA:CPU's)"]
 
 
-def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape: str | None, **options: Any
-             ) -> tuple[list[StrategyPlan], list[str]]:
-    """Plans for each strategy (all by default); strategies the mesh cannot host are listed as skipped."""
+def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape: str | None,
+             layout_for: str | None = None, **options: Any) -> tuple[list[StrategyPlan], list[str]]:
+    """Plans for each strategy (all by default); strategies the mesh cannot host are listed as
+    skipped. ``layout_for``: a platform (``gpu``) whose default layout of the blocks each strategy
+    takes, as ``shardax train`` lays them there (``blocks_in_a_loop``); else the model's."""
     plans, skipped = [], []
     for name in strategies or list(STRATEGIES):
+        laid = model if layout_for is None else dataclasses.replace(
+            model, scan_layers=not blocks_in_a_loop(layout_for, name))
         try:
-            plans.append(plan_strategy(model, name, mesh_shape, **options))
+            plans.append(plan_strategy(laid, name, mesh_shape, **options))
         except UsageError as error:  # the mesh cannot host it; anything else is a bug and propagates
             if strategies:  # asked for by name: the user should hear why it cannot run
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -31,6 +32,9 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
         help="meshes with a context axis: attention by all-gather (default) or ring")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
     add("--precision", choices=("float32", "bfloat16"), default="float32")
+    add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+        help="plan the blocks scanned or, with --no-scan-layers, in a Python loop (default: as shardax train lays "
+             "them on the target: a loop for GPUs under dp, zero1 and tp, else a scan)")
     add("--target", help="compile for a TPU slice with XLA:TPU, e.g. tpu-v5p-8, tpu-v5e-16, tpu-v6e-64 "
                          "(needs pip install \"shardax[tpu-plan]\"), or for H100s with XLA:GPU, e.g. h100-8 "
                          "(needs shardax[gpu-plan]): HBM fit, FLOPs, roofline step time and MFU")
@@ -181,7 +185,7 @@ def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) 
 
 def run_plan(args: argparse.Namespace) -> int:
     from shardax.analysis.plan import parse_bytes, plan_all, recommend
-    from shardax.models.presets import get_preset, parameter_count
+    from shardax.models.presets import blocks_in_a_loop, get_preset, parameter_count
 
     target = _target(args)
     preset = get_preset(args.preset)
@@ -190,26 +194,38 @@ def run_plan(args: argparse.Namespace) -> int:
         overrides["seq_len"] = args.seq_len
     if args.remat:
         overrides["remat"] = args.remat
+    if args.scan_layers is not None:
+        overrides["scan_layers"] = args.scan_layers
     model = preset.config(**overrides)
+    # no --scan-layers: each strategy's blocks as shardax train lays them on the target's platform
+    layout_for = "gpu" if args.scan_layers is None and target is not None and target.chip.platform == "cuda" else None
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     batch_size = args.batch_size or preset.batch_size
     if args.fit:
+        if layout_for is not None and args.strategy:
+            model = dataclasses.replace(model, scan_layers=not blocks_in_a_loop(layout_for, args.strategy[0]))
         return run_fit(args, model, target, batch_size)
     plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=batch_size,
                               grad_accum=args.grad_accum, device_memory=memory, microbatches=args.microbatches,
                               pipeline_repeats=args.pipeline_repeats, context_attention=args.context_attention,
-                              target=target)
+                              target=target, layout_for=layout_for)
     if args.json:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {batch_size}"
+    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {batch_size}" + _looped(plans)
     if target is not None:
         print_target_plans(plans, skipped, target, description)
         print(recommend(plans, memory or int(target.per_device()["hbm_bytes"]), model))
         return 0
     print_plans(plans, skipped, recommend(plans, memory, model), description)
     return 0
+
+
+def _looped(plans: list[Any]) -> str:
+    """What the table's title says of strategies planned with their blocks in a Python loop."""
+    looped = [plan.strategy for plan in plans if not plan.scan_layers]
+    return f", blocks in a Python loop under {', '.join(looped)}" if looped else ""
 
 
 def _target(args: argparse.Namespace) -> Any:

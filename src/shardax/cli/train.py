@@ -83,9 +83,9 @@ def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
         help="attention kernel: auto (default: cuDNN's fused kernel on a GPU with bfloat16 and head dimension a "
              "multiple of 8 up to 256, else XLA; the run says which and why), xla, or cudnn")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-        help="apply the blocks with a scan (default; compile time flat in depth) or, with --no-scan-layers, "
-             "in a Python loop (faster for shallow models on CPU, but every layer's activations stay live: "
-             "--remat then saves no memory)")
+        help="apply the blocks with a scan (compile time flat in depth) or, with --no-scan-layers, in a Python "
+             "loop (steps 1.14-1.27x faster on an H100). Default: a loop on GPUs under dp, zero1 and tp, a scan "
+             "elsewhere (on XLA:CPU a loop keeps every layer's activations live: --remat then saves no memory)")
 
 
 def _add_evaluation_flags(parser: argparse.ArgumentParser) -> None:

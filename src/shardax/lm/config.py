@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.errors import UsageError
-from shardax.models.presets import get_preset
+from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
 
 
@@ -50,7 +50,7 @@ class TrainConfig:
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
     attention: str = "auto"  # auto (cuDNN on GPU where it applies), xla or cudnn
-    scan_layers: bool | None = None  # False: blocks in a Python loop (default: scanned)
+    scan_layers: bool | None = None  # False: blocks in a Python loop (default: see blocks_in_a_loop)
     eval_every: int = 100  # steps between validation evaluations (0: only at the end)
     eval_batches: int = 4  # validation batches per evaluation
     log_every: int = 10  # steps between metric records and progress lines
@@ -193,9 +193,9 @@ class Run:
                 "vocab_size": self.vocab_size, "field": self.field}
 
 
-def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
-    """The run ``config`` asks for; with ``saved`` (a checkpoint's run record), the saved run,
-    refusing flags that contradict it."""
+def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> Run:
+    """The run ``config`` asks for on ``platform`` (JAX's backend: cpu, gpu or tpu); with
+    ``saved`` (a checkpoint's run record), the saved run, refusing flags that contradict it."""
     # --data and --init-from are kept as absolute paths: a resume from another working directory
     # reads the same data and model
     config = dataclasses.replace(config, data=_absolute(config.data),
@@ -216,6 +216,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None) -> Run:
     for name in ("seq_len", "remat", "scan_layers"):
         if getattr(config, name) is not None:
             overrides[name] = getattr(config, name)
+    overrides.setdefault("scan_layers", not blocks_in_a_loop(platform, config.strategy))
     if config.init_from is not None:  # the checkpoint's model; sequences as long as the preset's unless --seq-len
         from shardax.hf import read_config
 

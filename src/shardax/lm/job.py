@@ -85,6 +85,14 @@ def _checkpoints_flag(config: TrainConfig) -> str:
     return f"--checkpoint-dir {config.checkpoint_dir}"
 
 
+def _layout(config: TrainConfig, saved: dict[str, Any] | None, model: TransformerConfig) -> list[str]:
+    """A line saying so when a new run lays its blocks in a loop by default (``blocks_in_a_loop``)."""
+    if saved is not None or config.scan_layers is not None or model.scan_layers:
+        return []
+    return [f"blocks: in a Python loop, the default on GPUs under {config.strategy} (steps 1.14-1.27x faster than "
+            "scanned on an H100, benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
+
+
 def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> list[str]:
     """A line naming how a resumed run is computed differently from when its checkpoint was saved
     (what may change on resume: it is allowed, and said)."""
@@ -135,7 +143,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     that say what a resumed run changes."""
     check_values(config)
     saved, step, record = _saved_run(config)
-    run = resolve(config, saved)
+    run = resolve(config, saved, platform=jax.default_backend())
     _check_not_finished(run, step, config)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
@@ -154,7 +162,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
                       pipeline_repeats=config.pipeline_repeats, context_attention=config.context_attention,
                       seed=run.seed, eval_loss_fn=data.eval_loss, learning_rate=schedule, name="shardax train",
                       example_batch=example, init_from=run.init_from, trackers=_trackers(config.tracker))
-    return trainer, data, run, _changes(record, config, trainer.mesh, model)
+    return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
 
 
 def _trackers(specs: list[str] | None) -> list[str]:

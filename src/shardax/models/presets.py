@@ -12,6 +12,7 @@ from typing import Any
 
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerConfig
+from shardax.sharding.strategies import STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +87,21 @@ def flops_per_token(config: TransformerConfig) -> int:
     MFU measures useful work.
     """
     return 6 * parameter_count(config) + 12 * config.n_layers * config.d_model * config.seq_len
+
+
+def blocks_in_a_loop(platform: str, strategy: str) -> bool:
+    """Whether ``shardax train`` (and ``shardax plan`` for a GPU target) lays a new run's blocks in
+    a Python loop when ``--scan-layers`` is not given (else it scans them): on GPUs, under the
+    strategies that keep each weight and its gradient whole on a data-parallel device and have no
+    pipeline (dp, zero1, tp).
+
+    On one H100 (benchmark 24, dp, bfloat16) the loop's step took 58 ms against the scan's 74 on
+    ``medium`` and 449 against 510 on ``1b`` (MFU 48% against 42%), with 2% more memory on
+    ``medium`` and 11% less on ``1b``. XLA:TPU's compile of ``small`` agrees for those strategies
+    (0.71-0.91x the scan's heap), but holds up to 1.86x the scan's where gradients or weights are
+    sharded (zero2, fsdp, hsdp, fsdp_tp), so those scan everywhere. TPUs and CPUs scan: no TPU has timed
+    it, and the scan's compile time stays flat in depth.
+    """
+    chosen = STRATEGIES.get(strategy)
+    return (platform == "gpu" and chosen is not None and chosen.fsdp_axis is None and not chosen.shard_gradients
+            and chosen.pipeline_axis is None)
