@@ -50,12 +50,22 @@ def select_update():
 
 
 @contextlib.contextmanager
-def remat_every_loop():
-    """Layers in a Python loop under ``nnx.remat`` even with ``--remat none`` and nothing to gather
-    (the step as shipped leaves such a loop without it)."""
-    saved = blocks.REMAT_POLICIES["none"]
-    blocks.REMAT_POLICIES["none"] = jax.checkpoint_policies.everything_saveable
+def plain_loop_remat(on: bool):
+    """A Python loop of layers with nothing to recompute or gather run under ``nnx.remat`` (or
+    not), whatever the device (``shardax.blocks.remat_plain_loop``: on GPUs only)."""
+    saved = blocks.remat_plain_loop
+    blocks.remat_plain_loop = lambda platform: on
     try:
         yield
     finally:
-        blocks.REMAT_POLICIES["none"] = saved
+        blocks.remat_plain_loop = saved
+
+
+def remat_every_loop():
+    """Layers in a Python loop under ``nnx.remat`` even with ``--remat none`` and nothing to gather."""
+    return plain_loop_remat(True)
+
+
+def no_remat_on_plain_loops():
+    """Layers in a Python loop without ``nnx.remat`` when nothing is recomputed or gathered."""
+    return plain_loop_remat(False)
