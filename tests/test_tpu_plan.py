@@ -228,6 +228,9 @@ def test_xla_gpu_on_h100_8(strategy, mesh, compute_dtype):
         assert plan.collective_bytes < 0.6 * plan_strategy(MODEL, strategy, mesh, batch_size=16,
                                                            target=target).collective_bytes
     assert plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
+    # in bfloat16 a GPU would run cuDNN's attention, which a host without one cannot trace: said
+    assert any(note.startswith("attention: on GPUs this model runs cuDNN's fused kernel")
+               for note in plan.lint) == (compute_dtype == "bfloat16"), plan.lint
     assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
     assert plan.cost["flops"] is None  # XLA:GPU's cost analysis needs a GPU: the model's FLOPs are used
     assert plan.roofline["bound"] in ("compute", "NVLink")

@@ -94,10 +94,7 @@ def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model
         if plan.bubble is not None:
             console.print(f"pipeline [{plan.strategy}]: bubble {100 * plan.bubble:.1f}% of stage iterations idle",
                           markup=False)
-        for finding in plan.lint:
-            console.print(f"lint [{plan.strategy}]: {finding}", markup=False)
-    for line in skipped:
-        console.print(f"skipped {line}")
+    print_findings(console, plans, skipped)
     console.print(recommendation)
 
 
@@ -114,6 +111,18 @@ def _target_row(plan: Any) -> list[str]:
     return [plan.strategy, plan.mesh, needs, "yes" if plan.fits else "no",
             f"{format_bytes(plan.collective_bytes)} ({ratio:.2f}x)", flops, f"{bound['step_s'] * 1e3:.3f} ms",
             bound["bound"], f"{100 * bound['mfu']:.1f}%"]
+
+
+def print_findings(console: Any, plans: list[Any], skipped: list[str]) -> None:
+    """Each lint finding once, with the strategies it holds for; then the strategies skipped."""
+    findings: dict[str, list[str]] = {}
+    for plan in plans:
+        for finding in plan.lint:
+            findings.setdefault(finding, []).append(plan.strategy)
+    for finding, strategies in findings.items():
+        console.print(f"lint [{', '.join(strategies)}]: {finding}", markup=False)
+    for line in skipped:
+        console.print(f"skipped {line}")
 
 
 def print_target_plans(plans: list[Any], skipped: list[str], target: Any, description: str) -> None:
@@ -140,11 +149,7 @@ def print_target_plans(plans: list[Any], skipped: list[str], target: Any, descri
                   "(bytes sent / bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
                   "so the MFU is an upper bound. A pipeline's compute and HBM traffic are those of the same step "
                   "without the pipeline, spread over its busy stage iterations (XLA counts a loop's body once).")
-    for plan in plans:
-        for finding in plan.lint:
-            console.print(f"lint [{plan.strategy}]: {finding}", markup=False)
-    for line in skipped:
-        console.print(f"skipped {line}")
+    print_findings(console, plans, skipped)
 
 
 def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) -> int:
