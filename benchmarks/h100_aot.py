@@ -1,4 +1,4 @@
-"""Benchmark 22: the deviceless H100 compile (``shardax plan --target h100-1``) against a real H100.
+"""Benchmark 23: the deviceless H100 compile (``shardax plan --target h100-1``) against a real H100.
 
     python benchmarks/h100_aot.py              # on a machine with one H100 (JAX's CUDA plugin installed)
     JAX_PLATFORMS=cpu python benchmarks/h100_aot.py --allow-cpu   # check the script (deviceless side only)
