@@ -35,6 +35,7 @@ from shardax.models.presets import PRESETS, get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_device import first_device  # noqa: E402
 from suite import HELD_OUT_SHAPES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -129,11 +130,8 @@ def main() -> None:
     parser.add_argument("--allow-cpu", action="store_true", help="run the plan part on a CPU to check the script")
     parser.add_argument("--only", choices=["attention", "plan"], help="run one part")
     options = parser.parse_args()
-    device = jax.devices()[0]
-    on_gpu = device.platform == "gpu"
-    if not on_gpu and not options.allow_cpu:
-        raise SystemExit(f"these checks need a GPU; this machine's first device is {device.platform!r} "
-                         f"(--allow-cpu runs the plan part here to check the script)")
+    device, on_gpu = first_device(options.allow_cpu, "these checks need a GPU",
+                                  "runs the plan part here to check the script")
     result = {"machine": f"{device.device_kind}, jax {jax.__version__}"}
     if on_gpu and options.only in (None, "attention"):
         result["cudnn_attention"] = cudnn_attention()

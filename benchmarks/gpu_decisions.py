@@ -29,6 +29,7 @@ import jax
 import numpy as np
 import optax
 
+from gpu_device import first_device
 from mfu import peak_flops
 from shardax import DeviceMeshManager, parallelize
 from shardax.analysis.plan import compile_step, compiled_memory
@@ -100,11 +101,9 @@ def main() -> None:
                         help="run these groups (default: all)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on a CPU to check the script")
     options = parser.parse_args()
-    device = jax.devices()[0]
-    if device.platform != "gpu" and not options.allow_cpu:
-        raise SystemExit(f"this benchmark times a GPU; the first device is {device.platform!r} (--allow-cpu to check it)")
-    peak = peak_flops(device, None) if device.platform == "gpu" else None
-    results = json.loads(RESULTS.read_text()) if RESULTS.exists() and device.platform == "gpu" else {}
+    device, on_gpu = first_device(options.allow_cpu, "this benchmark times a GPU", "checks the script here")
+    peak = peak_flops(device, None) if on_gpu else None
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() and on_gpu else {}
     results |= {"benchmark": "gpu_decisions", "machine": f"{device.device_kind}, jax {jax.__version__}",
                 "steps": options.steps}
     groups = {"choices": (options.preset, get_preset(options.preset).batch_size, CHOICES),
@@ -126,7 +125,7 @@ def main() -> None:
             rows[label] = row
             jax.clear_caches()
             gc.collect()
-            if device.platform == "gpu":
+            if on_gpu:
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
                 if os.environ.get("OUT"):
                     shutil.copy(RESULTS, os.environ["OUT"])

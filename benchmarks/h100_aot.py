@@ -22,6 +22,7 @@ from pathlib import Path
 
 import jax
 
+from gpu_device import first_device
 from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy, transformer_for
 from shardax.analysis.targets import parse_target
 from shardax.models.presets import flops_per_token, get_preset
@@ -77,11 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allow-cpu", action="store_true", help="compile the deviceless side only, on a CPU")
     options = parser.parse_args()
-    device = jax.devices()[0]
-    on_gpu = device.platform == "gpu"
-    if not on_gpu and not options.allow_cpu:
-        raise SystemExit(f"this check needs an H100; this machine's first device is {device.platform!r} "
-                         f"(--allow-cpu compiles the deviceless side here)")
+    device, on_gpu = first_device(options.allow_cpu, "this check needs an H100", "compiles the deviceless side here")
     rows = [one_case(preset, batch, on_gpu) for preset, batch in CASES]
     result = {"benchmark": "h100_aot", "machine": f"{device.device_kind}, jax {jax.__version__}",
               "strategy": "dp on data=1, bfloat16 compute", "cases": rows, "h100_8": eight_gpus()}

@@ -37,6 +37,7 @@ from shardax.models.presets import PRESETS, blocks_in_a_loop, flops_per_token, g
 from shardax.analysis.plan import compile_step, compiled_memory
 from shardax.models.transformer import TransformerLM, attention_implementation
 
+from gpu_device import first_device
 from profile_ops import markdown, profile_top_ops
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,11 +93,7 @@ def main() -> None:
     parser.add_argument("--allow-cpu", action="store_true", help="run on a CPU to check the script (prints only)")
     options = parser.parse_args()
 
-    device = jax.devices()[0]
-    on_gpu = device.platform == "gpu"
-    if not on_gpu and not options.allow_cpu:
-        raise SystemExit(f"MFU needs a GPU; this machine's first device is {device.platform!r} "
-                         f"(pass --allow-cpu to check the script on it)")
+    device, on_gpu = first_device(options.allow_cpu, "MFU needs a GPU", "checks the script here")
     peak = peak_flops(device, options.peak_tflops) if on_gpu else None
     presets = [options.preset] if options.preset else sorted(PRESETS, key=lambda name: -parameter_count(
         get_preset(name).config()))
