@@ -232,7 +232,7 @@ def test_residuals_are_labelled_by_what_the_backward_pass_does_with_them():
     feeds the value product's matmul and one the softmax gradient. Sized for XLA:TPU, a float32
     residual that only feeds matmuls takes half its bytes (bfloat16, in whole tiles here), one used
     both ways 1.5 times, and a stacked weight only its bfloat16 copy (of a shard under FSDP)."""
-    from shardax.analysis.memory import _kept_bytes
+    from shardax.analysis.tiles import kept_bytes
     from shardax.analysis.residuals import STAND_IN, Residual, traced_residuals
 
     config = tiny_transformer_config(remat="none", positions="rotary", scan_layers=True)
@@ -245,10 +245,10 @@ def test_residuals_are_labelled_by_what_the_backward_pass_does_with_them():
     real = (8, 4, 64, 128)
     dot_only, both = Residual((layers, 1, 2, 3), 4, frozenset({"dot"}), False), Residual(
         (layers, 1, 2, 3), 4, frozenset({"dot", "other"}), False)
-    assert _kept_bytes(dot_only, real, "tpu") * 2 == _kept_bytes(dot_only, real, "cpu") == math.prod(real) * 4
-    assert _kept_bytes(both, real, "tpu") == math.prod(real) * 6
-    assert _kept_bytes(weights[0], real, "cpu") == 0 and _kept_bytes(weights[0], real, "tpu") == math.prod(real) * 2
-    assert _kept_bytes(weights[0], real, "tpu", shards=4) == math.prod(real) // 2
+    assert kept_bytes(dot_only, real, "tpu") * 2 == kept_bytes(dot_only, real, "cpu") == math.prod(real) * 4
+    assert kept_bytes(both, real, "tpu") == math.prod(real) * 6
+    assert kept_bytes(weights[0], real, "cpu") == 0 and kept_bytes(weights[0], real, "tpu") == math.prod(real) * 2
+    assert kept_bytes(weights[0], real, "tpu", shards=4) == math.prod(real) // 2
 
 
 @pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4), ("[4,2]<=[2,4]T(1,0)", 2),

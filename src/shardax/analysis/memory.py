@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from shardax.analysis.residuals import STAND_IN, Residual, traced_residuals
+from shardax.analysis.residuals import STAND_IN, traced_residuals
+from shardax.analysis.tiles import kept_bytes, round_up, stored_bytes, tiled_bytes
 from shardax.errors import UsageError
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
@@ -72,34 +73,6 @@ def check_compiler(compiler: str) -> None:
                          f"(the platform the step is compiled for)")
 
 
-def _round_up(size: int, multiple: int) -> int:
-    return -(-size // multiple) * multiple
-
-
-def tiled_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    """Bytes of an array as XLA:TPU lays it out in HBM: in tiles of 128 along its minor dimension
-    and, for two or more dimensions, of 8 rows of 32 bits (16 of bfloat16) along the next, fewer
-    when that dimension is smaller (1, 2, 4). The minor dimension is the last one unless making
-    another one minor pads less. The state sized so equals XLA:TPU's argument bytes to the byte
-    (``tests/test_tpu_plan.py``; tiny, small and two held-out shapes checked besides)."""
-    if len(shape) <= 1:
-        return _round_up(math.prod(shape), 128) * itemsize
-    rows = 32 // itemsize
-
-    def laid_out(minor: int) -> int:
-        order = [size for axis, size in enumerate(shape) if axis != minor] + [shape[minor]]
-        tile = min(rows, 1 << max(order[-2] - 1, 0).bit_length())
-        return math.prod(order[:-2]) * _round_up(order[-2], tile) * _round_up(order[-1], 128) * itemsize
-
-    last = laid_out(len(shape) - 1)
-    return min([last] + [laid_out(axis) for axis in range(len(shape) - 1)])
-
-
-def _stored_bytes(shape: tuple[int, ...], itemsize: int, tiled: bool) -> int:
-    """An array's bytes: its elements', or, ``tiled``, in XLA:TPU's tiles."""
-    return tiled_bytes(shape, itemsize) if tiled else math.prod(shape) * itemsize
-
-
 def _per_device(layout: Layout, attribute: str, tiled: bool = False) -> int:
     shape = dict(layout.mesh.shape)
     total = 0
@@ -108,7 +81,7 @@ def _per_device(layout: Layout, attribute: str, tiled: bool = False) -> int:
         splits += [1] * (len(leaf.shape) - len(splits))
         itemsize = np.dtype(leaf.dtype).itemsize
         if tiled:  # each device's block, rounded up where a dimension does not split evenly
-            total += tiled_bytes(tuple(_round_up(size, split) // split for size, split in zip(leaf.shape, splits)),
+            total += tiled_bytes(tuple(round_up(size, split) // split for size, split in zip(leaf.shape, splits)),
                                  itemsize)
         else:
             total += math.prod(leaf.shape) * itemsize // math.prod(splits)
@@ -159,27 +132,12 @@ def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
     return _residual_bytes(model, rows, _model_split_dims(layout))[:2]
 
 
-def _kept_bytes(kept: Residual, real: tuple[int, ...], compiler: str, shards: int = 1) -> int:
-    """What one residual (``real``: its shape on a device) takes: its elements', or on XLA:TPU, in
-    its tiles, float32 matmul operands in bfloat16 (also in float32 when they are used otherwise
-    too), and a parameter only as the bfloat16 copy of a stacked layer weight a matmul reads (of
-    each device's shard, ``shards`` of them, where FSDP gathers it)."""
-    if compiler != "tpu":
-        return 0 if kept.parameter else math.prod(real) * kept.itemsize
-    narrowed = kept.itemsize == 4 and "dot" in kept.uses
-    if kept.parameter:
-        stacked = real and kept.dims[0] == STAND_IN["layers"]
-        return real[0] * tiled_bytes(real[1:], 2) // shards if narrowed and stacked else 0
-    return (tiled_bytes(real, 2) if narrowed else 0) + (
-        0 if narrowed and kept.uses == {"dot"} else tiled_bytes(real, kept.itemsize))
-
-
 def _weight_copy_bytes(layout: Layout, model: Any, compiler: str) -> int:
     """The bfloat16 copies of the stacked layer weights among what XLA:TPU keeps (none elsewhere)."""
     model = dataclasses.replace(model, scan_layers=True)
     actual, shards = _actual_sizes(model, 1, _model_split_dims(layout)), _axes_size(
         dict(layout.mesh.shape), layout.strategy.gather_axes)
-    return sum(_kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
+    return sum(kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
                for kept in traced_residuals(model) if kept.parameter)
 
 
@@ -196,7 +154,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str 
     def total(residuals: Any) -> tuple[int, int, int]:
         every = per_layer = scores = 0
         for kept in residuals:
-            nbytes = _kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
+            nbytes = kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
             every += nbytes
             if kept.dims and kept.dims[0] == STAND_IN["layers"] and not kept.parameter:
                 per_layer += nbytes // model.n_layers
@@ -235,7 +193,7 @@ WORKING_SET_TERMS["looped_remat"] = WORKING_SET_TERMS["looped"]
 # on them, and their earlier factors stay.
 WORKING_SET = {"none": (0.473, 0.728, 0.299, 1.441, 0.25), "full": (1.615, 1.35, 0.0, 0.897, 0.0),
                "dots": (0.637, 1.683, 0.0, 1.117, 0.547), "looped": (0.971, 0.809)}
-# For a TPU target: the residuals as XLA:TPU keeps them (``_kept_bytes``) and factors fitted by
+# For a TPU target: the residuals as XLA:TPU keeps them (``tiles.kept_bytes``) and factors fitted by
 # ``benchmarks/plan_fit.py --target tpu-v5p-16 --heap`` to XLA:TPU's heap-based peak
 # (``plan.device_bytes``: what XLA:TPU allocates and checks against the chip, 0.75-0.94 of its
 # memory analysis) on the steps above its floor of 300 MB per chip (below it XLA:TPU holds a
@@ -335,7 +293,7 @@ def _sharded_bytes(abstract: Any, shardings: Any, tiled: bool = False) -> int:
     ``tiled``: in XLA:TPU's tiles (``tiled_bytes``)."""
     import jax
 
-    sizes = jax.tree.map(lambda leaf, sharding: _stored_bytes(sharding.shard_shape(leaf.shape),
+    sizes = jax.tree.map(lambda leaf, sharding: stored_bytes(sharding.shard_shape(leaf.shape),
                                                               np.dtype(leaf.dtype).itemsize, tiled),
                          abstract, shardings)
     return int(sum(jax.tree.leaves(sizes)))
@@ -391,7 +349,7 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
         gradients=gradients * (2 if grad_accum > 1 else 1) + scattered,
         optimizer=_sharded_bytes((abstract.opt_state, abstract.step, abstract.skipped),
                                  (shardings.opt_state, shardings.step, shardings.skipped), tiled),
-        batch=_stored_bytes((batch_rows_per_device(layout, batch_size), seq_len + 1), 4, tiled),
+        batch=stored_bytes((batch_rows_per_device(layout, batch_size), seq_len + 1), 4, tiled),
         activations=(pipeline_activation_bytes(layout, model, batch_size, schedule, compiler)
                      if schedule is not None
                      else context_activation_bytes(layout, model, batch_size, grad_accum, context_attention,
