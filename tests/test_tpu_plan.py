@@ -201,13 +201,14 @@ def test_a_tpu_step_whose_heap_is_unknown_says_so(monkeypatch, tmp_path):
         compile_step(transformer_for(MODEL, "dp", "data=4"), 16, MODEL.seq_len)
 
 
-def test_plan_command_for_a_target():
-    result = shardax("plan", "--target", "tpu-v5p-8", "--preset", "tiny", "--strategy", "fsdp",
+@pytest.mark.parametrize("target", ["tpu-v5p-8", "tpu-v4-8"])  # v4: one device per chip, as v5p
+def test_plan_command_for_a_target(target):
+    result = shardax("plan", "--target", target, "--preset", "tiny", "--strategy", "fsdp",
                      "--batch-size", "16", "--json")
     [plan] = json.loads(result.stdout)
-    assert plan["target"] == "tpu-v5p-8" and plan["mesh"] == "data=4" and plan["fits"] is True
+    assert plan["target"] == target and plan["mesh"] == "data=4" and plan["fits"] is True
     assert plan["roofline"]["bound"] in ("compute", "HBM", "ICI") and plan["cost"]["flops"] > 0
-    refused = shardax("plan", "--fit", "--target", "tpu-v5p-8", check=False)
+    refused = shardax("plan", "--fit", "--target", target, check=False)
     assert refused.returncode == 2 and "--fit searches one strategy at a time" in refused.stderr
 
 

@@ -240,9 +240,12 @@ def _topology(generation: str, topology: str) -> Any:
     require_tpu_compiler()
     from jax.experimental import topologies
 
+    # v4 as Cloud TPU runs it: one device per chip, both TensorCores together (libtpu's default
+    # describes each core as a device, and JAX's meshes refuse that); v5p is described so already.
+    chips = {"chip_config_name": "megacore"} if generation == "v4" else {}
     try:
         with _libtpu_environment(generation):
-            return topologies.get_topology_desc(topology_name=topology, platform="tpu")
+            return topologies.get_topology_desc(topology_name=topology, platform="tpu", **chips)
     except Exception as error:  # libtpu's own message says which shapes it takes
         raise UsageError(f"--target {topology!r}: XLA:TPU does not describe this slice ({str(error).splitlines()[0]})"
                          ) from None
