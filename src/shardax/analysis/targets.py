@@ -120,7 +120,7 @@ class Target:
         return {"peak_flops": self.chip.peak_flops * share, "hbm_bytes": self.chip.hbm_bytes * share,
                 "hbm_bandwidth": self.chip.hbm_bandwidth * share,
                 # a ring along one mesh axis uses that axis's links both ways
-                "ici_bandwidth": (self.chip.sent_bandwidth or 2 * self.chip.ici_link_bandwidth) * share}
+        """The chip's peaks shared among the JAX devices on it (one per chip on every target here)."""
 
     def describe(self) -> str:
         hosts = f"on {self.hosts} host{'s' if self.hosts > 1 else ''}"
