@@ -17,7 +17,8 @@ end on the held-out shapes.
 
 The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (compared with the shipped factors,
 ``memory.WORKING_SET_TPU``; needs ``pip install "shardax[tpu-plan]"``): its training cases are fewer
-(``tpu_training_cases``, chosen before any XLA:TPU fit), its held-out cases the same shapes, and
+(``tpu_training_cases``, chosen before any XLA:TPU fit), its held-out cases the same shapes and
+``suite.HELD_OUT_TPU_SHAPES`` (sized above the floor, fixed before the refit they checked), and
 both keep to steps above ``TPU_FLOOR``. Cached cases get their terms from today's code.
 """
 
@@ -39,7 +40,8 @@ import optax  # noqa: E402
 from scipy.optimize import linprog  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suite import HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, save  # noqa: E402
+from suite import (HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, held_out_tpu_cases,  # noqa: E402
+                   held_out_tpu_cases_2, save)
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
@@ -153,33 +155,36 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
            "peak": peak}
     if "hbm_peak" in memory:  # XLA:TPU's heap-based peak (shardax.analysis.heap), kept for a fit to it
         row["hbm_peak"] = memory["hbm_peak"]
-    return with_terms(row, "cpu" if target is None else target.chip.platform)
+    compiler, on_chip = ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
+    return with_terms(row, compiler, on_chip)
 
 
 def measured(cases: list[tuple], cache: dict[str, dict], target=None, keep: Path | None = None) -> list[dict]:
     """Each case measured, or taken from ``cache`` (keyed by the case) when it is there; with
     ``keep``, every case measured is written there at once (a stopped run resumes from it)."""
     rows, compiler = [], "cpu" if target is None else target.chip.platform
+    on_chip = 0 if target is None else target.chip.on_chip_bytes
     for case in cases:
         key = json.dumps(case, sort_keys=True)  # the same form as case_key
         fresh = key not in cache
-        rows.append(measure(*case, target=target) if fresh else with_terms(cache[key], compiler))
+        rows.append(measure(*case, target=target) if fresh else with_terms(cache[key], compiler, on_chip))
         cache[key] = rows[-1]
         if fresh and keep is not None:
             keep.write_text(json.dumps({"training": list(cache.values())}) + "\n")
     return rows
 
 
-def with_terms(row: dict, compiler: str = "cpu") -> dict:
+def with_terms(row: dict, compiler: str = "cpu", on_chip: int = 0) -> dict:
     """A case with its terms and the prediction without the working set (``base``: the state,
-    gradients and kept residuals), worked out by today's code from its shapes (no compile)."""
+    gradients and kept residuals, less what the chip keeps ``on_chip``), worked out by today's
+    code from its shapes (no compile)."""
     model = model_of(row["settings"])
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3),
                            DeviceMeshManager().create_device_mesh(row["mesh"]), row["strategy"])
     prediction = predict_memory(parallel, model, row["batch_size"], model.seq_len, row["grad_accum"],
                                 compiler=compiler)
     terms = working_set_terms(parallel.layout, model, row["batch_size"], row["grad_accum"], compiler)
-    base = prediction.total - prediction.activations + terms.pop("kept")
+    base = prediction.total - prediction.activations + terms.pop("kept") - on_chip
     return {**row, "class": working_set_class(model, compiler), "base": base, "terms": terms}
 
 
@@ -218,9 +223,19 @@ def ratio(row: dict, factors: list[float]) -> float:
     return predicted / row["peak"]
 
 
-def held_out_cases() -> list[tuple[dict, str, str, int, int]]:
-    return [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES] + [
-        (dict(shape), s, m, batch, 1) for shape, s, m, batch in held_out_large_rows()]
+def held_out_sets(tpu: bool = False) -> dict[str, list[tuple[dict, str, str, int, int]]]:
+    """The held-out cases by set: XLA:CPU's shapes, the same with many rows per device, and for a
+    TPU target the shapes fixed for XLA:TPU's fit (``suite.HELD_OUT_TPU_SHAPES``)."""
+    sets = {"held_out": [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES],
+            "held_out_large_rows": [(dict(shape), s, m, batch, 1) for shape, s, m, batch in held_out_large_rows()]}
+    if tpu:
+        sets["held_out_tpu"] = [(shape, s, m, batch, 1) for shape, s, m, batch in held_out_tpu_cases()]
+        sets["held_out_tpu_2"] = [(shape, s, m, batch, 1) for shape, s, m, batch in held_out_tpu_cases_2()]
+    return sets
+
+
+def held_out_cases(tpu: bool = False) -> list[tuple[dict, str, str, int, int]]:
+    return [case for cases in held_out_sets(tpu).values() for case in cases]
 
 
 def main() -> None:
@@ -246,7 +261,7 @@ def main() -> None:
     if options.heap:
         cache = {key: row for key, row in cache.items() if "hbm_peak" in row}
     training = measured(training_cases() if target is None else tpu_training_cases(), cache, target, partial)
-    held_out = [] if options.no_held_out else measured(held_out_cases(), cache, target, partial)
+    held_out = [] if options.no_held_out else measured(held_out_cases(target is not None), cache, target, partial)
     report = {"target": options.target, "training": training, "held_out": held_out, "factors": {}, "errors": {}}
     if options.heap:  # fitted to the heap-based peak; the report keeps both
         training, held_out = ([{**row, "peak": row["hbm_peak"]} for row in rows] for rows in (training, held_out))
@@ -262,10 +277,10 @@ def main() -> None:
         report["factors"][name] = factors
         report["errors"][name] = {"training_cases": len(rows), "training_worst": worst,
                                   "shipped_factors": list(shipped_factors[name])}
-        large = {json.dumps(case, sort_keys=True) for case in held_out_cases()[len(held_out_cases()) - len(
-            held_out_large_rows()):]}
-        for label, wanted in (("held_out", False), ("held_out_large_rows", True)):
-            tested = [row for row in held_out if row["class"] == name and (case_key(row) in large) == wanted]
+        sets = held_out_sets(target is not None)
+        for label, cases in sets.items():
+            keys = {json.dumps(case, sort_keys=True) for case in cases}
+            tested = [row for row in held_out if row["class"] == name and case_key(row) in keys]
             errors = [abs(ratio(row, factors) - 1) for row in tested]
             shipped = [abs(ratio(row, shipped_factors[name]) - 1) for row in tested]
             report["errors"][name] |= {
@@ -276,7 +291,7 @@ def main() -> None:
         print(f"{name}: factors {factors}; training worst {worst:.3f} over {len(rows)}; "
               + "; ".join(f"{label} worst {report['errors'][name][label + '_worst']} (shipped "
                           f"{report['errors'][name][label + '_worst_with_shipped']}) over "
-                          f"{report['errors'][name][label + '_cases']}" for label in ("held_out", "held_out_large_rows")),
+                          f"{report['errors'][name][label + '_cases']}" for label in sets),
               flush=True)
     save(report_name, report)
     partial.unlink(missing_ok=True)

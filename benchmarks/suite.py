@@ -245,6 +245,45 @@ def held_out_large_rows() -> list[tuple[dict, str, str, int]]:
         (shape, "dp", "data=1", batch), (shape, "fsdp", "data=2", batch), (shape, "tp", "data=2,model=4", 2 * batch))]
 
 
+# Held-out shapes for XLA:TPU's working-set fit, fixed (2026-11-26) before the change to its model
+# that they then checked, and never fitted on: each under every strategy and remat policy, the
+# first two with blocks in a loop too (remat none and full), at batches where the shipped plan put
+# most of the steps above plan_fit.py's TPU floor of 300 MB per chip (those below it are not scored).
+HELD_OUT_TPU_SHAPES = [
+    (dict(d_model=512, n_heads=8, n_layers=5, d_ff=1536, seq_len=256, vocab_size=2048), 192, True),
+    (dict(d_model=896, n_heads=7, n_layers=3, d_ff=3584, seq_len=192, vocab_size=4096), 128, True),
+    (dict(d_model=320, n_heads=5, n_layers=8, d_ff=1152, seq_len=640), 64, False),
+]
+
+
+def held_out_tpu_cases() -> list[tuple[dict, str, str, int]]:
+    layouts = [(remat, {}) for remat in ("none", "full", "dots_saveable")]
+    looped = [(remat, {"scan_layers": False}) for remat in ("none", "full")]
+    return [({**shape, "remat": remat, **layout}, strategy, mesh, batch)
+            for shape, batch, loops in HELD_OUT_TPU_SHAPES for remat, layout in layouts + (looped if loops else [])
+            for strategy, mesh in STRATEGY_MESHES]
+
+
+# A second held-out set for XLA:TPU, fixed (2026-11-26, 20:32) after HELD_OUT_TPU_SHAPES had been
+# read and before the on-chip memory term it then checked was fitted (docs/plan.md): two shapes
+# under five strategies and the three remat policies, and the first with blocks in a loop under dp
+# and fsdp.
+HELD_OUT_TPU_SHAPES_2 = [
+    (dict(d_model=768, n_heads=6, n_layers=4, d_ff=2048, seq_len=320, vocab_size=3072), 96),
+    (dict(d_model=416, n_heads=13, n_layers=6, d_ff=1664, seq_len=448), 64),
+]
+
+
+def held_out_tpu_cases_2() -> list[tuple[dict, str, str, int]]:
+    strategies = [("dp", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"),
+                  ("hsdp", "replica=2,data=4")]
+    (first, batch), _ = HELD_OUT_TPU_SHAPES_2
+    return [({**shape, "remat": remat}, strategy, mesh, batch) for shape, batch in HELD_OUT_TPU_SHAPES_2
+            for remat in ("none", "full", "dots_saveable") for strategy, mesh in strategies] + [
+        ({**first, "remat": "none", "scan_layers": False}, strategy, mesh, batch)
+        for strategy, mesh in [("dp", "data=8"), ("fsdp", "data=8")]]
+
+
 def plan_held_out() -> dict:
     """The plan's predicted / compiled peak (XLA:CPU) on ``HELD_OUT_SHAPES`` under every strategy,
     and on ``held_out_large_rows``: how well it predicts shapes it was not fitted on."""

@@ -33,6 +33,7 @@ import jax
 _folder: str | None = None
 _heaps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ALLOCATION = re.compile(r"^allocation \d+: size (\d+), preallocated-temp:", re.MULTILINE)
+_ON_CHIP = re.compile(r"^allocation \d+: size (\d+), color \d+, preallocated-temp:", re.MULTILINE)
 
 
 def libtpu_flags() -> str:
@@ -51,28 +52,35 @@ def heap_bytes(buffer_assignment: str) -> int:
     return sum(int(size) for size in _ALLOCATION.findall(buffer_assignment))
 
 
-def _take() -> int | None:
-    """The heap of the program compiled last, from the buffer assignments written since the
-    previous call (which are then removed); None when there are none."""
+def on_chip_bytes(buffer_assignment: str) -> int:
+    """The temporaries XLA:TPU keeps in the chip's own memories (the allocations with a color:
+    memory space 1 on v5e, v5p and v6e, 3 on v4, and a few KB in others), not HBM."""
+    return sum(int(size) for size in _ON_CHIP.findall(buffer_assignment))
+
+
+def _take() -> tuple[int, int] | None:
+    """(HBM heap, on-chip temporaries) of the program compiled last, from the buffer assignments
+    written since the previous call (which are then removed); None when there are none."""
     if _folder is None:
         return None
     paths = sorted(glob.glob(os.path.join(_folder, "*buffer-assignment.txt")), key=os.path.getmtime)
-    heap = None
+    found = None
     if paths:
         with open(paths[-1]) as file:
-            heap = heap_bytes(file.read())
+            text = file.read()
+        found = heap_bytes(text), on_chip_bytes(text)
     for path in paths:
         os.remove(path)
-    return heap
+    return found
 
 
 def compile_with_heap(lowered: Any, compiler_options: dict[str, Any] | None = None) -> Any:
     """``lowered.compile(...)``, noting XLA:TPU's heap for :func:`hbm_heap` where libtpu wrote it."""
     _take()  # what earlier compiles left
     compiled = lowered.compile(compiler_options=compiler_options)
-    heap = _take()
-    if heap is not None:
-        _heaps[compiled] = heap
+    found = _take()
+    if found is not None:
+        _heaps[compiled] = found
     elif _for_tpu(compiled):
         warnings.warn("XLA:TPU's heap is unknown for this step (libtpu started before shardax described a TPU "
                       "target, or LIBTPU_INIT_ARGS has its own --xla_jf_dump_to, or the compile was cached): "
@@ -89,4 +97,11 @@ def _for_tpu(compiled: Any) -> bool:
 
 def hbm_heap(compiled: Any) -> int | None:
     """XLA:TPU's HBM heap for a program compiled by :func:`compile_with_heap`, if known."""
-    return _heaps.get(compiled)
+    found = _heaps.get(compiled)
+    return None if found is None else found[0]
+
+
+def on_chip_heap(compiled: Any) -> int | None:
+    """The temporaries XLA:TPU keeps in the chip's own memory for such a program, if known."""
+    found = _heaps.get(compiled)
+    return None if found is None else found[1]

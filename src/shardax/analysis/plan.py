@@ -18,7 +18,7 @@ import jax
 import optax
 
 from shardax.analysis.collectives import find_collectives, summarize
-from shardax.analysis.heap import compile_with_heap, hbm_heap
+from shardax.analysis.heap import compile_with_heap, hbm_heap, on_chip_heap
 from shardax.analysis.lint import lint
 from shardax.analysis.targets import Target, roofline
 from shardax.analysis.memory import predict_memory
@@ -109,7 +109,7 @@ def compiled_memory(compiled) -> dict[str, int]:
     temporaries and outputs, less the outputs that reuse (alias) donated arguments. Compiled by
     XLA:TPU, also its buffer assignment's heap (``hbm_heap``) and the peak with the heap in place
     of the estimated temporaries (``hbm_peak``): what XLA:TPU holds the chip to (see
-    :mod:`shardax.analysis.heap`)."""
+    :mod:`shardax.analysis.heap`), and the temporaries it keeps in the chip's own memory (``on_chip``)."""
     memory = compiled.memory_analysis()
     measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
                 "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
@@ -118,6 +118,7 @@ def compiled_memory(compiled) -> dict[str, int]:
     if heap is not None:
         measured["hbm_heap"] = heap
         measured["hbm_peak"] = measured["peak"] - measured["temporaries"] + heap
+        measured["on_chip"] = on_chip_heap(compiled)
     return measured
 
 
@@ -160,7 +161,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
     prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
-                                context or "all-gather", compiler="cpu" if target is None else target.chip.platform)
+                                context or "all-gather", compiler="cpu" if target is None else target.chip.platform,
+                                on_chip=0 if target is None else target.chip.on_chip_bytes)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
