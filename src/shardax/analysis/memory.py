@@ -180,7 +180,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str 
 # are taken to be linear in all the residuals autodiff names (XLA fuses some of them away) and
 # in every layer's gathered weights. That model is rough (see docs/plan.md). XLA:TPU holds more of
 # a loop's activations where the strategy gathers weights or reduce-scatters gradients layer by
-# layer (zero2, fsdp, hsdp, fsdp_tp: 1.26-1.69x dp's working set on `small`), a third term there:
+# layer (zero2, fsdp, hsdp, fsdp_tp: 1.26-1.79x dp's working set on `small`), a third term there:
 # the residuals again for those strategies (0 for XLA:CPU, whose fit predates it).
 WORKING_SET_TERMS = {"none": ("layer", "scores", "unsplit", "weights", "gathered"),
                      "looped": ("residuals", "gathered_layers", "sharded_residuals"),
