@@ -160,9 +160,9 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
+    compiler, on_chip = ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
     prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
-                                context or "all-gather", compiler="cpu" if target is None else target.chip.platform,
-                                on_chip=0 if target is None else target.chip.on_chip_bytes)
+                                context or "all-gather", compiler=compiler, on_chip=on_chip)
     predicted = dataclasses.asdict(prediction) | {"state": prediction.state, "total": prediction.total}
     collectives = find_collectives(compiled.as_text())
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
@@ -176,12 +176,10 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         scan_layers=model.scan_layers,
         collectives=summary, collective_bytes=sum(entry["wire_bytes"] for entry in summary.values()),
         theoretical_collective_bytes=theoretical_collective_bytes(
-            parallel.layout, model, batch_size, schedule, context or "all-gather",
-            compiler="cpu" if target is None else target.chip.platform),
+            parallel.layout, model, batch_size, schedule, context or "all-gather", compiler=compiler),
         fits=None if device_memory is None else device_bytes(measured) <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel, target) + _bfloat16_note(model, target)
-              + _deviceless_attention_note(model, target)
-              + _bubble_note(schedule)),
+              + _deviceless_attention_note(model, target) + _bubble_note(schedule)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
         target=None if target is None else target.name,
     )
