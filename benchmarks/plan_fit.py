@@ -18,8 +18,10 @@ end on the held-out shapes.
 The figures are XLA:CPU's, or with ``--target`` XLA:TPU's (compared with the shipped factors,
 ``memory.WORKING_SET_TPU``; needs ``pip install "shardax[tpu-plan]"``): its training cases are fewer
 (``tpu_training_cases``, chosen before any XLA:TPU fit), its held-out cases the same shapes and
-``suite.HELD_OUT_TPU_SHAPES`` (sized above the floor, fixed before the refit they checked), and
-both keep to steps above ``TPU_FLOOR``. Cached cases get their terms from today's code.
+``suite.HELD_OUT_TPU_SHAPES`` and ``HELD_OUT_TPU_SHAPES_2`` (sized above the floor, each fixed
+before the refit it checked), and both keep to steps above ``TPU_FLOOR``. What a chip keeps in its
+own memory is taken off as the shipped prediction takes it off (``memory.held_on_chip``), so the
+held-out errors here are the shipped plan's. Cached cases get their terms from today's code.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from suite import (HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, held_o
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target  # noqa: E402
-from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, WORKING_SET_TPU, predict_memory,  # noqa: E402
-                                     working_set_class, working_set_factors, working_set_terms)
+from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, WORKING_SET_TPU, held_on_chip,  # noqa: E402
+                                     predict_memory, working_set_class, working_set_factors, working_set_terms)
 from shardax.models.presets import get_preset  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
 
@@ -155,19 +157,22 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
            "peak": peak}
     if "hbm_peak" in memory:  # XLA:TPU's heap-based peak (shardax.analysis.heap), kept for a fit to it
         row["hbm_peak"] = memory["hbm_peak"]
-    compiler, on_chip = ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
-    return with_terms(row, compiler, on_chip)
+    return with_terms(row, *compiler_of(target))
+
+
+def compiler_of(target=None) -> tuple[str, int]:
+    """(the compiler, the bytes of temporaries each chip may keep in its own memory) of ``target``."""
+    return ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
 
 
 def measured(cases: list[tuple], cache: dict[str, dict], target=None, keep: Path | None = None) -> list[dict]:
     """Each case measured, or taken from ``cache`` (keyed by the case) when it is there; with
     ``keep``, every case measured is written there at once (a stopped run resumes from it)."""
-    rows, compiler = [], "cpu" if target is None else target.chip.platform
-    on_chip = 0 if target is None else target.chip.on_chip_bytes
+    rows = []
     for case in cases:
         key = json.dumps(case, sort_keys=True)  # the same form as case_key
         fresh = key not in cache
-        rows.append(measure(*case, target=target) if fresh else with_terms(cache[key], compiler, on_chip))
+        rows.append(measure(*case, target=target) if fresh else with_terms(cache[key], *compiler_of(target)))
         cache[key] = rows[-1]
         if fresh and keep is not None:
             keep.write_text(json.dumps({"training": list(cache.values())}) + "\n")
@@ -176,16 +181,28 @@ def measured(cases: list[tuple], cache: dict[str, dict], target=None, keep: Path
 
 def with_terms(row: dict, compiler: str = "cpu", on_chip: int = 0) -> dict:
     """A case with its terms and the prediction without the working set (``base``: the state,
-    gradients and kept residuals, less what the chip keeps ``on_chip``), worked out by today's
-    code from its shapes (no compile)."""
+    gradients and kept residuals), worked out by today's code from its shapes (no compile); and
+    what the prediction takes off for the temporaries the chip keeps in its own memory, as
+    ``memory.held_on_chip`` does: up to ``on_chip`` bytes, a fifth of the temporaries (the
+    gradients and kept residuals, ``temporaries``, and the working set)."""
     model = model_of(row["settings"])
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3),
                            DeviceMeshManager().create_device_mesh(row["mesh"]), row["strategy"])
     prediction = predict_memory(parallel, model, row["batch_size"], model.seq_len, row["grad_accum"],
                                 compiler=compiler)
     terms = working_set_terms(parallel.layout, model, row["batch_size"], row["grad_accum"], compiler)
-    base = prediction.total - prediction.activations + terms.pop("kept") - on_chip
-    return {**row, "class": working_set_class(model, compiler), "base": base, "terms": terms}
+    kept = terms.pop("kept")
+    return {**row, "class": working_set_class(model, compiler), "base": prediction.total - prediction.activations + kept,
+            "temporaries": prediction.gradients + kept, "on_chip": on_chip, "terms": terms}
+
+
+def working_set(row: dict, factors: list[float]) -> float:
+    return sum(f * row["terms"][name] for f, name in zip(factors, WORKING_SET_TERMS[row["class"]]))
+
+
+def held(row: dict, factors: list[float]) -> int:
+    """What of ``row``'s temporaries the chip keeps in its own memory with these factors."""
+    return held_on_chip(row["on_chip"], int(row["temporaries"] + working_set(row, factors)))
 
 
 def case_key(row: dict) -> str:
@@ -195,11 +212,27 @@ def case_key(row: dict) -> str:
 
 def fit(rows: list[dict], names: tuple[str, ...]) -> tuple[list[float], float]:
     """Non-negative factors of ``names`` minimising the largest |predicted / compiled - 1| over
-    ``rows``; of the factors that reach it (there are often many), those with the least mean error."""
+    ``rows``; of the factors that reach it (there are often many), those with the least mean error.
+    What the chip keeps in its own memory depends on the working set, so on the factors: the fit
+    starts from the most it may keep and is made again with what each fit's factors say it keeps,
+    until the factors settle."""
+    factors, worst = None, 0.0
+    for _ in range(8):
+        on_chip = [row["on_chip"] if factors is None else held(row, factors) for row in rows]
+        fitted, worst = _fit_linear(rows, names, on_chip)
+        if fitted == factors:
+            break
+        factors = fitted
+    return factors, worst
+
+
+def _fit_linear(rows: list[dict], names: tuple[str, ...], on_chip: list[int]) -> tuple[list[float], float]:
+    """``fit`` with what each row's chip keeps in its own memory given."""
     # variables: one factor per term, then one error bound e_i per row, then t:
     # +-(base + terms . factors - peak) <= e_i * peak, e_i <= t; first minimise t, then sum(e_i)
     terms = np.array([[row["terms"][name] for name in names] for row in rows], float)
-    peak, base = np.array([row["peak"] for row in rows], float), np.array([row["base"] for row in rows], float)
+    peak = np.array([row["peak"] for row in rows], float)
+    base = np.array([row["base"] for row in rows], float) - np.array(on_chip, float)
     scaled, offset, count = terms / peak[:, None], base / peak - 1, len(rows)
     errors = -np.eye(count)
     upper = np.vstack([np.hstack([scaled, errors, np.zeros((count, 1))]),
@@ -218,9 +251,7 @@ def fit(rows: list[dict], names: tuple[str, ...]) -> tuple[list[float], float]:
 
 
 def ratio(row: dict, factors: list[float]) -> float:
-    names = WORKING_SET_TERMS[row["class"]]
-    predicted = row["base"] + sum(f * row["terms"][name] for f, name in zip(factors, names))
-    return predicted / row["peak"]
+    return (row["base"] - held(row, factors) + working_set(row, factors)) / row["peak"]
 
 
 def held_out_sets(tpu: bool = False) -> dict[str, list[tuple[dict, str, str, int, int]]]:
