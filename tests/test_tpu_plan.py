@@ -14,12 +14,13 @@ import pytest
 
 from cli_helpers import shardax
 from shardax.analysis.fit import batch_granule, fit
-from shardax.analysis.plan import (compile_step, compiled_memory, device_bytes, out_of_memory, plan_strategy,
-                                    step_cost, transformer_for)
+from shardax.analysis.plan import (WHOLE_MATMULS_FLAGS, compile_step, compiled_memory, device_bytes, out_of_memory,
+                                    plan_strategy, step_cost, transformer_for)
 from shardax.analysis.targets import CHIPS, Target, cuda_plugin, parse_target, require_tpu_compiler
 from shardax.errors import UsageError
-from shardax.models.presets import flops_per_token
+from shardax.models.presets import flops_per_token, get_preset
 from shardax.models.transformer import weighted_next_token_loss
+from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import get_strategy
 from small_models import tiny_transformer_config
 
@@ -154,6 +155,26 @@ def test_multi_host_v5e_16(strategy, mesh, model, batch):
     assert (0.95 if model is MODEL else 0.9) <= plan.cost["flops"] / plan.cost["model_flops"] <= 1.1, plan.cost
     if strategy == "fsdp_tp":
         assert plan.collectives["collective-permute"]["count"] > 0  # the windowed einsums are there
+        assert plan.compiled["peak_without_collective_matmuls"] > 0  # and the step was compiled without them too
+
+
+def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds():
+    """On 8 v5p chips XLA:TPU turns a looped zero2 step's gradient reduce-scatters into collective
+    matmuls (windowed einsums), and they hold more HBM (here 41 of 93 MB): the plan compiles the
+    step again without them, says what they cost and which flags go without them; a run started
+    with those flags compiles the step to that peak."""
+    model = get_preset("tiny").config(seq_len=256, scan_layers=False, remat="full")
+    plan = plan_strategy(model, "zero2", "data=8", batch_size=128, target=parse_target("tpu-v5p-16"))
+    peak, without = plan.compiled_bytes_per_device, plan.compiled["peak_without_collective_matmuls"]
+    assert plan.collectives["collective-permute"]["count"] > 0 and without < 0.8 * peak
+    [note] = [line for line in plan.lint if line.startswith("collective matmuls")]
+    assert format_bytes(without) in note and f'LIBTPU_INIT_ARGS="{WHOLE_MATMULS_FLAGS}"' in note
+    advised = shardax("plan", "--target", "tpu-v5p-16", "--preset", "tiny", "--strategy", "zero2", "--seq-len", 256,
+                      "--batch-size", 128, "--no-scan-layers", "--remat", "full", "--json",
+                      env={"LIBTPU_INIT_ARGS": WHOLE_MATMULS_FLAGS})
+    [run] = json.loads(advised.stdout)
+    assert run["compiled_bytes_per_device"] == without and "collective-permute" not in run["collectives"]
+    assert not [line for line in run["lint"] if line.startswith("collective matmuls")]
 
 
 def test_fit_finds_the_largest_batch_that_fits():

@@ -160,6 +160,9 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
+    whole = _whole_matmuls(compiled, parallel, batch_size, model.seq_len, grad_accum, pipeline)
+    if whole is not None:
+        measured["peak_without_collective_matmuls"] = device_bytes(compiled_memory(whole))
     compiler, on_chip = ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
     prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
                                 context or "all-gather", compiler=compiler, on_chip=on_chip)
@@ -179,13 +182,44 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
             parallel.layout, model, batch_size, schedule, context or "all-gather", compiler=compiler),
         fits=None if device_memory is None else device_bytes(measured) <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel, target) + _bfloat16_note(model, target)
-              + _deviceless_attention_note(model, target) + _bubble_note(schedule)),
+              + _deviceless_attention_note(model, target) + _bubble_note(schedule)
+              + _collective_matmul_note(measured, device_memory)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
         target=None if target is None else target.name,
     )
     if target is not None:
-        _add_costs(plan, target, model, resolved, mesh_shape, tx, batch_size, grad_accum, compiled, pipeline)
+        _add_costs(plan, target, model, resolved, mesh_shape, tx, batch_size, grad_accum, whole or compiled, pipeline)
     return plan
+
+
+def collective_matmuls(compiled: Any) -> bool:
+    """Whether XLA:TPU made some of the step's matmuls collective matmuls (``WHOLE_MATMULS``)."""
+    return "windowed_dot_general" in compiled.as_text()
+
+
+def _whole_matmuls(compiled: Any, parallel: Any, batch_size: int, seq_len: int, grad_accum: int,
+                   pipeline: dict[str, Any]) -> Any:
+    """The same step compiled with whole matmuls where XLA:TPU made collective matmuls, else None."""
+    if parallel.mesh.devices.flat[0].platform != "tpu" or not collective_matmuls(compiled):
+        return None
+    return compile_step(parallel, batch_size, seq_len, grad_accum, compiler_options=WHOLE_MATMULS, **pipeline)
+
+
+# LIBTPU_INIT_ARGS that keep XLA:TPU from making collective matmuls (as WHOLE_MATMULS does for one compile)
+WHOLE_MATMULS_FLAGS = " ".join(f"--{flag}=false" for flag in WHOLE_MATMULS)
+
+
+def _collective_matmul_note(measured: dict[str, int], device_memory: int | None) -> list[str]:
+    """Where XLA:TPU's collective matmuls hold 5% or more of the peak: how much, and how to go without."""
+    whole = measured.get("peak_without_collective_matmuls")
+    peak = device_bytes(measured)
+    if whole is None or whole > 0.95 * peak:
+        return []
+    fits = device_memory is not None and whole <= device_memory < peak
+    return [f"collective matmuls: XLA:TPU overlaps some of the step's collectives with their matmuls (windowed "
+            f"einsums), and they hold {format_bytes(peak - whole)} more per device here: {format_bytes(peak)}, "
+            f"{format_bytes(whole)} without them" + (", which fits" if fits else "") + f"; to go without them (if "
+            f"the step's time allows), start the run with LIBTPU_INIT_ARGS=\"{WHOLE_MATMULS_FLAGS}\""]
 
 
 def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, tx: Any, target: Target,
@@ -201,7 +235,7 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     if target.chip.platform == "cuda":  # XLA:GPU has no cost analysis without a GPU
         return None, None
     if not model.scan_layers and grad_accum == 1:
-        if compiled is None or "windowed_dot_general" in compiled.as_text():
+        if compiled is None or collective_matmuls(compiled):
             compiled = compile_step(transformer_for(model, strategy, mesh_shape, tx, target), batch_size,
                                     model.seq_len, compiler_options=WHOLE_MATMULS)
         cost = compiled.cost_analysis()
