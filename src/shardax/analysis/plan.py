@@ -148,8 +148,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
     the default ``device_memory``."""
     parallel = transformer_for(model, strategy, mesh_shape, tx, target)
-    resolved = parallel.strategy
-    mesh = parallel.mesh
+    resolved, mesh = parallel.strategy, parallel.mesh
     # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
     schedule = parallel.schedule(**pipeline)
@@ -160,9 +159,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     compiled = compile_step(parallel, batch_size, model.seq_len, grad_accum, **pipeline)
     compile_s = time.perf_counter() - started
     measured = compiled_memory(compiled)
-    whole = _whole_matmuls(compiled, parallel, batch_size, model.seq_len, grad_accum, pipeline)
-    if whole is not None:
-        measured["peak_without_collective_matmuls"] = device_bytes(compiled_memory(whole))
+    whole = _whole_matmuls(compiled, parallel, batch_size, model.seq_len, grad_accum, pipeline, measured)
     compiler, on_chip = ("cpu", 0) if target is None else (target.chip.platform, target.chip.on_chip_bytes)
     prediction = predict_memory(parallel, model, batch_size, model.seq_len, grad_accum, schedule,
                                 context or "all-gather", compiler=compiler, on_chip=on_chip)
@@ -198,11 +195,14 @@ def collective_matmuls(compiled: Any) -> bool:
 
 
 def _whole_matmuls(compiled: Any, parallel: Any, batch_size: int, seq_len: int, grad_accum: int,
-                   pipeline: dict[str, Any]) -> Any:
-    """The same step compiled with whole matmuls where XLA:TPU made collective matmuls, else None."""
+                   pipeline: dict[str, Any], measured: dict[str, int]) -> Any:
+    """The same step compiled with whole matmuls where XLA:TPU made collective matmuls (its peak
+    noted in ``measured``), else None."""
     if parallel.mesh.devices.flat[0].platform != "tpu" or not collective_matmuls(compiled):
         return None
-    return compile_step(parallel, batch_size, seq_len, grad_accum, compiler_options=WHOLE_MATMULS, **pipeline)
+    whole = compile_step(parallel, batch_size, seq_len, grad_accum, compiler_options=WHOLE_MATMULS, **pipeline)
+    measured["peak_without_collective_matmuls"] = device_bytes(compiled_memory(whole))
+    return whole
 
 
 # LIBTPU_INIT_ARGS that keep XLA:TPU from making collective matmuls (as WHOLE_MATMULS does for one compile)
