@@ -218,7 +218,9 @@ def test_gpu_async_pairs_count_once():
 # XLA:TPU's windowed einsum (a matmul whose result is reduce-scattered, as a loop of partial
 # matmuls and collective-permutes) is unrolled twice: its counter starts at 0 and steps by 2
 # below 4, so the body runs twice (reading `counter < 4` alone says 4). No known_trip_count on TPU.
-def windowed_loop(start: int, step: int, bound: int) -> str:
+# In a step whose blocks run in a Python loop XLA:TPU steps a copy of the counter (``copied``).
+def windowed_loop(start: int, step: int, bound: int, copied: bool = False) -> str:
+    counter = "%counter.copy" if copied else "%counter"
     return f"""\
 HloModule jit_step, is_scheduled=true, num_partitions=8
 
@@ -229,8 +231,9 @@ HloModule jit_step, is_scheduled=true, num_partitions=8
   %collective-permute-start = (f32[8]{{0}}, f32[8]{{0}}, u32[], u32[]) collective-permute-start(%acc), \
 channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}
   %collective-permute-done = f32[8]{{0}} collective-permute-done(%collective-permute-start)
+  %counter.copy = u32[] copy(%counter)
   %step = u32[] constant({step})
-  %next = u32[] add(%counter, %step)
+  %next = u32[] add({counter}, %step)
   ROOT %tuple = (f32[8]{{0}}, u32[]) tuple(%collective-permute-done, %next)
 }}
 
@@ -252,8 +255,9 @@ ENTRY %main (p0: f32[8]) -> f32[8] {{
 """
 
 
-@pytest.mark.parametrize("start, step, bound, trips", [(0, 1, 4, 4), (0, 2, 4, 2), (1, 2, 8, 4), (0, 3, 8, 3)])
-def test_a_loop_runs_its_body_as_its_counter_steps(start, step, bound, trips):
-    [permute] = find_collectives(windowed_loop(start, step, bound))
+@pytest.mark.parametrize("start, step, bound, trips, copied", [
+    (0, 1, 4, 4, False), (0, 2, 4, 2, False), (1, 2, 8, 4, False), (0, 3, 8, 3, False), (0, 2, 4, 2, True)])
+def test_a_loop_runs_its_body_as_its_counter_steps(start, step, bound, trips, copied):
+    [permute] = find_collectives(windowed_loop(start, step, bound, copied))
     assert permute.kind == "collective-permute" and permute.bytes == 8 * F32
     assert permute.executions == trips

@@ -167,6 +167,9 @@ def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds(
     plan = plan_strategy(model, "zero2", "data=8", batch_size=128, target=parse_target("tpu-v5p-16"))
     peak, without = plan.compiled_bytes_per_device, plan.compiled["peak_without_collective_matmuls"]
     assert plan.collectives["collective-permute"]["count"] > 0 and without < 0.8 * peak
+    # each windowed loop steps a copy of its counter by 2: read so, they send 9 shards of a gradient where a
+    # ring sends 7 (1.18x the theory in all; read as stepping by 1, 1.75x)
+    assert plan.collective_bytes == pytest.approx(1.18 * plan.theoretical_collective_bytes, rel=0.03)
     [note] = [line for line in plan.lint if line.startswith("collective matmuls")]
     assert format_bytes(without) in note and f'LIBTPU_INIT_ARGS="{WHOLE_MATMULS_FLAGS}"' in note
     advised = shardax("plan", "--target", "tpu-v5p-16", "--preset", "tiny", "--strategy", "zero2", "--seq-len", 256,
@@ -174,6 +177,7 @@ def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds(
                       env={"LIBTPU_INIT_ARGS": WHOLE_MATMULS_FLAGS})
     [run] = json.loads(advised.stdout)
     assert run["compiled_bytes_per_device"] == without and "collective-permute" not in run["collectives"]
+    assert run["collective_bytes"] == pytest.approx(run["theoretical_collective_bytes"], rel=0.05)
     assert not [line for line in run["lint"] if line.startswith("collective matmuls")]
 
 

@@ -223,18 +223,25 @@ def _trip_count(computations: dict[str, Computation], loop: Instruction, parent:
     return max(-(-(bound - start) // step), 0)
 
 
-def _constant(by_name: dict[str, Instruction], name: str) -> int | None:
-    """The integer a scalar ``constant`` (or a copy of one) holds; None for anything else."""
+def _through_copies(by_name: dict[str, Instruction], name: str) -> Instruction | None:
+    """The instruction ``name`` is, or is a copy (of a copy...) of."""
     instruction = by_name.get(name)
     while instruction is not None and instruction.opcode == "copy" and instruction.operands:
         instruction = by_name.get(instruction.operands[0])
+    return instruction
+
+
+def _constant(by_name: dict[str, Instruction], name: str) -> int | None:
+    """The integer a scalar ``constant`` (or a copy of one) holds; None for anything else."""
+    instruction = _through_copies(by_name, name)
     if instruction is None or instruction.opcode != "constant" or not instruction.operands:
         return None
     return int(instruction.operands[0]) if instruction.operands[0].isdigit() else None
 
 
 def _counter_step(body: Computation | None, index: int) -> int:
-    """What the loop body adds to tuple element ``index`` each trip (1 unless it reads ``+ c``)."""
+    """What the loop body adds to tuple element ``index`` (or a copy of it) each trip (1 unless it
+    reads ``+ c``)."""
     if body is None:
         return 1
     by_name = {instruction.name: instruction for instruction in body.instructions}
@@ -245,7 +252,7 @@ def _counter_step(body: Computation | None, index: int) -> int:
     if update is None or update.opcode != "add":
         return 1
     steps = [_constant(by_name, operand) for operand in update.operands]
-    counters = [by_name.get(operand) for operand in update.operands]
+    counters = [_through_copies(by_name, operand) for operand in update.operands]
     reads_counter = any(other is not None and other.opcode == "get-tuple-element"
                         and other.attributes.get("index") == str(index) for other in counters)
     known = [step for step in steps if step is not None]
