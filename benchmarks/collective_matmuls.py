@@ -86,23 +86,24 @@ def main() -> None:
                   f"predicted {rows[-1]['predicted_over_peak']:.3f}x, {rows[-1]['predicted_over_whole_peak']:.3f}x",
                   flush=True)
     summary = summarize([row for row in rows if row["set"] != "training"])
-    refits = {name: refit(fitted, whole, target, name) for name in WORKING_SET_TERMS}
+    steps = {without: {part: [with_terms({**row, "peak": whole.get(case_key(row), row["hbm_peak"]) if without
+                                          else row["hbm_peak"]}, "tpu", target.chip.on_chip_bytes)
+                              for row in fitted[part] if row["hbm_peak"] >= TPU_FLOOR]
+                       for part in ("training", "held_out")} for without in (False, True)}
+    refits = {name: refit(steps, name) for name in WORKING_SET_TERMS}
     save("collective_matmuls", {"target": TARGET, "strategies": strategies, "whole_peaks": whole, "rows": rows,
                                 "held_out_within_5_percent": summary, "refit_without_collective_matmuls": refits})
     print(json.dumps({"held_out_within_5_percent": summary, "refit_without_collective_matmuls": refits}, indent=1))
 
 
-def refit(fitted: dict, whole: dict[str, int], target, name: str) -> dict:
-    """One class's factors fitted to the peaks without collective matmuls (where compiled here),
-    and how they and the shipped factors do on its held-out steps, with both peaks."""
-    def steps(part: str, without: bool) -> list[dict]:
-        return [with_terms({**row, "peak": whole.get(case_key(row), row["hbm_peak"]) if without else row["hbm_peak"]},
-                           "tpu", target.chip.on_chip_bytes)
-                for row in fitted[part] if row["hbm_peak"] >= TPU_FLOOR]
+def refit(steps: dict[bool, dict[str, list[dict]]], name: str) -> dict:
+    """One class's factors fitted on its fitting steps to the peaks with collective matmuls and to
+    those without (``steps[without]``, where compiled here), each scored on its held-out steps
+    against the same peaks."""
     result = {}
     for label, without in (("with_collective_matmuls", False), ("without_collective_matmuls", True)):
-        training = [row for row in steps("training", without) if row["class"] == name]
-        held_out = [row for row in steps("held_out", without) if row["class"] == name]
+        training = [row for row in steps[without]["training"] if row["class"] == name]
+        held_out = [row for row in steps[without]["held_out"] if row["class"] == name]
         factors, worst = fit(training, WORKING_SET_TERMS[name])
         errors = [abs(ratio(row, factors) - 1) for row in held_out]
         result[label] = {"factors": factors, "training_worst": round(worst, 3), "held_out": len(held_out),
