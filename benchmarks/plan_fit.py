@@ -196,13 +196,14 @@ def with_terms(row: dict, compiler: str = "cpu", on_chip: int = 0) -> dict:
             "temporaries": prediction.gradients + kept, "on_chip": on_chip, "terms": terms}
 
 
-def working_set(row: dict, factors: list[float]) -> float:
-    return sum(f * row["terms"][name] for f, name in zip(factors, WORKING_SET_TERMS[row["class"]]))
+def working_set(row: dict, factors: list[float], names: tuple[str, ...] | None = None) -> float:
+    """``row``'s working set: ``factors`` times its terms (``names``; default: its class's)."""
+    return sum(f * row["terms"][name] for f, name in zip(factors, names or WORKING_SET_TERMS[row["class"]]))
 
 
-def held(row: dict, factors: list[float]) -> int:
+def held(row: dict, factors: list[float], names: tuple[str, ...] | None = None) -> int:
     """What of ``row``'s temporaries the chip keeps in its own memory with these factors."""
-    return held_on_chip(row["on_chip"], int(row["temporaries"] + working_set(row, factors)))
+    return held_on_chip(row["on_chip"], int(row["temporaries"] + working_set(row, factors, names)))
 
 
 def case_key(row: dict) -> str:
@@ -218,7 +219,7 @@ def fit(rows: list[dict], names: tuple[str, ...]) -> tuple[list[float], float]:
     until the factors settle."""
     factors, worst = None, 0.0
     for _ in range(8):
-        on_chip = [row["on_chip"] if factors is None else held(row, factors) for row in rows]
+        on_chip = [row["on_chip"] if factors is None else held(row, factors, names) for row in rows]
         fitted, worst = _fit_linear(rows, names, on_chip)
         if fitted == factors:
             break
@@ -250,8 +251,8 @@ def _fit_linear(rows: list[dict], names: tuple[str, ...], on_chip: list[int]) ->
     return [round(float(x), 3) for x in second.x[:len(names)]], float(second.x[-1])
 
 
-def ratio(row: dict, factors: list[float]) -> float:
-    return (row["base"] - held(row, factors) + working_set(row, factors)) / row["peak"]
+def ratio(row: dict, factors: list[float], names: tuple[str, ...] | None = None) -> float:
+    return (row["base"] - held(row, factors, names) + working_set(row, factors, names)) / row["peak"]
 
 
 def held_out_sets(tpu: bool = False) -> dict[str, list[tuple[dict, str, str, int, int]]]:
