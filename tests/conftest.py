@@ -6,7 +6,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+from shardax import simulate_cpu_devices  # noqa: E402
+
+simulate_cpu_devices(8)  # with a thread pool their collectives cannot starve (shardax.cpu_devices)
 
 from cli_helpers import COMPILATION_CACHE, small_corpus  # noqa: E402,F401  (a fixture for the CLI tests)
 

@@ -86,7 +86,7 @@ CASES = [
     (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
     (["--precision", "float16"], "argument --precision: invalid choice: 'float16'"),
     (["--attention", "cudnn"], "--attention cudnn: it needs a GPU (this is cpu); it needs bfloat16 compute"),
-    (["--preset", "huge"], "unknown --preset huge; choose one of tiny, notebook"),
+    (["--preset", "huge"], "unknown --preset huge; choose one of tiny, small"),
     (["--extend-to", "9"], "--extend-to 9 continues a saved run; add --resume"),
     # meshes
     (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),

@@ -18,7 +18,7 @@ from shardax import DeviceMeshManager, Strategy, parallelize
 from shardax.analysis.lint import lint, optimizer_mismatches
 from shardax.analysis.plan import parse_bytes, plan_strategy, recommend
 from shardax.layers import annotated_param
-from shardax.models.presets import get_preset
+from shardax.models.presets import SEED_NOTEBOOK, get_preset
 from shardax.models.transformer import TransformerLM
 from small_models import tiny_transformer_config
 
@@ -154,8 +154,7 @@ def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_plan_for_every_preset_predicts_the_compiled_peak(remat):
-    for name in ("notebook", "small"):
-        preset = get_preset(name)
+    for name, preset in (("the seed notebook's model", SEED_NOTEBOOK), ("small", get_preset("small"))):
         plan = plan_strategy(preset.config(remat=remat), "fsdp", "data=8", batch_size=preset.batch_size)
         assert plan.predicted["state"] == pytest.approx(plan.compiled["arguments"], rel=0.05)
         assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE[remat]), (
@@ -179,7 +178,7 @@ def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_plan_for_blocks_in_a_loop(remat):
     """Blocks in a Python loop: every layer's activations stay live, with remat or without."""
-    preset = get_preset("notebook")
+    preset = SEED_NOTEBOOK
     plan = plan_strategy(preset.config(scan_layers=False, remat=remat), "dp", "data=8", batch_size=preset.batch_size)
     assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE["looped"]), (
         plan.predicted, plan.compiled)

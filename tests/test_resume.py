@@ -85,8 +85,8 @@ def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
     result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, check=False)
     assert result.returncode == 2 and "already holds checkpoints (latest step 2); pass --resume" in result.stderr
     result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
-                     "--preset", "notebook", check=False)
-    assert result.returncode == 2 and "--preset notebook contradicts the checkpoint's --preset tiny" in result.stderr
+                     "--preset", "small", check=False)
+    assert result.returncode == 2 and "--preset small contradicts the checkpoint's --preset tiny" in result.stderr
     result = shardax("train", *QUICK, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume", check=False)
     assert result.returncode == 2 and "is complete at step 2; to train it further, pass --extend-to N" in result.stderr
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before

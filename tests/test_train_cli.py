@@ -94,7 +94,7 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
     (["--batch-size", "12"], "a global batch of 12 rows (--batch-size 12) does not split over the batch axes ('data',) of mesh data=8"),
     (["--strategy", "fsdp_tp", "--mesh", "data=8"], "strategy 'fsdp_tp' needs mesh axes ('data', 'model')"),
-    (["--preset", "huge"], "unknown --preset huge; choose one of tiny, notebook"),
+    (["--preset", "huge"], "unknown --preset huge; choose one of tiny, small"),
     (["--steps", "0"], "--steps 0 must be at least 1"),
     (["--data", "/nonexistent/text"], "--data '/nonexistent/text' does not exist"),
     (["--resume"], "--resume continues a saved run: name it with --run-dir DIR"),

@@ -20,6 +20,7 @@ _EXPORTS = {
     "reduce_gradient_tree": "shardax.compat",
     "reduce_gradients_across_devices": "shardax.compat",
     "spmd_train_step": "shardax.compat",
+    "simulate_cpu_devices": "shardax.cpu_devices",
     "ClusterSpec": "shardax.distributed",
     "detect_cluster": "shardax.distributed",
     "init_distributed": "shardax.distributed",
@@ -48,7 +49,7 @@ _EXPORTS = {
     "Trainer": "shardax.trainer.trainer",
 }
 __all__ = sorted(_EXPORTS)
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):
@@ -76,6 +77,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.compat import reduce_gradient_tree as reduce_gradient_tree
     from shardax.compat import reduce_gradients_across_devices as reduce_gradients_across_devices
     from shardax.compat import spmd_train_step as spmd_train_step
+    from shardax.cpu_devices import simulate_cpu_devices as simulate_cpu_devices
     from shardax.distributed import ClusterSpec as ClusterSpec
     from shardax.distributed import detect_cluster as detect_cluster
     from shardax.distributed import init_distributed as init_distributed

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 
+from shardax.cpu_devices import simulate_cpu_devices
 from shardax.errors import ClusterError, UsageError
 
 DEFAULT_PORT = 8476
@@ -199,7 +200,7 @@ def init_distributed(
     """
     spec = _requested(coordinator_address, num_processes, process_id)
     if cpu_devices is not None:
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
+        simulate_cpu_devices(cpu_devices)
     if spec.num_processes <= 1:
         return spec
     _check_spec(spec)

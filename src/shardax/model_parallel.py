@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
+from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
@@ -275,6 +276,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     """``parallelize`` on settings already resolved (``ParallelModel.create``)."""
     mapping = parse_axis_names(axis_names)
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
+    warn_if_starved(mesh)
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
     trainable = _trainable(params, trainable)

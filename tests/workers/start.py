@@ -10,6 +10,8 @@ import sys
 
 import jax
 
+from shardax import simulate_cpu_devices
+
 
 def _keep_stdout_for_python() -> None:
     real_stdout = os.dup(1)
@@ -20,7 +22,7 @@ def _keep_stdout_for_python() -> None:
 def start_worker() -> int:
     _keep_stdout_for_python()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", int(os.environ["SHARDAX_TEST_DEVICES"]))
+    simulate_cpu_devices(int(os.environ["SHARDAX_TEST_DEVICES"]))
     jax.distributed.initialize(
         os.environ["SHARDAX_TEST_COORDINATOR"],
         num_processes=int(os.environ["SHARDAX_TEST_NUM_PROCESSES"]),

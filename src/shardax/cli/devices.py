@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 from shardax.cli.errors import UsageError
+from shardax.cpu_devices import simulate_cpu_devices
 
 
 def configure_jax(devices: int) -> None:
@@ -15,11 +17,18 @@ def configure_jax(devices: int) -> None:
     if devices < 1:
         raise UsageError(f"--devices {devices} must be at least 1")
     try:
-        jax.config.update("jax_num_cpu_devices", devices)
+        simulate_cpu_devices(devices)
     except RuntimeError:  # JAX already started in this process (shardax used as a library)
         if jax.devices()[0].platform == "cpu" and jax.device_count() != devices:
             raise UsageError(f"--devices {devices}: JAX already started here with {jax.device_count()} devices") from None
     logging.getLogger("absl").setLevel(logging.CRITICAL)  # orbax logs what it also raises; the CLI reports it
+    warnings.formatwarning = _one_line
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+
+
+def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              line: str | None = None) -> str:
+    """A warning as the command line says it: one line, without the file it came from."""
+    return f"warning: {message}\n"

@@ -1,9 +1,12 @@
 """``shardax export CHECKPOINT_DIR --hf OUT``: a ``shardax train`` checkpoint as a Hugging Face one.
 
-The run's model (a Llama-family config: one fine-tuned with ``--init-from``, or any model of
-that family) is laid out FSDP over the local devices, the checkpoint's step restored into it,
-and written by ``shardax.hf.save`` a tensor at a time. A run started from a Hugging Face
-checkpoint keeps its ``config.json``'s other fields, and its tokenizer files are copied. A LoRA
+The run's model (every preset is Llama-shaped, and a run fine-tuned with ``--init-from`` keeps
+its checkpoint's family) is laid out FSDP over the local devices, the checkpoint's step
+restored into it, and written by ``shardax.hf.save`` a tensor at a time. A run started from a
+Hugging Face checkpoint keeps its ``config.json``'s other fields, and its tokenizer files are
+copied; a run of a preset gets the ``tokenizer.json`` its run directory holds, with a
+``tokenizer_config.json`` naming its end-of-document token, so that transformers loads both and
+``shardax train --init-from`` fine-tunes the export. A LoRA
 run (``--lora-rank``) exports its adapters alone in PEFT's layout, or with ``--merge`` the
 weights with the adapters merged in.
 """
@@ -98,6 +101,9 @@ def export_command(args: argparse.Namespace) -> int:
     step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check)
     source = Path(run["init_from"]) if run.get("init_from") else None
     base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
+    tokenizer = _tokenizer_of(args.checkpoint_dir, run)
+    if base is None and tokenizer is not None:  # a run of a preset: its documents end with <|endoftext|>
+        base = _token_ids(tokenizer)
     if config.lora_rank and not args.merge:
         hf.save_adapters(out, state.params, config, base_model=run.get("init_from"), dtype=args.dtype)
         what = f"as LoRA adapters in PEFT's layout (rank {config.lora_rank})"
@@ -106,7 +112,6 @@ def export_command(args: argparse.Namespace) -> int:
                 merge=args.merge)
         what = "as a Hugging Face checkpoint" + (" (LoRA adapters merged)" if args.merge else "")
     copied = []
-    tokenizer = Path(run["tokenizer"]) if run.get("tokenizer") and Path(run["tokenizer"]).is_file() else None
     for name in TOKENIZER_FILES:
         found = (source / name) if source and (source / name).is_file() else None
         if name == "tokenizer.json" and tokenizer is not None:
@@ -114,6 +119,37 @@ def export_command(args: argparse.Namespace) -> int:
         if found is not None:
             shutil.copy(found, out / name)
             copied.append(name)
+    if tokenizer is not None and "tokenizer_config.json" not in copied:
+        (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(config), indent=1) + "\n")
+        copied.append("tokenizer_config.json")
     print(f"wrote step {step} of {args.checkpoint_dir} to {out} {what} "
           f"({config.n_layers} layers, {args.dtype})" + (f"; with {', '.join(copied)}" if copied else ""))
     return 0
+
+
+def _tokenizer_of(checkpoint_dir: str, run: dict[str, Any]) -> Path | None:
+    """The run's ``tokenizer.json``: the one its run directory holds, else the file it was given."""
+    from shardax.lm.rundir import TOKENIZER
+
+    kept = checkpoints_of(checkpoint_dir).parent / TOKENIZER
+    if kept.is_file():
+        return kept
+    given = Path(run["tokenizer"]) if run.get("tokenizer") else None
+    return given if given is not None and given.is_file() else None
+
+
+def _token_ids(tokenizer: Path) -> dict[str, Any]:
+    """config.json's token ids for a tokenizer of shardax's: documents begin after and end with
+    ``<|endoftext|>``."""
+    from shardax.data.tokenizer import END_OF_DOCUMENT, load_tokenizer
+
+    end = load_tokenizer(tokenizer)
+    return {"bos_token_id": end.eod_id, "eos_token_id": end.eod_id} if end.end_of_document == END_OF_DOCUMENT else {}
+
+
+def _tokenizer_config(config: Any) -> dict[str, Any]:
+    """``tokenizer_config.json`` for a tokenizer of shardax's, as transformers' AutoTokenizer reads it."""
+    from shardax.data.tokenizer import END_OF_DOCUMENT
+
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_DOCUMENT, "bos_token": None,
+            "model_max_length": config.seq_len, "clean_up_tokenization_spaces": False}

@@ -30,7 +30,7 @@ def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The model: its size, a checkpoint to start from and LoRA adapters."""
     add = parser.add_argument
-    add("--preset", help="model size: tiny, notebook, small, medium, large, 1b (default tiny)")
+    add("--preset", help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped)")
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3): its model, "
              "weights (read straight into shards) and tokenizer.json")

@@ -48,9 +48,34 @@ class ByteTokenizer:
     def to_json(self) -> str:
         return json.dumps(BYTES_SPEC)
 
+    def to_hf_json(self) -> str:
+        """The same tokenizer as a Hugging Face ``tokenizer.json`` (a byte-level BPE with no merges:
+        each byte its own id, then the end-of-document token), for exported checkpoints."""
+        tokenizers = _hf()
+        vocab = {character: byte for byte, character in enumerate(_byte_characters())}
+        tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = tokenizers.decoders.ByteLevel()
+        tokenizer.add_special_tokens([tokenizers.AddedToken(END_OF_DOCUMENT, special=True)])
+        return tokenizer.to_str()
+
     @property
     def fingerprint(self) -> str:
         return "bytes"
+
+
+def _byte_characters() -> list[str]:
+    """The printable character byte-level BPE writes for each byte (byte ``b`` is entry ``b``):
+    printable Latin-1 bytes stand for themselves, the others for code points from 256 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+            *range(ord("\N{REGISTERED SIGN}"), 256)]
+    characters, spare = {}, 256
+    for byte in range(256):
+        if byte in kept:
+            characters[byte] = chr(byte)
+        else:
+            characters[byte], spare = chr(spare), spare + 1
+    return [characters[byte] for byte in range(256)]
 
 
 class BPETokenizer:
@@ -91,6 +116,9 @@ class BPETokenizer:
 
     def to_json(self) -> str:
         return self.tokenizer.to_str()
+
+    def to_hf_json(self) -> str:
+        return self.to_json()
 
     @property
     def fingerprint(self) -> str:

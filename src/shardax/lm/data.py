@@ -25,7 +25,7 @@ from shardax.data.batches import WindowSampler, validation_batches
 from shardax.data.corpus import default_sources, load_corpus
 from shardax.data.prepare import INDEX, prepare
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
-from shardax.data.tokenizer import padded_vocab
+from shardax.data.tokenizer import ByteTokenizer, padded_vocab
 from shardax.errors import UsageError
 from shardax.models.transformer import token_losses, weighted_next_token_loss
 
@@ -42,7 +42,10 @@ def _unigram_nats(tokens: np.ndarray, vocab: int) -> float:
 
 
 class ByteText:
-    """Text files read into memory; every byte a token (vocabulary 256), random windows."""
+    """Text files read into memory; every byte a token, random windows. The model's vocabulary is
+    the byte tokenizer's (256 bytes and an end-of-document token that this text never holds,
+    padded to 320), so that the run exports with the same ``tokenizer.json`` as ``--tokenizer
+    bytes`` runs and fine-tunes from there."""
 
     batch_keys = ("tokens",)  # what each batch holds: (batch, seq_len + 1) int32 arrays
 
@@ -51,8 +54,9 @@ class ByteText:
 
     def __init__(self, paths: list[str] | None, seq_len: int) -> None:
         self.corpus = load_corpus(paths, min_bytes=seq_len + 1)
+        self.tokenizer = ByteTokenizer()
         self.vocab = 256
-        self.model_vocab = 256
+        self.model_vocab = padded_vocab(self.tokenizer.vocab_size)
 
     def header(self) -> str:
         corpus = self.corpus

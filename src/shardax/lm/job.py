@@ -21,7 +21,7 @@ from rich.markup import escape as rich_escape
 from shardax.errors import Preempted, UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, TokenShards, open_data
-from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config
+from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ParallelModel
@@ -105,6 +105,30 @@ def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: Tra
     return [f"changed since the checkpoint was saved: {'; '.join(changed)}"] if changed else []
 
 
+# what a resumed run may compute differently; every other field of the model is its shape
+COMPUTED = ("remat", "compute_dtype", "attention", "scan_layers")
+
+
+def _check_same_model(record: dict[str, Any], run: Run, step: int | None, config: TrainConfig) -> None:
+    """A checkpoint whose model this shardax would build otherwise (a preset from before the presets
+    became Llama-shaped) is refused in one line, before anything is read."""
+    before = record.get("model") or {}
+    differ = [name for name, value in dataclasses.asdict(run.model).items()
+              if name in before and name not in COMPUTED and _listed(before[name]) != _listed(value)]
+    if not differ:
+        return
+    held = ", ".join(f"{name} {_listed(before[name])}" for name in differ)
+    built = ", ".join(f"{name} {_listed(getattr(run.model, name))}" for name in differ)
+    raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} holds a model with {held}, where this "
+                     f"shardax builds {built} (since 0.2 every preset is Llama-shaped, and byte-level runs embed "
+                     "the end-of-document token); start a new run (without --resume), or resume this one with the "
+                     "shardax that wrote it (0.1)")
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None:
     if step is not None and step >= run.train_to:
         raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it further, "
@@ -153,6 +177,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     elif data.vocab > run.model.vocab_size:
         raise UsageError(f"--tokenizer {run.tokenizer} has {data.vocab} tokens but the model of --init-from "
                          f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was trained with")
+    _check_same_model(record, run, step, config)
     tx, schedule = optimizer(run.lr, run.steps)
     model = run.model
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
@@ -223,7 +248,7 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: Train
         eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
         checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
         metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
-        on_log=_config_writer(where, settings),
+        on_log=_config_writer(where, settings, data, run.train_to),
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
                 "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
@@ -234,17 +259,19 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: Train
     )
 
 
-def _config_writer(where: RunDirectory, settings: dict[str, Any]):
-    """An ``on_log`` that writes the run directory's config.yaml (process 0) once the first step is
-    done: a run refused before it trains (a resume whose checkpoint will not restore, a metrics
-    path that cannot be written) leaves the directory as it was."""
+def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText | TokenShards, train_to: int):
+    """An ``on_log`` that writes the run directory's config.yaml and tokenizer.json (process 0) once
+    the first step is done: a run refused before it trains (a resume whose checkpoint will not
+    restore, a metrics path that cannot be written) leaves the directory as it was. The tokenizer
+    is what ``shardax export`` gives the exported checkpoint."""
     if jax.process_index() != 0:
         return None
     written = []
 
     def on_log(record: dict[str, Any]) -> None:
         if not written:
-            write_config(where.config, settings)
+            write_config(where.config, settings, train_to)
+            write_tokenizer(where.path, data.tokenizer.to_hf_json())
             written.append(True)
 
     return on_log

@@ -4,6 +4,7 @@
       config.yaml      the resolved settings (``--config`` reads it back: the same run afresh)
       metrics.jsonl    one record per logged step, and metrics.png, its curves
       checkpoints/     the run's checkpoints (``--resume`` continues from the latest good one)
+      tokenizer.json   the run's tokenizer, as Hugging Face writes one (``shardax export`` copies it)
 
 The directory is named by the time the run started and its strategy, under ``runs/`` in the
 working directory (or under ``$SHARDAX_RUNS_DIR``), unless ``--run-dir`` names one. ``--checkpoint-dir`` and ``--metrics`` still
@@ -24,6 +25,7 @@ from typing import Any
 from shardax.errors import UsageError
 
 CONFIG = "config.yaml"
+TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 # Settings that say where things go or what to do with an existing run: not part of a run's config.yaml.
@@ -133,13 +135,26 @@ def saved_settings(run_dir: str) -> dict[str, Any]:
     return typed_settings(loaded, str(path))
 
 
-def write_config(path: Path, settings: dict[str, Any]) -> None:
-    """``config.yaml``: the settings (``None`` left out), written whole or not at all."""
+def write_config(path: Path, settings: dict[str, Any], train_to: int | None = None) -> None:
+    """``config.yaml``: the settings (``None`` left out), written whole or not at all. A run
+    extended past its schedule (``--extend-to``) says so in a comment: ``steps`` stays the
+    schedule's length, which is what defines the run."""
     import yaml
 
     kept = {name: value for name, value in settings.items() if value is not None and name not in NOT_SAVED}
-    text = ("# shardax train's settings for this run; `shardax train --config <this file>` starts it afresh\n"
-            + yaml.safe_dump(kept, sort_keys=False))
+    text = "# shardax train's settings for this run; `shardax train --config <this file>` starts it afresh\n"
+    if train_to is not None and train_to != kept.get("steps"):
+        text += (f"# trained to step {train_to} (--resume --extend-to {train_to}): steps past {kept.get('steps')} "
+                 "at the schedule's final learning rate\n")
+    _write_whole(path, text + yaml.safe_dump(kept, sort_keys=False))
+
+
+def write_tokenizer(run_dir: Path, text: str) -> None:
+    """The run's ``tokenizer.json`` (a Hugging Face tokenizer), written whole or not at all."""
+    _write_whole(run_dir / TOKENIZER, text)
+
+
+def _write_whole(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)

@@ -17,6 +17,11 @@ from rich.table import Table
 from shardax.trainer.metrics import NOT_PLOTTED
 
 
+def count_parameters(count: int) -> str:
+    """``0.92M`` for a model of 920,000 parameters; below ten thousand, the count itself."""
+    return f"{count:,}" if count < 10_000 else f"{count / 1e6:.2f}M"
+
+
 def _metrics_text(record: dict[str, Any], prefix: str = "") -> str:
     names = [key for key in record if key.startswith(prefix) and key.removeprefix(prefix) not in NOT_PLOTTED]
     return "  ".join(f"{key.removeprefix(prefix)} {record[key]:.4f}" for key in names

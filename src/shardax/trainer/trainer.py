@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardax import hf
+from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
@@ -35,6 +36,7 @@ from shardax.sharding.strategies import Strategy
 from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
+from shardax.trainer.display import count_parameters
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.settings import FitSettings
@@ -205,16 +207,16 @@ class Trainer:
         """One line naming the run for plots: name, model, size, strategy, mesh."""
         parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
         model = type(self.parallel._abstract_model()).__name__
-        return (f"{self.name}: {model} of {parameters / 1e6:.2f}M parameters, {self.strategy.name} on mesh "
+        return (f"{self.name}: {model} of {count_parameters(parameters)} parameters, {self.strategy.name} on mesh "
                 f"{describe_mesh(self.mesh)} ({self.mesh.devices.size} {jax.devices()[0].platform} devices)")
 
     def describe(self) -> list[str]:
         """The lines printed at the start of ``fit``: model size, strategy, mesh, state per device."""
         parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
         lines = [
-            f"[bold]{self.name}[/bold]: {parameters / 1e6:.2f}M parameters, strategy [bold]{self.strategy.name}[/bold] "
-            f"({self.strategy.description}) on mesh {describe_mesh(self.mesh)} "
-            f"({self.mesh.devices.size} {jax.devices()[0].platform} devices)",
+            f"[bold]{self.name}[/bold]: {count_parameters(parameters)} parameters, strategy "
+            f"[bold]{self.strategy.name}[/bold] ({self.strategy.description}) on mesh {describe_mesh(self.mesh)} "
+            f"({describe_devices(self.mesh)})",
             f"state: {report(self.parallel).summary()}",
         ]
         if self.schedule is not None:
