@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 
-from cli_helpers import QUICK, last_logged_step, read_metrics, shardax, stalled, subprocess_env
+from cli_helpers import QUICK, WORKERS, last_logged_step, read_metrics, shardax, stalled, subprocess_env
 from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer
 from shardax.cli import main
@@ -390,6 +390,53 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
     expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "checkpoints", 8)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+# how a run signalled at each moment ends: (exit code, the line it ends with, the checkpoints left)
+AT_EACH_MOMENT = {
+    "before-jax": ("stopped", "stopped by {sig} before training began: this run wrote nothing", []),
+    "restore": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on", [2, 3]),
+    "first-step": (75, "stopped by {sig} after step 1: checkpoint of step 1 in {ckpt}; resume from it to go on", [1]),
+    "final-save": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on", [3]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("moment", list(AT_EACH_MOMENT))
+def test_a_signal_at_any_moment_ends_the_run_in_one_line_with_its_code(moment, sig, small_corpus, tmp_path):
+    """SIGINT or SIGTERM before JAX starts, while a checkpoint is restored, as the first step
+    compiles, or while the last checkpoint is written: one line and the documented exit code
+    (75 where a step could be finished and saved, else the shell's 130/143), never a crash or a
+    traceback, never ignored; every committed checkpoint stays restorable."""
+    run = tmp_path / "run"
+    command = ["train", *LM, "--data", small_corpus, "--run-dir", run, "--checkpoint-every", 100]
+    if moment == "restore":
+        shardax(*command, "--steps", 2)
+        command += ["--steps", 2, "--resume", "--extend-to", 3]
+    else:
+        command += ["--steps", 3]
+    ready = tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, str(WORKERS / "pause.py"), moment, str(ready), "shardax",
+                                *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None and not ready.exists():
+        time.sleep(0.02)
+    assert process.poll() is None, process.stderr.read()[-2000:]
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=240)
+    code, line, kept = AT_EACH_MOMENT[moment]
+    line = line.format(sig=sig.name, ckpt=run / "checkpoints")
+    assert process.returncode == (128 + sig if code == "stopped" else code), err[-2000:]
+    assert "Traceback" not in err and "Fatal" not in err and "Segmentation" not in err, err[-2000:]
+    assert line in (err.strip().splitlines()[-1] if code == "stopped" else out), (out[-1500:], err[-1500:])
+    if not kept:  # nothing written at all
+        assert not run.exists()
+        return
+    assert saved_steps(run / "checkpoints") == kept
+    for step in kept:  # committed, and restorable as they are
+        assert saved_arrays(run / "checkpoints", step)["step"] == step
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,20 @@ class Preempted(SystemExit):
         return self.message
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM where no step can be finished and checkpointed first (before training
+    starts, or after it ended). ``where`` says what that means for the run's files."""
+
+    def __init__(self, signal_name: str, where: str = "") -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.where = signal_name, where
+
+    def __str__(self) -> str:
+        return f"stopped by {self.signal_name}" + (f" {self.where}" if self.where else "")
+
+
 EXIT_CLUSTER = 3
 EXIT_NONFINITE = 4
 EXIT_PREEMPTED = 75
+# the shell's codes for a process that SIGINT or SIGTERM ended (128 + the signal's number)
+EXIT_STOPPED = {"SIGINT": 130, "SIGTERM": 143}

@@ -8,6 +8,7 @@
 | 3 | the JAX cluster could not form (see ``shardax.distributed``) |
 | 4 | a step's loss or gradient norm was not finite; the last good checkpoint is kept |
 | 75 | stopped by SIGTERM/SIGINT after writing a checkpoint: run again with ``--resume`` |
+| 130, 143 | stopped by SIGINT, SIGTERM where no step could be finished and saved first (before training began, after it ended, or a second signal): the line says what was written |
 """
 
 from __future__ import annotations

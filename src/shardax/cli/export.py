@@ -85,7 +85,7 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tup
 
 
 def export_command(args: argparse.Namespace) -> int:
-    configure_jax(args.devices)
+    configure_jax(args.devices, start=True)
     import json
 
     from shardax import hf

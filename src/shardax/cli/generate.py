@@ -75,7 +75,7 @@ def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
-    configure_jax(args.devices)
+    configure_jax(args.devices, start=True)
     import jax
 
     from shardax.generation import generate

@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardax.cli import signals
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
+from shardax.errors import Stopped
 
 STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp")
 
@@ -195,12 +197,21 @@ def _join_cluster(devices: int) -> None:
         raise UsageError(f"SHARDAX_JOIN_TIMEOUT_S={timeout!r}: give the seconds to wait for the cluster to form, "
                          "a number above 0 (default 300)")
     init_distributed(timeout_s=timeout_s, on_timeout=end_cluster_wait)
+    import jax
+
+    jax.devices()  # JAX's backends start (after the cluster formed, as JAX requires)
 
 
 def train(args: argparse.Namespace) -> int:
-    config = train_config(args)
-    _join_cluster(config.devices)
-    from shardax.lm.job import run
+    try:
+        with signals.deferred():  # JAX, its plugins and the libraries with compiled parts start here
+            config = train_config(args)
+            _join_cluster(config.devices)
+            import tokenizers  # noqa: F401  (imported by data preparation later, where a signal raises)
+
+            from shardax.lm.job import run
+    except Stopped as stop:
+        raise Stopped(stop.signal_name, "before training began: this run wrote nothing") from None
     from shardax.cli.errors import quiet_failed_writers
 
     quiet_failed_writers()  # this process is the command line's: a failed write is said once
@@ -209,5 +220,3 @@ def train(args: argparse.Namespace) -> int:
         print(f"warning: validation loss {result.final_val_loss:.4f} is not below the unigram baseline "
               f"{result.unigram_loss:.4f}; train longer or raise --lr", file=sys.stderr)
     return 0
-
-

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
 
-from shardax.errors import Preempted, UsageError
+from shardax.errors import Preempted, Stopped, UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
@@ -201,12 +201,24 @@ def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
     where = run_directory(config.run_dir, config.strategy, config.checkpoint_dir, config.metrics, config.resume)
     config = dataclasses.replace(config, checkpoint_dir=str(where.checkpoint_dir), metrics=str(where.metrics))
-    trainer, data, run, changes = prepare(config)  # every setting checked: from here on, the run writes
     try:
+        trainer, data, run, changes = prepare(config)  # every setting checked: from here on, the run writes
         fit = _fit(trainer, data, run, config, where, changes)
     except Preempted:  # stopped by a signal after a checkpoint: say how to go on
         say(f"to resume: {where.resume_command()}")
         raise
+    except Stopped as stop:  # before fit took over the signals
+        raise Stopped(stop.signal_name, "before training began: this run wrote nothing") from None
+    try:
+        return _close(fit, trainer, data, run, config, where)
+    except Stopped as stop:  # the run is complete: what is left is its sample and summary
+        raise Stopped(stop.signal_name, f"after the run's last step ({fit.end_step}); its checkpoint and "
+                                        f"metrics are in {where.path}") from None
+
+
+def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: Run, config: TrainConfig,
+           where: RunDirectory) -> TrainResult:
+    """A finished run's closing sample and summary, and what ``run`` returns."""
     model, batch = run.model, run.batch_size
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = _whole_lines(data, data.prompt(min(48, model.seq_len // 2)))

@@ -1,5 +1,9 @@
 """SIGTERM and SIGINT during ``Trainer.fit``: finish the step, checkpoint, exit 75 (resume me).
 
+From the moment ``fit`` starts (a checkpoint being restored, the first step compiling) to its
+final checkpoint, a signal is noted and said at once, and the run stops after the step in
+progress (or, once the last step ran, after its checkpoint is written).
+
 Clusters and spot machines preempt a job with SIGTERM. On one process the signal sets a flag
 that the loop reads after each step. With several processes the step to stop at must be the
 same everywhere: JAX's preemption service (started by ``jax.distributed.initialize``) catches
@@ -48,6 +52,8 @@ class StopSignals:
         if self.received is not None and number == signal.SIGINT:
             raise KeyboardInterrupt  # asked twice: stop now
         self.received = signal.Signals(number).name
+        # said at once (a first step may still be compiling); a raw write, safe inside a handler
+        os.write(2, f"{self.received}: stopping after the step in progress (SIGINT again stops at once)\n".encode())
 
     def _to_sigterm(self, number: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(number).name

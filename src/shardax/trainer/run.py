@@ -151,26 +151,26 @@ class Run:
             checkpointer=checkpointer, notes=notes,
         )
 
-    def loop(self, evaluations: Callable | None, on_log: Callable | None) -> FitResult:
-        """Step until ``steps`` (or the data's end), then what the last step gets, and the summary."""
+    def loop(self, evaluations: Callable | None, on_log: Callable | None, stops: StopSignals) -> FitResult:
+        """Step until ``steps`` (or the data's end), then what the last step gets, and the summary.
+        A stop signal (``stops``) that came before a step ends the run after it, with its checkpoint."""
         settings, step_fn = self.settings, self.trainer.train_step(self.settings.on_nonfinite)
         step, done, step_metrics = self.start_step, set(), {}
         clock = _Clock(step, settings.tokens_per_example)
-        with StopSignals() as stops:
-            while settings.steps is None or step < settings.steps:
-                batch = self.source.next()
-                if batch is None:
-                    break
-                placed = self.trainer.place(batch)
-                self.state, step_metrics = step_fn(self.state, placed)
-                step += 1
-                clock.count(batch_rows(placed))
-                due = settings.due(step, step == self.start_step + 1, evaluations is not None,
-                                   self.checkpointer is not None)
-                self._after_step(step, step_metrics, clock, due, evaluations, on_log)
-                done = {name for name, wanted in due.items() if wanted}
-                if stops.reached(step):
-                    self._stop(step, "save" in done, stops.received)
+        while settings.steps is None or step < settings.steps:
+            batch = self.source.next()
+            if batch is None:
+                break
+            placed = self.trainer.place(batch)
+            self.state, step_metrics = step_fn(self.state, placed)
+            step += 1
+            clock.count(batch_rows(placed))
+            due = settings.due(step, step == self.start_step + 1, evaluations is not None,
+                               self.checkpointer is not None)
+            self._after_step(step, step_metrics, clock, due, evaluations, on_log)
+            done = {name for name, wanted in due.items() if wanted}
+            if stops.reached(step):
+                self._stop(step, "save" in done, stops.received)
         if step == self.start_step:
             raise UsageError("the data gave no batches; give at least one batch to train on")
         if settings.steps is not None and step < settings.steps:
@@ -180,7 +180,10 @@ class Run:
         if any(missing.values()):  # the data ran out: the last step gets what a last step gets
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
         self._check_finite(step)
-        return self._finish(step, clock)
+        result = self._finish(step, clock)
+        if stops.received is not None and jax.process_count() == 1:  # while the last step was evaluated or saved
+            self._stop(step, True, stops.received)
+        return result
 
     def _finish(self, step: int, clock: _Clock) -> FitResult:
         settings = self.settings

@@ -37,6 +37,7 @@ from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.trainer.display import count_parameters
+from shardax.trainer.preemption import StopSignals
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.settings import FitSettings
@@ -277,13 +278,14 @@ class Trainer:
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
             self.check_step(example)  # what the first step would refuse, refused before anything is written
-        run = self._run = Run.start(self, source, settings)
-        try:
-            run.display.print(*self.describe(), *header, *run.notes)
-            return run.loop(evaluations, on_log)
-        finally:
-            self._run, self.state = None, run.state
-            run.close()
+        with StopSignals() as stops:  # from here to the final checkpoint: stop after a step, saved
+            run = self._run = Run.start(self, source, settings)
+            try:
+                run.display.print(*self.describe(), *header, *run.notes)
+                return run.loop(evaluations, on_log, stops)
+            finally:
+                self._run, self.state = None, run.state
+                run.close()
 
 
 def _factory(model: ModelFactory | None, init_from: str | Path | None, lora: LoRA | None) -> ModelFactory:
