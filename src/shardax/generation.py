@@ -51,8 +51,9 @@ def _mesh_of(model: nnx.Module) -> Mesh | None:
     return None
 
 
-def _check(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_k: int,
-           top_p: float) -> None:
+def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0) -> None:
+    """What ``generate`` refuses, refused before anything is computed (or printed)."""
     if not isinstance(model, TransformerLM):
         raise UsageError(f"generate() decodes shardax's TransformerLM (its own, or a Hugging Face checkpoint's via "
                          f"shardax.hf.load(...).model()); got {type(model).__name__}")
@@ -214,7 +215,7 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     distribution) from ``seed``. ``on_token(step, tokens)`` is called after each step with
     every row's new token (for printing as they come). ``vocab``: draw only ids below it (a
     tokenizer smaller than the model's embedding). The model is not changed."""
-    _check(model, prompts, max_new_tokens, temperature, top_k, top_p)
+    check_request(model, prompts, max_new_tokens, temperature, top_k, top_p)
     rows = len(prompts)
     layout = cache_layout(model, rows, max(len(prompt) for prompt in prompts), max_new_tokens)
     graphdef, cache, weights = _decoder(model, layout)

@@ -101,7 +101,7 @@ def export_command(args: argparse.Namespace) -> int:
     step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check)
     source = Path(run["init_from"]) if run.get("init_from") else None
     base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
-    tokenizer = _tokenizer_of(args.checkpoint_dir, run)
+    tokenizer = tokenizer_of(args.checkpoint_dir, run)
     if base is None and tokenizer is not None:  # a run of a preset: its documents end with <|endoftext|>
         base = _token_ids(tokenizer)
     if config.lora_rank and not args.merge:
@@ -127,7 +127,7 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenizer_of(checkpoint_dir: str, run: dict[str, Any]) -> Path | None:
+def tokenizer_of(checkpoint_dir: str, run: dict[str, Any]) -> Path | None:
     """The run's ``tokenizer.json``: the one its run directory holds, else the file it was given."""
     from shardax.lm.rundir import TOKENIZER
 

@@ -57,10 +57,15 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _run_tokenizer(run: dict) -> Any:
-    """The tokenizer a ``shardax train`` run was trained with."""
+def _run_tokenizer(checkpoint: str, run: dict) -> Any:
+    """The tokenizer a ``shardax train`` run was trained with: its run directory's, else the one
+    its settings name."""
+    from shardax.cli.export import tokenizer_of
     from shardax.data.tokenizer import ByteTokenizer, load_tokenizer
 
+    kept = tokenizer_of(checkpoint, run)
+    if kept is not None:
+        return load_tokenizer(kept)
     name = run.get("tokenizer")
     if name in (None, "bytes"):
         return ByteTokenizer()
@@ -78,7 +83,7 @@ def generate_command(args: argparse.Namespace) -> int:
     configure_jax(args.devices, start=True)
     import jax
 
-    from shardax.generation import generate
+    from shardax.generation import check_request, generate
 
     if args.hf:
         from shardax import hf
@@ -92,9 +97,10 @@ def generate_command(args: argparse.Namespace) -> int:
         from shardax.cli.export import restore_run
 
         _, run, _, parallel, state = restore_run(args.checkpoint, args.step)
-        tokenizer = _run_tokenizer(run)
+        tokenizer = _run_tokenizer(args.checkpoint, run)
         model = parallel.merge(state)
     ids = [[int(t) for t in tokenizer.encode_batch([text])[0]] for text in prompts]
+    check_request(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before any output
     writing = jax.process_index() == 0
     shown: list[str] = []
 

@@ -21,63 +21,19 @@ from shardax.errors import Stopped
 STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp")
 
 
-def _add_layout_flags(parser: argparse.ArgumentParser) -> None:
-    """The settings file, the strategy and the device mesh."""
-    add = parser.add_argument
-    add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
-    add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
-    add("--mesh", help="device mesh, e.g. data=4,model=2 (default: all devices on data)")
-
-
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The model: its size, a checkpoint to start from and LoRA adapters."""
-    add = parser.add_argument
-    add("--preset", help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped)")
+def _add_model_flags(group: Any) -> None:
+    add = group.add_argument
+    add("--preset", help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped, so every run "
+                         "exports with shardax export --hf)")
     add("--init-from", metavar="DIR",
-        help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3): its model, "
-             "weights (read straight into shards) and tokenizer.json")
+        help="fine-tune a Hugging Face checkpoint of the Llama family (llama, mistral, qwen2, qwen3; a run's own "
+             "export too): its model, weights (read straight into shards) and tokenizer.json")
     add("--lora-rank", type=int, metavar="R",
         help="fine-tune with LoRA adapters of rank R on the projections of --lora-targets, the other weights frozen "
              "(no optimizer state); 0: full fine-tuning (default)")
     add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R, a scale of 1)")
     add("--lora-targets", metavar="LIST",
         help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the model has)")
-
-
-def _add_training_flags(parser: argparse.ArgumentParser) -> None:
-    """Steps, batches and how they are split, sequence length, learning rate and seed."""
-    add = parser.add_argument
-    add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
-    add("--batch-size", type=int, help="global batch size in sequences")
-    add("--grad-accum", type=int, help="microbatches per step (default 1)")
-    add("--microbatches", type=int, help="pipeline strategies (pp, pp_fsdp, pp_tp): microbatches flowing through the "
-                                         "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
-    add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
-                                             "chunks of layers (a circular schedule; default 1)")
-    add("--context-attention", choices=("all-gather", "ring"),
-        help="a mesh with a context axis (the sequence split over it, e.g. data=2,context=4): gather every "
-             "share's keys and values (all-gather, default) or pass them round the devices (ring)")
-    add("--seq-len", type=int, help="bytes per training sequence")
-    add("--lr", type=float, help="peak learning rate")
-    add("--seed", type=int, help="seed for initialisation and data order (default 0)")
-
-
-def _add_data_flags(parser: argparse.ArgumentParser) -> None:
-    """The training text and its tokenizer."""
-    add = parser.add_argument
-    add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
-                                   "prepare (default: the Python standard library's source)")
-    add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
-                            "prepare) and pack documents; default: bytes held in memory for --data, a BPE of 1024 "
-                            "tokens for the built-in corpus")
-    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
-                                       "built-in corpus)")
-    add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
-
-
-def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
-    """Precision, rematerialisation, the attention kernel and layer scanning."""
-    add = parser.add_argument
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")
@@ -90,20 +46,56 @@ def _add_compute_flags(parser: argparse.ArgumentParser) -> None:
              "elsewhere (on XLA:CPU a loop keeps every layer's activations live: --remat then saves no memory)")
 
 
-def _add_evaluation_flags(parser: argparse.ArgumentParser) -> None:
-    """How often to evaluate and record metrics."""
-    add = parser.add_argument
-    add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
-    add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
-    add("--log-every", type=int, help="steps between metric records (default 10)")
+def _add_data_flags(group: Any) -> None:
+    add = group.add_argument
+    add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
+                                   "prepare (default: the Python standard library's source)")
+    add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
+                            "prepare) and pack documents; default: bytes held in memory for --data, a BPE of 1024 "
+                            "tokens for the built-in corpus")
+    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
+                                       "built-in corpus)")
+    add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
+    add("--seq-len", type=int, help="tokens per training sequence (bytes with the byte tokenizer; default: the "
+                                    "preset's, 64 for tiny)")
 
 
-def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
-    """The run's directory, its checkpoints, resuming and non-finite steps."""
-    add = parser.add_argument
+def _add_parallelism_flags(group: Any) -> None:
+    add = group.add_argument
+    add("--strategy", choices=STRATEGY_NAMES, help="how state and work are split (default dp)")
+    add("--mesh", help="device mesh over every device, e.g. data=4,model=2 (default: all devices on data)")
+    add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
+    add("--grad-accum", type=int, help="microbatches per step (default 1)")
+    add("--microbatches", type=int, help="pipeline strategies (pp, pp_fsdp, pp_tp): microbatches flowing through the "
+                                         "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
+    add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
+                                             "chunks of layers (a circular schedule; default 1)")
+    add("--context-attention", choices=("all-gather", "ring"),
+        help="a mesh with a context axis (the sequence split over it, e.g. data=2,context=4): gather every "
+             "share's keys and values (all-gather, default) or pass them round the devices (ring)")
+
+
+def _add_run_flags(group: Any) -> None:
+    add = group.add_argument
+    add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
+    add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
+    add("--batch-size", type=int, help="global batch size in sequences")
+    add("--lr", type=float, help="peak learning rate")
+    add("--seed", type=int, help="seed for initialisation and data order (default 0)")
+    add("--on-nonfinite", choices=("stop", "skip"),
+        help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
+             "that update and count it (metric skipped_steps)")
+    add("--sample-tokens", "--sample-bytes", dest="sample_bytes", type=int, metavar="N",
+        help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
+    add("--sample-temperature", type=float, help="sampling temperature (default 0.7; 0: greedy)")
+    add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 10; 0: all)")
+
+
+def _add_checkpoint_flags(group: Any) -> None:
+    add = group.add_argument
     add("--run-dir", metavar="DIR",
-        help="the run's directory: its config.yaml, metrics.jsonl, metrics.png and checkpoints/ (default: a new "
-             "one under runs/, named by the time and strategy); with --resume, the run to continue")
+        help="the run's directory: its config.yaml, tokenizer.json, metrics.jsonl, metrics.png and checkpoints/ "
+             "(default: a new one under runs/, named by the time and strategy); with --resume, the run to continue")
     add("--checkpoint-dir", help="directory for checkpoints (default: the run directory's checkpoints/)")
     add("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
     add("--keep-checkpoints", type=int, help="how many of the latest checkpoints to keep (default 3)")
@@ -114,39 +106,36 @@ def _add_checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     add("--extend-to", type=int, metavar="N",
         help="with --resume: train to step N instead of the saved run's end; past the schedule's end the "
              "learning rate stays at its final value")
-    add("--on-nonfinite", choices=("stop", "skip"),
-        help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
-             "that update and count it (metric skipped_steps)")
 
 
-def _add_output_flags(parser: argparse.ArgumentParser) -> None:
-    """Metrics files and trackers, simulated devices and the text sampled at the end."""
-    add = parser.add_argument
+def _add_logging_flags(group: Any) -> None:
+    add = group.add_argument
+    add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
+    add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
+    add("--log-every", type=int, help="steps between metric records (default 10)")
     add("--metrics", help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
                           "metrics.jsonl)")
     add("--tracker", action="append", metavar="KIND:DIR",
         help="also log the run to tensorboard:DIR, mlflow:DIR (a local MLflow file store) or wandb:DIR (W&B, "
              "offline); repeat for several")
-    add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
-    add("--sample-bytes", type=int, metavar="N",
-        help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
-    add("--sample-temperature", type=float, help="sampling temperature (default 0.7; 0: greedy)")
-    add("--sample-top-k", type=int, help="draw from the k most likely tokens (default 10; 0: all)")
+
+
+# --help's groups, in its order: each a title, what it holds, and the function adding its flags
+GROUPS = (("model", "the model: its size or checkpoint, LoRA, and how it computes", _add_model_flags),
+          ("data", "the training text and its tokenizer", _add_data_flags),
+          ("parallelism", "how the devices share the state and the work", _add_parallelism_flags),
+          ("run", "the schedule, the seed and the closing sample", _add_run_flags),
+          ("checkpoints", "where the run writes, and resuming it", _add_checkpoint_flags),
+          ("logging", "evaluation, metrics and trackers", _add_logging_flags))
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """The ``train`` subcommand's parser; its flags are added by topic, in ``--help``'s order."""
+    """The ``train`` subcommand's parser; its flags come in ``GROUPS``, in ``--help``'s order."""
     parser = subparsers.add_parser(
         "train", help="train the transformer LM on text",
         description="Train a transformer LM on text with any parallelism strategy.")
-    _add_layout_flags(parser)
-    _add_model_flags(parser)
-    _add_training_flags(parser)
-    _add_data_flags(parser)
-    _add_compute_flags(parser)
-    _add_evaluation_flags(parser)
-    _add_checkpoint_flags(parser)
-    _add_output_flags(parser)
+    for title, description, add_flags in GROUPS:
+        add_flags(parser.add_argument_group(title, description))
     return parser
 
 

@@ -40,7 +40,7 @@ class TrainConfig:
     microbatches: int | None = None  # pipeline strategies: microbatches through the stages (default: stages)
     pipeline_repeats: int = 1  # pipeline strategies: times round the stages (circular schedule)
     context_attention: str = "all-gather"  # a mesh with a context axis: all-gather or ring attention
-    seq_len: int | None = None  # bytes per training sequence
+    seq_len: int | None = None  # tokens per training sequence (bytes with the byte tokenizer)
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
     seed: int | None = None  # model initialisation and data order (default 0)
     data: list[str] | None = None  # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib

@@ -9,6 +9,7 @@ is the step) and the validation batches, and ends with a seeded sample of text.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from shardax.lm.config import Run, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
-from shardax.mesh import describe_mesh
+from shardax.mesh import describe_mesh, resolve_mesh_shape
 from shardax.model_parallel import ParallelModel
 from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
@@ -166,6 +167,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     """Check every setting and lay the model out, before any step or file write; with the lines
     that say what a resumed run changes."""
     check_values(config)
+    _check_mesh_uses_every_device(config.mesh)
     saved, step, record = _saved_run(config)
     run = resolve(config, saved, platform=jax.default_backend())
     _check_not_finished(run, step, config)
@@ -188,6 +190,18 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
                       seed=run.seed, eval_loss_fn=data.eval_loss, learning_rate=schedule, name="shardax train",
                       example_batch=example, init_from=run.init_from, trackers=_trackers(config.tracker))
     return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
+
+
+def _check_mesh_uses_every_device(mesh: str | None) -> None:
+    """``--mesh`` over fewer devices than the run has would leave the others idle: refused, naming both."""
+    if mesh is None:
+        return
+    devices = jax.device_count()
+    used = math.prod(size for _, size in resolve_mesh_shape(mesh, devices))
+    if used != devices:
+        raise UsageError(f"--mesh {mesh} uses {used} of the {devices} devices, and the others would sit idle; give "
+                         f"sizes that multiply to {devices} (e.g. data={devices}, or data=-1 with the other axes), "
+                         f"or --devices {used} to simulate {used}")
 
 
 def _trackers(specs: list[str] | None) -> list[str]:
