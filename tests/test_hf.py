@@ -2,6 +2,7 @@
 ``transformers`` itself (PyTorch on CPU) on tiny random models the tests create."""
 
 import json
+import math
 import shutil
 
 import jax
@@ -386,6 +387,22 @@ def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints,
     with torch.no_grad():
         logits = peft.PeftModel.from_pretrained(base, adapters).eval()(torch.tensor(TOKENS[:, :-1])).logits
     np.testing.assert_allclose(logits.numpy(), ours, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [2, 4])
+def test_lora_under_fsdp_runs_to_the_end_on_few_simulated_devices(devices, with_tokenizer, small_corpus, tmp_path):
+    """The fine-tuning guide's LoRA run at its batch of 32, well past step 2, on 2 and 4 devices
+    (it aborted after step 1 in XLA:CPU's collectives, see shardax.cpu_devices)."""
+    from cli_helpers import read_metrics, shardax
+
+    done = shardax("train", "--init-from", with_tokenizer, "--data", small_corpus, "--lora-rank", 8, "--lora-targets",
+                   "q,k,v,o", "--strategy", "fsdp", "--devices", devices, "--steps", 30, "--seq-len", 32,
+                   "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--metrics", tmp_path / "m.jsonl",
+                   "--checkpoint-dir", tmp_path / "ckpt")
+    assert f"({devices} cpu devices, {devices} simulated here on" in done.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")]
+    assert len(losses) == 30 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
 def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_tokenizer, small_corpus, tmp_path):

@@ -49,7 +49,8 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
                  "--strategy", "fsdp"]) == 0
     [run] = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_fsdp", run.name)
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png",
+                                                   "tokenizer.json"]
     assert (run / "checkpoints" / "6").is_dir()
     out = capsys.readouterr().out
     assert out.index(f"run directory: {run} (resume it with: shardax train --run-dir {run} --resume)") < out.index("step      1")
@@ -80,6 +81,9 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     assert "strategy fsdp" in out and f"resumed from step 6 of {run / 'checkpoints'}" in out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1] == 12
     assert (run / "checkpoints" / "12").is_dir()
+    text = (run / "config.yaml").read_text()  # steps stays the schedule's length; the extension is said
+    assert "# trained to step 12 (--resume --extend-to 12): steps past 6 at the schedule's final learning rate" in text
+    assert yaml.safe_load(text) == settings
 
     again = tmp_path / "again"  # the same settings afresh, from the run's config.yaml
     assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(again), "--steps", "2"]) == 0
@@ -92,6 +96,8 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
 
 @pytest.mark.parametrize("args, message", [
     (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
+    (["--mesh", "data=3"], "--mesh data=3 uses 3 of the 8 devices, and the others would sit idle; give sizes that "
+                           "multiply to 8 (e.g. data=8, or data=-1 with the other axes), or --devices 3 to simulate 3"),
     (["--batch-size", "12"], "a global batch of 12 rows (--batch-size 12) does not split over the batch axes ('data',) of mesh data=8"),
     (["--strategy", "fsdp_tp", "--mesh", "data=8"], "strategy 'fsdp_tp' needs mesh axes ('data', 'model')"),
     (["--preset", "huge"], "unknown --preset huge; choose one of tiny, small"),

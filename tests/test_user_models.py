@@ -72,7 +72,7 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
 
 
-@pytest.mark.parametrize("strategy, mesh_shape", [("fsdp", "data=8"), ("tp", "data=4,model=2")])
+@pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_shape):
     """Flax's ``nnx.LoRALinear`` in a user's model: the adapters (``nnx.LoRAParam``) train as
     plain NNX trains them with ``wrt=nnx.LoRAParam``, the base kernels stay as they were and
