@@ -19,6 +19,10 @@ HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 
 
+# benchmark 20's row of shardax 0.1's default run, measured from that checkout (--source its src/)
+GPT_PRESETS = "0.1 presets (layer norm, GELU)"
+
+
 def run(args):
     print("+", " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], check=True, cwd=HERE.parent)
@@ -249,12 +253,24 @@ def table() -> str:
             return (f"{'BPE of ' + str(row['vocab']) + ' tokens' if row['tokenizer'] else 'bytes'}, batch "
                     f"{row['batch_size']} x {row['steps']} steps, temperature {row['temperature']:g}, top-k {row['top_k']}")
 
+        def measured(row):
+            return (f"{100 * row['word_share']:.1f}% ({100 * row['lowest']:.0f}-{100 * row['highest']:.0f}%), "
+                    f"{row['wall_s']:.0f} s")
+
+        gpt = sample.get(GPT_PRESETS)
         lines.append(f"| 20. the default `shardax train`: share of its samples' words found in the corpus (8 samples of "
-                     f"200 tokens, pooled; single samples' range), before ({setting(before)}) / after ({setting(after)}); "
-                     f"seconds to the end of training from an empty data cache ({after['machine']}) | "
-                     f"{100 * before['word_share']:.1f}% ({100 * before['lowest']:.0f}-{100 * before['highest']:.0f}%) / "
-                     f"{100 * after['word_share']:.1f}% ({100 * after['lowest']:.0f}-{100 * after['highest']:.0f}%); "
-                     f"{before['wall_s']:.0f} / {after['wall_s']:.0f} s | more real words, about 90 s |")
+                     f"200 tokens, pooled; single samples' range) and seconds to the end of training from an empty data "
+                     f"cache ({after['machine']}): before ({setting(before)}) / "
+                     + (f"{GPT_PRESETS} / " if gpt else "") + f"after ({setting(after)}, Llama-shaped tiny) | "
+                     f"{measured(before)} / " + (f"{measured(gpt)}, validation {gpt['val_loss']:.3f} / " if gpt else "")
+                     + f"{measured(after)}, validation {after['val_loss']:.3f} nats/token | more real words, about 90 s |")
+    stress = load("simulated_stress")
+    if stress:
+        cells = "; ".join(f"{name}: {row['aborts']} of {row['runs']} aborted"
+                          for name, row in stress["summary"].items())
+        lines.append(f"| 25. runs aborted in XLA:CPU's collectives, {stress['devices']} simulated devices beside a load "
+                     f"of {stress['load processes']} busy processes on {stress['cores']} cores, XLA's default thread pool "
+                     f"vs shardax's (`simulate_cpu_devices`) | {cells} | 0 with shardax's |")
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -355,7 +371,9 @@ if __name__ == "__main__":
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])
-    run(["benchmarks/default_sample.py", "after"])  # "before" ran on the previous default's checkout
+    run(["benchmarks/default_sample.py", "after"])  # "before" and GPT_PRESETS ran on earlier checkouts
+    if not options.skip_slow:
+        run(["benchmarks/simulated_stress.py"])
     if importlib.util.find_spec("libtpu"):  # the tpu-plan extra: XLA:TPU compiles here, no TPU needed
         run(["benchmarks/tpu_plan.py", "--preset", "tiny", "--preset", "small"])
         run(["benchmarks/tpu_decisions.py"])

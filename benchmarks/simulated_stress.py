@@ -7,7 +7,7 @@ Two commands, as a user types them on 8 simulated devices: the fine-tuning guide
 under fsdp (50 steps, batch 32), and a context-parallel run (ring attention over
 ``data=2,context=4``, 50 steps). Each runs beside a CPU load of twice the cores (busy
 processes), in two thread pools: XLA's default (``PJRT_NPROC`` = max(cores, devices), what the
-process had before ``shardax.simulate_cpu_devices``) and shardax's (4 threads per device). The
+process had before ``shardax.simulate_cpu_devices``) and shardax's (2 threads per device). The
 runs of the two pools alternate, so both see the same machine. A run that ends with XLA's
 rendezvous abort ("Termination timeout") counts as an abort; any other failure is listed.
 Writes ``benchmarks/results/simulated_stress.json``.
@@ -24,9 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardax.cpu_devices import collective_threads
+
 RESULTS = Path(__file__).parent / "results"
 DEVICES = 8
-POOLS = {"xla default": max(os.cpu_count() or 1, DEVICES), "shardax": max(os.cpu_count() or 1, 4 * DEVICES)}
+POOLS = {"xla default": max(os.cpu_count() or 1, DEVICES), "shardax": collective_threads(DEVICES)}
 CHECKPOINT = """
 import pathlib, sysconfig, sys
 import shardax

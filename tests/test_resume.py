@@ -90,3 +90,27 @@ def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
     result = shardax("train", *QUICK, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume", check=False)
     assert result.returncode == 2 and "is complete at step 2; to train it further, pass --extend-to N" in result.stderr
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before
+
+
+def test_a_checkpoint_of_shardax_0_1s_gpt_shaped_preset_is_refused_in_one_line():
+    """A run of the ``tiny`` preset saved by shardax 0.1 (layer norms, a GELU MLP of width 512, bytes
+    embedded without the end-of-document token) cannot resume into today's Llama-shaped ``tiny``:
+    one line names what the checkpoint holds, what this shardax builds, and the two ways on."""
+    import dataclasses
+
+    from shardax.errors import UsageError
+    from shardax.lm import job
+    from shardax.lm.config import TrainConfig, resolve
+
+    run = resolve(TrainConfig(data=["corpus"]))
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=320))
+    old = {**dataclasses.asdict(run.model), "norm": "layer", "mlp": "gelu", "d_ff": 512, "vocab_size": 256}
+    config = TrainConfig(checkpoint_dir="runs/old/checkpoints", resume=True)
+    with pytest.raises(UsageError) as refused:
+        job._check_same_model({"model": old}, run, 500, config)
+    assert str(refused.value) == (
+        "the checkpoint at step 500 in runs/old/checkpoints holds a model with vocab_size 256, d_ff 512, norm layer, "
+        "mlp gelu, where this shardax builds vocab_size 320, d_ff 344, norm rms, mlp swiglu (since 0.2 every preset is "
+        "Llama-shaped, and byte-level runs embed the end-of-document token); start a new run (without --resume), or "
+        "resume this one with the shardax that wrote it (0.1)")
+    job._check_same_model({"model": {**dataclasses.asdict(run.model), "remat": "full"}}, run, 500, config)  # may change

@@ -126,6 +126,28 @@ def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
     assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= x.size + scale.size
 
 
+def test_rms_norm_and_swiglu_gradients_match_autodiff_and_keep_only_their_inputs():
+    """The Llama family's RMSNorm and SwiGLU with backward passes of their own: the same values and
+    gradients as the plain formulas, keeping their inputs alone for the backward pass."""
+    from shardax.models.ops import rms_norm, swiglu
+
+    keys = jax.random.split(jax.random.key(5), 5)
+    x = 3.0 * jax.random.normal(keys[0], (2, 5, 48)) + 1.5
+    scale, cotangent = 1 + jax.random.normal(keys[1], (48,)), jax.random.normal(keys[2], x.shape)
+    plain_rms = lambda x, scale: x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * scale  # noqa: E731
+    plain_swiglu = lambda gate, up: jax.nn.silu(gate) * up  # noqa: E731
+    up = jax.random.normal(keys[3], x.shape)
+    for ours_fn, plain_fn, args in ((lambda x, scale: rms_norm(x, scale, 1e-6), plain_rms, (x, scale)),
+                                    (swiglu, plain_swiglu, (x, up))):
+        ours, vjp = jax.vjp(ours_fn, *args)
+        expected, reference_vjp = jax.vjp(plain_fn, *args)
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
+        for got, want in zip(vjp(cotangent), reference_vjp(cotangent)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        residuals = jax.tree.leaves(jax.linearize(ours_fn, *args)[1])  # what the backward pass keeps
+        assert sum(leaf.size for leaf in residuals if hasattr(leaf, "size")) <= sum(arg.size for arg in args)
+
+
 def test_gelu_keeps_only_its_input_and_matches_autodiff():
     from shardax.models.ops import gelu
 

@@ -269,7 +269,8 @@ def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -
     """``config.json`` for ``config`` (``base``: the one it was loaded with, whose other fields stay)."""
     if config.norm != "rms" or config.mlp != "swiglu" or config.positions != "rotary":
         raise UsageError(f"this model has {config.norm} norms, a {config.mlp} MLP and {config.positions} positions; "
-                         "only the Llama family (rms, swiglu, rotary) has a Hugging Face layout to save in")
+                         "only the Llama family (rms, swiglu, rotary) has a Hugging Face layout to save in (shardax "
+                         "0.1's presets had layer norms and GELU MLPs: a new run of a preset exports)")
     kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
     if kind not in FAMILY:
         kind = "llama"

@@ -285,7 +285,7 @@ class Block(nnx.Module):
         y = self.mlp_norm(x).astype(dtype)
         if config.mlp == "swiglu":
             gate_up = jnp.einsum("btd,dcf->btcf", y, for_compute(self.mlp_gate_up, dtype))
-            hidden = jax.nn.silu(self._adapted("gate", y, gate_up[:, :, 0])) * self._adapted("up", y, gate_up[:, :, 1])
+            hidden = ops.swiglu(self._adapted("gate", y, gate_up[:, :, 0]), self._adapted("up", y, gate_up[:, :, 1]))
             out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
         else:
             hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
