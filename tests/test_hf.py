@@ -442,6 +442,7 @@ def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_
     assert both.stdout.startswith("def") and "\nclass" in both.stdout
     long = shardax("generate", "--hf", with_tokenizer, "--prompt", "x", "--max-new-tokens", 1000, check=False)
     assert long.returncode == 2 and "more than the model's 64; shorten the prompt" in long.stderr
+    assert long.stdout == ""  # said before the prompt is echoed, on a line of its own
     lonely = shardax("train", "--init-from", with_tokenizer, "--lora-alpha", 8, check=False)
     assert lonely.returncode == 2 and "--lora-alpha shapes LoRA adapters, and there are none without --lora-rank" in (
         lonely.stderr)

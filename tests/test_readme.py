@@ -65,7 +65,9 @@ def test_the_site_builds_strict(tmp_path):
 def test_quick_start_runs_and_prints_a_falling_loss():
     code = snippet("Quick start", [README])
     assert len(code.strip().splitlines()) <= 30
-    [printed] = re.findall(r"^\[([\d., ]+)\]$", run(code), re.M)
+    out = run(code)
+    [printed] = re.findall(r"^\[([\d., ]+)\]$", out, re.M)
+    assert "shardax: 1,348 parameters, strategy fsdp" in out  # a small model's size in full, not "0.00M"
     losses = [float(loss) for loss in printed.split(",")]
     # steps 1, 20, 40 and 60
     assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1 * losses[0], losses

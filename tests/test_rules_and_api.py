@@ -68,3 +68,6 @@ def test_the_command_line_answers_help_and_bad_flags_without_importing_jax(argv)
              "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'optax', 'orbax'}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "heavy: []", out.stdout[-500:] + out.stderr[-500:]
+    if argv == ["train", "--help"]:  # its flags in groups, in this order
+        titles = [line[:-1] for line in out.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+        assert titles[-6:] == ["model", "data", "parallelism", "run", "checkpoints", "logging"], titles
