@@ -68,7 +68,6 @@ def starved_pool_warning(devices: int) -> str | None:
             f"{POOL_VARIABLE}={collective_threads(devices)}")
 
 
-
 def simulated_here(mesh: Any) -> int:
     """How many of ``mesh``'s devices this process simulates on its CPU (0 or 1: none simulated)."""
     import jax
