@@ -3,9 +3,11 @@
     python benchmarks/simulated_stress.py            # 10 runs of each command in each pool (~40 min, 2 cores)
     python benchmarks/simulated_stress.py 3          # 3 runs of each
 
-Two commands, as a user types them on 8 simulated devices: the fine-tuning guide's LoRA run
-under fsdp (50 steps, batch 32), and a context-parallel run (ring attention over
-``data=2,context=4``, 50 steps). Each runs beside a CPU load of twice the cores (busy
+Three commands on 8 simulated devices: the fine-tuning guide's LoRA run under fsdp (50 steps,
+batch 32) and a context-parallel run (ring attention over ``data=2,context=4``, 50 steps), as a
+user types them, and the smallest program that stalled (``tests/test_cpu_devices.py``: a loop
+of all-gathers beside an all-reduce, 300 steps), whose stall does not depend on how the
+model's step happens to be scheduled (a change to the LM's MLP made the LoRA run's stall rare). Each runs beside a CPU load of twice the cores (busy
 processes), in two thread pools: XLA's default (``PJRT_NPROC`` = max(cores, devices), what the
 process had before ``shardax.simulate_cpu_devices``) and shardax's (2 threads per device). The
 runs of the two pools alternate, so both see the same machine. A run that ends with XLA's
@@ -45,8 +47,22 @@ pathlib.Path(sys.argv[1], "tokenizer.json").write_text(train_bpe(texts, 512).to_
 """
 
 
+STALLING = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "tests")!r})
+from test_cpu_devices import STEPS, stalling_program
+import shardax
+shardax.simulate_cpu_devices(8)
+step, args = stalling_program(8)
+for _ in range(STEPS):
+    grads = step(*args)
+grads.block_until_ready()
+"""
+
+
 def commands(work: Path) -> dict[str, list[str]]:
     return {
+        "the smallest stalling program": ["-c", STALLING],
         "LoRA under fsdp (the fine-tuning guide)": [
             "train", "--init-from", str(work / "tiny-llama"), "--lora-rank", "8", "--lora-targets", "q,k,v,o",
             "--strategy", "fsdp", "--steps", "50", "--seq-len", "64"],
@@ -64,8 +80,8 @@ def busy() -> None:
 def run_once(args: list[str], pool: int, work: Path, index: int) -> tuple[str, float]:
     env = {**os.environ, "PJRT_NPROC": str(pool), "JAX_PLATFORMS": "cpu"}
     began = time.time()
-    done = subprocess.run([sys.executable, "-m", "shardax.cli", *args, "--run-dir", str(work / f"run{index}")],
-                          capture_output=True, text=True, env=env, timeout=900)
+    command = [*args] if args[0] == "-c" else ["-m", "shardax.cli", *args, "--run-dir", str(work / f"run{index}")]
+    done = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=900)
     seconds = time.time() - began
     if done.returncode == 0:
         return "finished", seconds
