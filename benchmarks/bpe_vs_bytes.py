@@ -49,9 +49,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab-size", type=int, default=4096)
     options = parser.parse_args()
-    import jax
+    from shardax.cpu_devices import simulate_cpu_devices
 
-    jax.config.update("jax_num_cpu_devices", 8)  # what the training runs use (the machine line says so)
+    simulate_cpu_devices(8)  # what the training runs use (the machine line says so)
     from suite import save
 
     with tempfile.TemporaryDirectory(prefix="shardax-bpe-") as folder:

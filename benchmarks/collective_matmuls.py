@@ -28,10 +28,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import jax
+from shardax.cpu_devices import simulate_cpu_devices
 
 if __name__ == "__main__":
-    jax.config.update("jax_num_cpu_devices", 8)
+    simulate_cpu_devices(8)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_fit import TPU_FLOOR, case_key, fit, held_out_sets, model_of, ratio, with_terms  # noqa: E402

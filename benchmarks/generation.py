@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 
 import jax
+from shardax.cpu_devices import simulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", 8)
+simulate_cpu_devices(8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

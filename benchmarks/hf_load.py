@@ -29,7 +29,8 @@ MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=
 MEASURE = """
 import json, os, sys, time
 import jax
-jax.config.update("jax_num_cpu_devices", 8)
+from shardax.cpu_devices import simulate_cpu_devices
+simulate_cpu_devices(8)
 import numpy as np
 from shardax import hf
 
@@ -56,7 +57,9 @@ print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": sta
 def make(folder: Path) -> int:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    from shardax.cpu_devices import simulate_cpu_devices
+
+    simulate_cpu_devices(8)
     from shardax import hf
     from shardax.model_parallel import parallelize
     from shardax.models.presets import parameter_count

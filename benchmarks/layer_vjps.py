@@ -37,8 +37,9 @@ parser.add_argument("--devices", type=int, default=8, help="simulated CPU device
 args = parser.parse_args()
 
 import jax  # noqa: E402
+from shardax.cpu_devices import simulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", args.devices)  # only the CPU backend reads it
+simulate_cpu_devices(args.devices)  # only the CPU backend reads it
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -75,7 +75,7 @@ def loading_share(shards: Path, steps: int, rounds: int = 5) -> dict:
     time, alone and inside the shard loop (where it shares the CPU with the step in flight)."""
     code = f"""
 import json, statistics, time, jax
-jax.config.update("jax_num_cpu_devices", 8)
+simulate_cpu_devices(8)
 from shardax.lm.config import TrainConfig
 from shardax.lm import job
 trainer, data, run = job.prepare(TrainConfig(data=[{str(shards)!r}]))
@@ -141,9 +141,9 @@ def main() -> None:
     parser.add_argument("--workdir", help="where the corpus and shards go (default: a temporary directory)")
     parser.add_argument("--steps", type=int, default=60)
     options = parser.parse_args()
-    import jax
+    from shardax.cpu_devices import simulate_cpu_devices
 
-    jax.config.update("jax_num_cpu_devices", 8)  # what the training runs use (the machine line says so)
+    simulate_cpu_devices(8)  # what the training runs use (the machine line says so)
     from suite import save
 
     work = Path(options.workdir or tempfile.mkdtemp(prefix="shardax-lm-data-"))

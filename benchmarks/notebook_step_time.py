@@ -34,8 +34,9 @@ parser.add_argument("--profile", action="store_true", help="also profile 5 steps
 args = parser.parse_args()
 
 import jax  # noqa: E402
+from shardax.cpu_devices import simulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", args.devices)
+simulate_cpu_devices(args.devices)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -29,8 +29,9 @@ MODEL = dict(vocab_size=512, seq_len=256, d_model=512, n_heads=8, n_layers=16, d
 def measure(variant: str) -> dict:
     """One fresh compile of the pipeline step with the stages applied by ``variant``."""
     import jax
+    from shardax.cpu_devices import simulate_cpu_devices
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    simulate_cpu_devices(8)
     import numpy as np
     import optax
     from flax import nnx

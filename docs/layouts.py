@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
+from shardax.cpu_devices import simulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", 8)
+simulate_cpu_devices(8)
 
 import matplotlib  # noqa: E402
 

@@ -16,8 +16,9 @@ parser.add_argument("--steps", type=int, default=60)
 args = parser.parse_args()
 
 import jax  # noqa: E402  (devices must be configured before JAX starts)
+from shardax.cpu_devices import simulate_cpu_devices
 
-jax.config.update("jax_num_cpu_devices", args.devices)
+simulate_cpu_devices(args.devices)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
