@@ -50,10 +50,11 @@ from shardax.analysis.plan import compile_step, compiled_memory, transformer_for
 from shardax.analysis.targets import parse_target  # noqa: E402
 from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, WORKING_SET_TPU, held_on_chip,  # noqa: E402
                                      predict_memory, working_set_class, working_set_factors, working_set_terms)
-from shardax.models.presets import get_preset  # noqa: E402
+from shardax.models.presets import PRESETS_0_1  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "plan_fit.json"
+# the presets the fit was made on: shardax 0.1's (GELU MLPs); see PRESETS_0_1
 PRESET_NAMES = ("tiny", "notebook", "small", "medium", "large", "1b")
 # Presets whose model changed after the fit was made, as they were (the tiny preset's default run now
 # trains on 64-token sequences; the fit and its held-out checks were made at 128).
@@ -79,10 +80,10 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
                "positions": "learned", "remat": "dots_saveable"}, "fsdp", "data=8", 16, 1)]
     for name in ("tiny", "notebook", "small"):
         for remat in ("none", "full"):
-            cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, get_preset(name).batch_size, 1)
+            cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, PRESETS_0_1[name].batch_size, 1)
                       for s, m in every]
     for name in PRESET_NAMES:
-        preset = get_preset(name)
+        preset = PRESETS_0_1[name]
         for remat in ("none", "full", "dots_saveable"):
             pairs = every if name in ("tiny", "small", "medium") or remat == "none" else some
             cases += [({"preset": name, "remat": remat}, s, m, preset.batch_size, 1) for s, m in pairs]
@@ -95,7 +96,7 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
         cases += [({"preset": "large", "remat": remat}, s, m, 16, 1) for s, m in every]
     # many rows per device (one device holding the whole batch, as on a single GPU)
     for name in ("tiny", "notebook", "small"):
-        batch = get_preset(name).batch_size
+        batch = PRESETS_0_1[name].batch_size
         for remat in ("none", "full", "dots_saveable"):
             cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for s, m in (("dp", "data=1"), ("fsdp", "data=2"))]
         cases += [({"preset": name, "remat": remat, "scan_layers": False}, "dp", "data=1", batch, 1)
@@ -114,7 +115,7 @@ def tpu_training_cases() -> list[tuple[dict, str, str, int, int]]:
     policies = ("none", "full", "dots_saveable")
     cases = []
     for name in ("tiny", "small"):
-        batch = get_preset(name).batch_size
+        batch = PRESETS_0_1[name].batch_size
         cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, batch, 1)
                   for remat in ("none", "full") for s, m in every]
         cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for remat in policies for s, m in every]
@@ -141,7 +142,7 @@ def model_of(settings: dict) -> TransformerConfig:
     settings = dict(settings)
     if "preset" in settings:
         name = settings.pop("preset")
-        return get_preset(name).config(**{**AS_FITTED.get(name, {}), **settings})
+        return PRESETS_0_1[name].config(**{**AS_FITTED.get(name, {}), **settings})
     return TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **settings})
 
 

@@ -234,7 +234,8 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
     split = _model_split_dims(layout)
     d, f = model.d_model, model.d_ff
-    weights = (4 * d * d // split["heads"] + 2 * d * f // split["mlp"]) * 4
+    mlp = 3 if model.mlp == "swiglu" else 2  # gate, up and down; or in and out
+    weights = (4 * d * d // split["heads"] + mlp * d * f // split["mlp"]) * 4
     gathers = bool(layout.strategy.gather_axes)
     if not model.scan_layers:
         residuals, layerwise = _looped_residual_bytes(model, rows, split), gathers or layout.strategy.shard_gradients

@@ -58,6 +58,15 @@ SEED_NOTEBOOK = Preset(dict(vocab_size=512, seq_len=64, d_model=256, n_heads=8, 
                        description="the seed notebook's model: vocab 512, seq 64, d 256, 8 heads, 4 layers")
 
 
+# The presets as shardax 0.1 had them (layer norms, GELU MLPs with biases, 4x the width), on
+# which ``shardax plan``'s working-set factors were fitted (``benchmarks/plan_fit.py``): what
+# reproduces that fit and what the tests that keep it from drifting compile.
+PRESETS_0_1: dict[str, Preset] = {
+    name: dataclasses.replace(preset, model={**{k: v for k, v in preset.model.items() if k not in LLAMA},
+                                             "positions": "rotary", "d_ff": 4 * preset.model["d_model"]})
+    for name, preset in PRESETS.items()} | {"notebook": SEED_NOTEBOOK}
+
+
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise UsageError(f"unknown `preset={name!r}`; choose one of {', '.join(PRESETS)}")
