@@ -60,6 +60,15 @@ def gpu_decisions_rows(decisions: dict | None) -> list[str]:
     return lines
 
 
+def _aborts(stress: dict) -> str:
+    """Benchmark 25's cell: each command's aborts in XLA's default pool vs shardax's."""
+    by_command: dict[str, list[str]] = {}
+    for key, row in stress["summary"].items():
+        command, pool = key.split(" | ")
+        by_command.setdefault(command, []).append(f"{row['aborts']} of {row['runs']} ({pool})")
+    return "; ".join(f"{command}: {' vs '.join(counts)}" for command, counts in by_command.items())
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -266,8 +275,10 @@ def table() -> str:
                      + f"{measured(after)}, validation {after['val_loss']:.3f} nats/token | more real words, about 90 s |")
     stress = load("simulated_stress")
     if stress:
-        cells = "; ".join(f"{name}: {row['aborts']} of {row['runs']} aborted"
-                          for name, row in stress["summary"].items())
+        cells = _aborts(stress)
+        first = load("simulated_stress_first")
+        if first:
+            cells += f"; before RMSNorm and SwiGLU had their own backward passes: {_aborts(first)}"
         lines.append(f"| 25. runs aborted in XLA:CPU's collectives, {stress['devices']} simulated devices beside a load "
                      f"of {stress['load processes']} busy processes on {stress['cores']} cores, XLA's default thread pool "
                      f"vs shardax's (`simulate_cpu_devices`) | {cells} | 0 with shardax's |")

@@ -41,7 +41,7 @@ def train_pair(strategy, corpus, tmp_path_factory):
         two = shardax(*LAUNCH_2x4, "train", *args, "--metrics", folder / "two.jsonl",
                       env={"SHARDAX_RUNS_DIR": str(folder / "runs")})
         [run] = (folder / "runs").iterdir()
-        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml"]
+        assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "tokenizer.json"]
         resume = f"shardax train --run-dir {run} --metrics {folder / 'two.jsonl'} --resume"  # the metrics elsewhere
         assert two.stdout.count(f"run directory: {run} (resume it with: {resume})") == 1, two.stdout
         (run / "checkpoints").rename(folder / "two")

@@ -76,6 +76,21 @@ def _run_tokenizer(checkpoint: str, run: dict) -> Any:
     return open_data(run.get("data"), name, run.get("vocab_size"), run.get("field"), 16).tokenizer
 
 
+def _model_and_tokenizer(args: argparse.Namespace):
+    """The model to generate with (from --hf or a run's checkpoint) and its tokenizer."""
+    if args.hf:
+        from shardax import hf
+        from shardax.data.tokenizer import load_tokenizer
+
+        if not (Path(args.hf) / "tokenizer.json").is_file():
+            raise UsageError(f"--hf {args.hf} has no tokenizer.json; generation needs the model's tokenizer")
+        return hf.load(args.hf, "data=-1", "fsdp").model(), load_tokenizer(Path(args.hf) / "tokenizer.json")
+    from shardax.cli.export import restore_run
+
+    _, run, _, parallel, state = restore_run(args.checkpoint, args.step)
+    return parallel.merge(state), _run_tokenizer(args.checkpoint, run)
+
+
 def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.max_new_tokens < 1:
@@ -85,20 +100,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     from shardax.generation import check_request, generate
 
-    if args.hf:
-        from shardax import hf
-        from shardax.data.tokenizer import load_tokenizer
-
-        if not (Path(args.hf) / "tokenizer.json").is_file():
-            raise UsageError(f"--hf {args.hf} has no tokenizer.json; generation needs the model's tokenizer")
-        tokenizer = load_tokenizer(Path(args.hf) / "tokenizer.json")
-        model = hf.load(args.hf, "data=-1", "fsdp").model()
-    else:
-        from shardax.cli.export import restore_run
-
-        _, run, _, parallel, state = restore_run(args.checkpoint, args.step)
-        tokenizer = _run_tokenizer(args.checkpoint, run)
-        model = parallel.merge(state)
+    model, tokenizer = _model_and_tokenizer(args)
     ids = [[int(t) for t in tokenizer.encode_batch([text])[0]] for text in prompts]
     check_request(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before any output
     writing = jax.process_index() == 0
