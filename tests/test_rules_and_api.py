@@ -35,7 +35,7 @@ EXPECTED_API = {
     "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
     "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
     "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "parallelize",
-    "reshard", "for_compute", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
+    "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
     "TrainState", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
 }
 

@@ -8,12 +8,14 @@ a tied embedding) and a model annotated with its own mesh names (``("fsdp", "tp"
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+import shardax
 from shardax import DeviceMeshManager, Trainer, parallelize
 from shardax.analysis.collectives import find_collectives
 from shardax.errors import UsageError
@@ -138,6 +140,38 @@ def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
         Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1),
                 lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean(), mesh=mesh, strategy="tp",
                 example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})  # widths: the data's
+
+
+class RawDepthwise(nnx.Module):
+    """A depthwise convolution written with jax.lax directly, then an MLP."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(3, 8, rngs=rngs)
+        self.kernel = nnx.Param(jnp.ones((3, 3, 1, 8)) / 9)
+        self.hidden = nnx.Linear(8, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, images, conv=jax.lax.conv_general_dilated):
+        x = conv(self.up(images), self.kernel[...], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                 feature_group_count=8)
+        return self.out(nnx.relu(self.hidden(x.mean(axis=(1, 2)))))
+
+
+def test_a_grouped_convolution_outside_nnx_conv_is_refused_under_tp_and_routed_one_trains():
+    mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
+    batch = {"images": np.ones((8, 5, 5, 3), np.float32), "labels": np.zeros((8,), np.int32)}
+
+    def loss(conv):
+        return lambda model, batch: optax.softmax_cross_entropy_with_integer_labels(
+            model(batch["images"], conv), batch["labels"]).mean()
+
+    with pytest.raises(UsageError, match=r"grouped convolution outside nnx.Conv \(feature_group_count=8, kernel "
+                                         r"\(3, 3, 1, 8\)\); .*call shardax.grouped_conv in place of"):
+        parallelize(RawDepthwise, optax.sgd(0.1), mesh, "tp", loss_fn=loss(jax.lax.conv_general_dilated),
+                    example_batch=batch)
+    parallel = parallelize(RawDepthwise, optax.sgd(0.1), mesh, "tp", loss_fn=loss(shardax.grouped_conv),
+                           example_batch=batch)
+    assert tuple(parallel.layout.leaves["hidden/kernel"].spec) == (None, "model")
 
 
 def test_a_model_with_its_own_axis_names_needs_them_mapped():

@@ -13,18 +13,21 @@ class SeenExamples(nnx.Variable):
 
 
 class ConvNet(nnx.Module):
-    """8x8 images -> 10 classes: conv, BatchNorm, ReLU, conv, BatchNorm, mean-pool, linear."""
+    """8x8 images -> 10 classes: conv, BatchNorm, ReLU, conv, BatchNorm, a depthwise conv with a
+    skip (ConvNeXt's kind), mean-pool, linear."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.conv1 = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)  # BatchNorm has the bias
         self.norm1 = nnx.BatchNorm(8, momentum=0.8, rngs=rngs)
         self.conv2 = nnx.Conv(8, 6, (3, 3), strides=2, use_bias=False, rngs=rngs)  # 6 channels: never divides by 8
         self.norm2 = nnx.BatchNorm(6, momentum=0.8, rngs=rngs)
+        self.depthwise = nnx.Conv(6, 6, (3, 3), feature_group_count=6, rngs=rngs)
         self.head = nnx.Linear(6, 10, rngs=rngs)
 
     def __call__(self, images):  # (B, 8, 8, 1)
         x = nnx.relu(self.norm1(self.conv1(images)))
         x = nnx.relu(self.norm2(self.conv2(x)))  # (B, 4, 4, 6)
+        x = x + self.depthwise(x)
         return self.head(x.mean(axis=(1, 2)))
 
 

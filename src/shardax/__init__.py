@@ -38,6 +38,7 @@ _EXPORTS = {
     "reshard": "shardax.model_parallel",
     "LoRA": "shardax.models.transformer",
     "for_compute": "shardax.sharding.compute",
+    "grouped_conv": "shardax.sharding.grouped_conv",
     "ShardingReport": "shardax.sharding.report",
     "report": "shardax.sharding.report",
     "LOGICAL_AXES": "shardax.sharding.rules",
@@ -95,6 +96,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.model_parallel import reshard as reshard
     from shardax.models.transformer import LoRA as LoRA
     from shardax.sharding.compute import for_compute as for_compute
+    from shardax.sharding.grouped_conv import grouped_conv as grouped_conv
     from shardax.sharding.report import ShardingReport as ShardingReport
     from shardax.sharding.report import report as report
     from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES

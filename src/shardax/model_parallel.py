@@ -31,6 +31,7 @@ from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
 from shardax.sharding.compute import layer_specs
 from shardax.sharding.derive import Derived, derive_tensor_parallel
+from shardax.sharding.grouped_conv import route_grouped_convs
 from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
@@ -277,12 +278,14 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     mapping = parse_axis_names(axis_names)
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
     warn_if_starved(mesh)
+    tensor = strategy.tensor_axis(mesh)
+    if tensor is not None:  # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
+        factory = _routing_grouped_convs(factory)
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
     trainable = _trainable(params, trainable)
     abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh, trainable))
     derived = None
-    tensor = strategy.tensor_axis(mesh)
     if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
@@ -296,6 +299,16 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
     return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, trainable)
+
+
+def _routing_grouped_convs(factory: ModelFactory) -> ModelFactory:
+    """``factory`` whose models' grouped ``nnx.Conv``s use ``grouped_conv`` (``shardax.sharding.grouped_conv``)."""
+
+    @functools.wraps(factory)
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return route_grouped_convs(factory(rngs))
+
+    return build
 
 
 def _trainable(params: Any, trainable: Any) -> Any:

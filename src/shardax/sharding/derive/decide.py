@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from shardax.sharding.derive.dimensions import DimensionClasses, Node, rank, shape_of
+from shardax.errors import UsageError
 from shardax.sharding.derive.walk import Walker
 
 
@@ -42,6 +43,12 @@ def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], param
         walker.kind[var] = "act"
         classes.mark_all(var, "input")
     walker.walk(jaxpr)
+    if walker.grouped_convs:
+        raise UsageError(
+            f"the model computes a grouped convolution outside nnx.Conv ({walker.grouped_convs[0]}); under tensor "
+            "parallelism XLA's partitioner multiplies its kernel gradient by the devices the batch repeats over, so "
+            "call shardax.grouped_conv in place of jax.lax.conv_general_dilated there (the same arguments), or "
+            "train with a strategy without a model axis")
     return _decide(classes, dict(zip(params, param_vars)), model_size)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from jax.extend import core as jcore
 
 from shardax.sharding.derive.dimensions import DimensionClasses, fits, rank, shape_of
+from shardax.sharding.grouped_conv import SCOPE as GROUPED_CONV_SCOPE
 
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax",
                "argmin", "reduce_xor"}
@@ -24,6 +25,8 @@ class Walker:
     def __init__(self, classes: DimensionClasses) -> None:
         self.classes = classes
         self.kind: dict[Any, str] = {}  # "act" (depends on the batch) or "weight" (on parameters only)
+        self.grouped_convs: list[str] = []  # grouped convolutions outside shardax.grouped_conv
+        self._routed = 0  # inside shardax.grouped_conv
 
     def kind_of(self, var: Any) -> str | None:
         return None if isinstance(var, jcore.Literal) else self.kind.get(var)
@@ -48,8 +51,11 @@ class Walker:
 
     def call(self, eqn: Any, closed: Any) -> None:
         inner = getattr(closed, "jaxpr", closed)
+        routed = GROUPED_CONV_SCOPE in str(eqn.source_info.name_stack)
         self.bind(eqn.invars, inner.invars)
+        self._routed += routed
         self.walk(inner)
+        self._routed -= routed
         for o, i in zip(eqn.outvars, inner.outvars):
             if self.kind_of(i):
                 self.kind[o] = self.kind_of(i)
@@ -169,6 +175,9 @@ class Walker:
     def _conv_general_dilated(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         lhs_spec, rhs_spec, out_spec = params["dimension_numbers"]
         lhs, rhs, out = ins[0], ins[1], outs[0]
+        if params.get("feature_group_count", 1) > 1 and not self._routed:
+            self.grouped_convs.append(f"feature_group_count={params['feature_group_count']}, kernel "
+                                      f"{tuple(shape_of(rhs))}")
         self.classes.tie(lhs, lhs_spec[0], out, out_spec[0])
         if params.get("feature_group_count", 1) == 1 and params.get("batch_group_count", 1) == 1:
             self.classes.tie(lhs, lhs_spec[1], rhs, rhs_spec[1])
