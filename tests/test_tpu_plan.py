@@ -299,3 +299,28 @@ def test_h100_runs_a_plain_loop_of_layers_under_remat():
         return lowered.as_text().count("stablehlo.reduce_precision")
 
     assert marks(parse_target("h100-1")) >= 2 * looped.n_layers and marks(None) == 0
+
+
+def test_xla_tpu_sums_a_grouped_convs_kernel_gradient_over_the_model_axis_too():
+    """The grouped-convolution case is XLA's partitioner, not XLA:CPU's: XLA:TPU's compile of a
+    depthwise convolution's kernel gradient, batch over data=4 and repeated over model=2,
+    all-reduces over all 8 devices (twice the gradient); shardax.grouped_conv's over data's 4."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from shardax import grouped_conv
+    from shardax.analysis.collectives import find_collectives
+    from shardax.analysis.traffic import group_size
+
+    mesh = Mesh(np.array(parse_target("tpu-v5e:2x4").devices()).reshape(4, 2), ("data", "model"))
+    rows = jax.ShapeDtypeStruct((8, 16, 16, 32), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    kernel = jax.ShapeDtypeStruct((3, 3, 1, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
+    groups = {}
+    for name, conv in (("jax", jax.lax.conv_general_dilated), ("shardax", grouped_conv)):
+        def loss(k, x):
+            return (conv(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                         feature_group_count=32) ** 2).mean()
+        program = jax.jit(jax.grad(loss)).lower(kernel, rows).compile().as_text()
+        [reduce] = [c for c in find_collectives(program) if c.kind == "all-reduce"]
+        groups[name] = group_size(reduce.replica_groups, 8)
+    assert groups == {"jax": 8, "shardax": 4}
