@@ -289,7 +289,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
-    _check_tensor_axis(layout, tensor)
+    _check_tensor_axis(layout, tensor, derived is not None)
     _check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
@@ -364,16 +364,17 @@ def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
                      "the repeated layers with LayerStack, or use dp, fsdp, tp or fsdp_tp")
 
 
-def _check_tensor_axis(layout: Layout, tensor: str | None) -> None:
+def _check_tensor_axis(layout: Layout, tensor: str | None, read_off_program: bool) -> None:
     """Refuse a tensor axis that would split nothing: its devices would repeat each other's work."""
     if tensor is None or any(tensor in spec_axes(entry) for leaf in layout.leaves.values() for entry in leaf.spec):
         return
     reasons = layout.whole_on_tensor_axis()
     first = next(iter(reasons), "the model has no parameters")
+    more = "" if read_off_program else ", or give loss_fn and example_batch so shardax reads the split off the model"
     raise UsageError(
         f"strategy {layout.strategy.name!r} splits no weight of this model over {tensor}={layout.mesh.shape[tensor]}, "
-        f"so its {tensor} devices would repeat each other's work ({first}); use fsdp or dp on this mesh's devices, "
-        f"annotate the weights, or give loss_fn and example_batch so shardax reads the split off the model"
+        f"so its {tensor} devices would repeat each other's work ({first}); use fsdp or dp on this mesh's devices"
+        f"{' or' if read_off_program else ','} annotate the weights{more}"
     )
 
 

@@ -27,6 +27,7 @@ class Walker:
         self.kind: dict[Any, str] = {}  # "act" (depends on the batch) or "weight" (on parameters only)
         self.grouped_convs: list[str] = []  # grouped convolutions outside shardax.grouped_conv
         self._routed = 0  # inside shardax.grouped_conv
+        self._walked: dict[int, Any] = {}  # the jaxprs walked so far, by id (kept, so no id is reused)
 
     def kind_of(self, var: Any) -> str | None:
         return None if isinstance(var, jcore.Literal) else self.kind.get(var)
@@ -49,8 +50,29 @@ class Walker:
                 for dim in range(rank(o)):
                     self.classes.tie(o, dim, i, dim)
 
+    def fresh(self, closed: Any) -> Any:
+        """The jaxpr of ``closed``, with variables of its own if it was walked before: a jitted
+        function (``jax.nn.relu``) called twice on the same shapes shares one cached jaxpr, whose
+        variables would tie the dimensions of both calls together (a square weight's two)."""
+        jaxpr = getattr(closed, "jaxpr", closed)
+        if id(jaxpr) in self._walked:
+            renamed: dict[Any, Any] = {}
+
+            def new(var: Any) -> Any:
+                if isinstance(var, (jcore.Literal, jcore.DropVar)):
+                    return var
+                return renamed.setdefault(var, jcore.Var(var.aval))
+
+            jaxpr = jaxpr.replace(
+                constvars=[new(v) for v in jaxpr.constvars], invars=[new(v) for v in jaxpr.invars],
+                outvars=[new(v) for v in jaxpr.outvars],
+                eqns=[e.replace(invars=[new(v) for v in e.invars], outvars=[new(v) for v in e.outvars])
+                      for e in jaxpr.eqns])
+        self._walked[id(jaxpr)] = jaxpr
+        return jaxpr
+
     def call(self, eqn: Any, closed: Any) -> None:
-        inner = getattr(closed, "jaxpr", closed)
+        inner = self.fresh(closed)
         routed = GROUPED_CONV_SCOPE in str(eqn.source_info.name_stack)
         self.bind(eqn.invars, inner.invars)
         self._routed += routed
@@ -260,7 +282,7 @@ class Walker:
         self.classes.mark(outs[0], params["dimension"], "reduced")
 
     def _scan(self, ins: list[Any], outs: list[Any], params: dict) -> None:
-        body = params["jaxpr"].jaxpr
+        body = self.fresh(params["jaxpr"])
         consts, carry = params["num_consts"], params["num_carry"]
         self.bind(ins[:consts + carry], body.invars[:consts + carry])
         for outer, inner in zip(ins[consts + carry:], body.invars[consts + carry:]):
@@ -286,7 +308,7 @@ class Walker:
 
     def _cond(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         for branch in params["branches"]:
-            inner = branch.jaxpr
+            inner = self.fresh(branch)
             self.bind(ins[1:], inner.invars)
             self.walk(inner)
             self.bind(outs, inner.outvars)
@@ -296,7 +318,7 @@ class Walker:
 
     def _while(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         cond_consts, body_consts = params["cond_nconsts"], params["body_nconsts"]
-        body = params["body_jaxpr"].jaxpr
+        body = self.fresh(params["body_jaxpr"])
         carry = ins[cond_consts + body_consts:]
         self.bind(ins[cond_consts:cond_consts + body_consts] + carry, body.invars)
         self.walk(body)
