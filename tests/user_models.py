@@ -61,6 +61,75 @@ class LoRAMLP(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
+class SquareMLP(nnx.Module):
+    """16 -> 64 -> 64 -> 4 with ReLUs: a square hidden weight (jax.nn.relu's one cached jaxpr serves both calls)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.a, self.b, self.c = (nnx.Linear(i, o, rngs=rngs) for i, o in ((16, 64), (64, 64), (64, 4)))
+
+    def __call__(self, x):
+        return self.c(nnx.relu(self.b(nnx.relu(self.a(x)))))
+
+
+class VAE(nnx.Module):
+    """32 -> 64 -> 64 -> (mean, log-variance) of 8 -> 64 -> 64 -> 32: equal hidden widths, two heads."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.encode = nnx.List([nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs)])
+        self.mean, self.log_variance = nnx.Linear(64, 8, rngs=rngs), nnx.Linear(64, 8, rngs=rngs)
+        self.decode = nnx.List([nnx.Linear(8, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs),
+                                nnx.Linear(64, 32, rngs=rngs)])
+        self.noise = nnx.Rngs(noise=rngs.params())
+
+    def __call__(self, x):
+        for layer in self.encode:
+            x = nnx.relu(layer(x))
+        mean, log_variance = self.mean(x), self.log_variance(x)
+        z = mean + jnp.exp(0.5 * log_variance) * jax.random.normal(self.noise.noise(), mean.shape)
+        for layer in self.decode[:-1]:
+            z = nnx.relu(layer(z))
+        return self.decode[-1](z), mean, log_variance
+
+
+class TinyUNet(nnx.Module):
+    """A diffusion U-Net's shape: a timestep embedding added to the features, a residual block
+    with GroupNorm (an additive skip), a strided conv down, a transposed conv up, and the
+    skip concatenated on the channels."""
+
+    def __init__(self, rngs: nnx.Rngs, channels: int = 16):
+        c = channels
+        self.stem, self.time = nnx.Conv(3, c, (3, 3), rngs=rngs), nnx.Linear(16, c, rngs=rngs)
+        self.block, self.norm = nnx.Conv(c, c, (3, 3), rngs=rngs), nnx.GroupNorm(c, num_groups=4, rngs=rngs)
+        self.down = nnx.Conv(c, 2 * c, (3, 3), strides=2, rngs=rngs)
+        self.middle = nnx.Conv(2 * c, 2 * c, (3, 3), rngs=rngs)
+        self.up = nnx.ConvTranspose(2 * c, c, (2, 2), strides=(2, 2), rngs=rngs)
+        self.fuse, self.out = nnx.Conv(2 * c, c, (3, 3), rngs=rngs), nnx.Conv(c, 3, (3, 3), rngs=rngs)
+
+    def __call__(self, images, timesteps):
+        h = self.stem(images) + self.time(timesteps)[:, None, None, :]
+        h = h + nnx.silu(self.norm(self.block(nnx.silu(h))))
+        middle = nnx.silu(self.middle(nnx.silu(self.down(h))))
+        return self.out(nnx.silu(self.fuse(jnp.concatenate([self.up(middle), h], axis=-1))))
+
+
+def generative_batch(name, rows=8, seed=0):
+    """One batch for SquareMLP ("square"), VAE ("vae") or TinyUNet ("unet"), and its loss."""
+    rng = np.random.default_rng(seed)
+    if name == "square":
+        batch = {"x": rng.normal(size=(rows, 16)), "y": rng.normal(size=(rows, 4))}
+        return SquareMLP, jax.tree.map(np.float32, batch), lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean()
+    if name == "vae":
+        def elbo(model, b):
+            out, mean, log_variance = model(b["x"])
+            kl = 0.5 * (jnp.exp(log_variance) + mean**2 - 1 - log_variance).sum(-1).mean()
+            return ((out - b["x"]) ** 2).sum(-1).mean() + kl
+        return VAE, {"x": rng.normal(size=(rows, 32)).astype(np.float32)}, elbo
+    batch = {"images": rng.normal(size=(rows, 8, 8, 3)), "noise": rng.normal(size=(rows, 8, 8, 3)),
+             "t": rng.normal(size=(rows, 16))}
+    return TinyUNet, jax.tree.map(np.float32, batch), lambda model, b: (
+        (model(b["images"] + b["noise"], b["t"]) - b["noise"]) ** 2).mean()
+
+
 def classification_loss(model, batch):
     logits = model(batch["inputs"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
