@@ -110,8 +110,8 @@ def kernel_gradient(conv: _Conv, lhs: jax.Array, cotangent: jax.Array, kernel_sh
     canonical = tuple(range(lhs.ndim))
     gradient = jax.lax.conv_general_dilated(
         x, dy.swapaxes(0, 1), conv.rhs_dilation, padding, conv.lhs_dilation, conv.strides,
-        jax.lax.ConvDimensionNumbers(canonical, canonical, canonical), feature_group_count=groups, precision=conv.precision,
-        preferred_element_type=conv.preferred_element_type)  # (C / groups, O, kernel spatial...)
+        jax.lax.ConvDimensionNumbers(canonical, canonical, canonical), feature_group_count=groups,
+        precision=conv.precision, preferred_element_type=conv.preferred_element_type)  # (C / groups, O, kernel spatial...)
     return gradient.swapaxes(0, 1).transpose(np.argsort(numbers.rhs_spec))
 
 
