@@ -36,7 +36,7 @@ EXPECTED_API = {
     "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
     "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "parallelize",
     "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
-    "TrainState", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
+    "TrainState", "ema_params", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
 }
 
 

@@ -9,7 +9,8 @@ import optax
 import pytest
 
 from shardax.trainer.lock import LOCK_NAME
-from shardax import Trainer
+from shardax import Trainer, ema_params
+from shardax.errors import UsageError
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
 
@@ -17,7 +18,9 @@ pytestmark = pytest.mark.xdist_group("test_trainer")
 
 
 def trainer(strategy="fsdp", model=DropoutMLP, **options):
-    return Trainer(model, optax.adamw(1e-2), classification_loss, strategy=strategy, **options)
+    """A Trainer whose optimizer keeps a moving average of the weights (resumed with the rest)."""
+    return Trainer(model, optax.chain(optax.adamw(1e-2), ema_params(0.9)), classification_loss, strategy=strategy,
+                   **options)
 
 
 def tensorboard_scalars(directory):
@@ -228,6 +231,13 @@ def test_evaluation_and_the_model_are_in_eval_mode():
     loss, metrics = classification_loss(model, {k: np.concatenate([b[k] for b in held_out]) for k in held_out[0]})
     np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
     np.testing.assert_allclose(first["accuracy"], float(metrics["accuracy"]), rtol=1e-6)
+    # the moving average of the weights evaluates the same way, and is not the weights
+    averaged = fitted.evaluate(held_out, ema=True)
+    loss, _ = classification_loss(fitted.model(ema=True), {k: np.concatenate([b[k] for b in held_out])
+                                                           for k in held_out[0]})
+    np.testing.assert_allclose(averaged["loss"], float(loss), rtol=1e-5)
+    assert averaged["loss"] != first["loss"]
+    jax.tree.map(np.testing.assert_array_equal, on_host(fitted.state), before)
 
 
 def one_pass():
@@ -281,3 +291,15 @@ class _Wider(DropoutMLP):
 
         self.hidden = nnx.Linear(12, 48, rngs=rngs)
         self.out = nnx.Linear(48, 5, rngs=rngs)
+
+
+@pytest.mark.parametrize("decay", [0, 1, 1.5, -0.1, "0.9"])
+def test_a_moving_average_outside_0_to_1_or_missing_is_one_line(decay):
+    with pytest.raises(UsageError, match=rf"EMA decay {decay!r} is not between 0 and 1 \(exclusive\); use e.g. 0.999"):
+        ema_params(decay)
+    if decay == 0:
+        plain = Trainer(DropoutMLP, optax.adamw(1e-2), classification_loss, strategy="dp")
+        plain.state = plain.init()
+        with pytest.raises(UsageError, match=r"the optimizer keeps 0 parameter averages, where one is needed; chain "
+                                             r"shardax.ema_params\(decay\) once, last"):
+            plain.evaluate(BATCHES[:1], ema=True)

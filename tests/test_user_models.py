@@ -12,8 +12,9 @@ import optax
 import pytest
 from flax import nnx
 
-from shardax import DeviceMeshManager, parallelize
+from shardax import DeviceMeshManager, ema_params, parallelize
 from shardax.errors import UsageError
+from shardax.step.ema import EmaState, averaged
 from user_models import (USER_MODELS, LoRAMLP, SeenExamples, classification_loss, on_host, plain_nnx_run,
                          vector_batches)
 
@@ -24,7 +25,8 @@ STRATEGIES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp
               ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]
 
 # SGD, not AdamW: AdamW's update is nearly the same for a gradient wrong by a constant factor
-TX = optax.sgd(0.05, momentum=0.9)
+# with a moving average of the weights, as diffusion models keep one
+TX = optax.chain(optax.sgd(0.05, momentum=0.9), ema_params(0.8))
 _REFERENCE = {}
 
 
@@ -32,7 +34,8 @@ def reference(model_name, grad_accum):
     key = (model_name, grad_accum)
     if key not in _REFERENCE:
         factory, batches = USER_MODELS[model_name]
-        _REFERENCE[key] = plain_nnx_run(factory, TX, classification_loss, batches(STEPS), grad_accum=grad_accum)
+        _REFERENCE[key] = plain_nnx_run(factory, TX, classification_loss, batches(STEPS), grad_accum=grad_accum,
+                                        optimizer_too=True)
     return _REFERENCE[key]
 
 
@@ -47,7 +50,7 @@ def variables(model, kind):
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, model_name, grad_accum):
     factory, batches = USER_MODELS[model_name]
-    expected, ref_model = reference(model_name, grad_accum)
+    expected, ref_model, ref_optimizer = reference(model_name, grad_accum)
     parallel = parallelize(factory, TX, DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
                            loss_fn=classification_loss, example_batch=next(batches(1)))
     state, step = parallel.init(seed=0), parallel.train_step(classification_loss, grad_accum=grad_accum)
@@ -74,6 +77,29 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
         scale = float(np.abs(ref_moved).max())
         assert scale > 0, path
         np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-4 * scale, err_msg=str(path))
+    # the moving average of the weights: one device's, laid out like the optimizer state
+    averages = variables(parallel.ema_model(state), nnx.Param)
+    def unwrapped(tree):  # plain NNX's optimizer holds Variables (OptArray); their values
+        return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    ref_averages = {jax.tree_util.keystr(path): np.asarray(value) for path, value in jax.tree_util.tree_leaves_with_path(
+        averaged(unwrapped(ref_optimizer.opt_state), unwrapped(nnx.state(ref_model, nnx.Param))))}
+    def named(tree):
+        return {jax.tree_util.keystr(path).removesuffix(".value"): value for path, value in tree.items()}
+
+    averages, initial_by_name, params_by_name = named(averages), named(initial), named(params)
+    assert averages.keys() == ref_averages.keys()
+    for path in averages:
+        moved, ref_moved = averages[path] - initial_by_name[path], ref_averages[path] - initial_by_name[path]
+        np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-4 * float(np.abs(ref_moved).max()),
+                                   err_msg=path)
+        assert np.abs(averages[path] - params_by_name[path]).max() > 0, path  # an average, not the weights
+    [ema] = [leaf for leaf in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, EmaState))
+             if isinstance(leaf, EmaState)]
+    kernel = max(jax.tree.leaves(ema.average), key=lambda leaf: leaf.size)
+    if strategy in ("zero1", "zero2", "fsdp", "hsdp"):
+        assert kernel.addressable_shards[0].data.size < kernel.size
     # the state stayed where the layout put it
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
 
@@ -113,7 +139,7 @@ def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_evaluation_runs_in_eval_mode_and_leaves_the_state_alone(strategy, mesh_shape, model_name):
     factory, batches = USER_MODELS[model_name]
-    _, ref_model = reference(model_name, 1)
+    _, ref_model, _ = reference(model_name, 1)
     parallel = parallelize(factory, TX, DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
                            loss_fn=classification_loss, example_batch=next(batches(1)))
     state, step = parallel.init(seed=0), parallel.train_step(classification_loss, donate=False)

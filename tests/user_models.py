@@ -158,7 +158,7 @@ USER_MODELS = {
 }
 
 
-def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1, wrt=nnx.Param):
+def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1, wrt=nnx.Param, optimizer_too=False):
     """Train with plain Flax NNX on one device: the reference every strategy must match.
 
     With ``grad_accum=k`` the model runs on k microbatches (rows i, i+k, ...) one after the
@@ -183,7 +183,7 @@ def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1, wrt=nnx.Param)
         return jax.tree.map(lambda total: total / grad_accum, totals)
 
     history = [jax.device_get(step(model, optimizer, batch)) for batch in batches]
-    return history, model
+    return (history, model, optimizer) if optimizer_too else (history, model)
 
 
 def on_host(tree):

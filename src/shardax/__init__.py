@@ -45,6 +45,7 @@ _EXPORTS = {
     "STRATEGIES": "shardax.sharding.strategies",
     "Strategy": "shardax.sharding.strategies",
     "get_strategy": "shardax.sharding.strategies",
+    "ema_params": "shardax.step.ema",
     "TrainState": "shardax.step.state",
     "FitResult": "shardax.trainer.run",
     "Trainer": "shardax.trainer.trainer",
@@ -103,6 +104,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.sharding.strategies import STRATEGIES as STRATEGIES
     from shardax.sharding.strategies import Strategy as Strategy
     from shardax.sharding.strategies import get_strategy as get_strategy
+    from shardax.step.ema import ema_params as ema_params
     from shardax.step.state import TrainState as TrainState
     from shardax.trainer.run import FitResult as FitResult
     from shardax.trainer.trainer import Trainer as Trainer

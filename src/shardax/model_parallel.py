@@ -37,6 +37,7 @@ from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
+from shardax.step.ema import averaged
 from shardax.step.settings import StepSettings
 from shardax.step.train import build_eval_step, build_train_step
 from shardax.step.loss import LossFn, split_loss
@@ -237,6 +238,20 @@ class ParallelModel:
     def merge(self, state: TrainState) -> nnx.Module:
         """An ``nnx.Module`` holding ``state``'s parameters (sharded as they are)."""
         return nnx.merge(self.graphdef, state.params, state.rest)
+
+    def ema_state(self, state: TrainState) -> TrainState:
+        """``state`` with the trained parameters replaced by the moving average that
+        ``shardax.ema_params`` keeps in the optimizer state, laid out as the parameters are
+        (before the first update: the parameters themselves); for ``eval_step`` and ``merge``."""
+        trained, frozen = (state.params, None) if self.trainable is None else nnx.split_state(
+            state.params, self.trainable, ...)
+        average = averaged(state.opt_state, trained)
+        params = average if frozen is None else nnx.merge_state(average, frozen)
+        return state.replace(params=jax.device_put(params, self.state_shardings.params))
+
+    def ema_model(self, state: TrainState) -> nnx.Module:
+        """``merge`` of ``ema_state``: the model with the moving average of its weights."""
+        return self.merge(self.ema_state(state))
 
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh | str | None,

@@ -176,13 +176,15 @@ class Trainer:
         """A batch (this process's rows, or global arrays) as global arrays split over the batch axes."""
         return place_batch(batch, self.parallel.layout.batch())
 
-    def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]:
+    def evaluate(self, data: Any, state: TrainState | None = None, *, ema: bool = False) -> dict[str, float]:
         """Metrics of ``data`` (an iterable of batches) in eval mode, averaged over its rows (over
-        the weight its loss reports, when it reports one: see ``shardax.step.loss``).
+        the weight its loss reports, when it reports one: see ``shardax.step.loss``); with
+        ``ema=True``, of the moving average of the weights (``shardax.ema_params``).
 
         Nothing changes: not the state, not the RNG streams, not the batch statistics.
         """
         state = state if state is not None else self.state if self.state is not None else self.init()
+        state = self.parallel.ema_state(state) if ema else state
         totals: dict[str, float] = {}
         rows, weight = 0, 0.0
         for batch in evaluation_batches(data)():
@@ -198,9 +200,11 @@ class Trainer:
             raise UsageError("eval_data gave no batches; give at least one batch to evaluate on")
         return {name: total / weight if weight else 0.0 for name, total in totals.items()}
 
-    def model(self, state: TrainState | None = None) -> nnx.Module:
-        """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded)."""
-        model = self.parallel.merge(state if state is not None else self.state)
+    def model(self, state: TrainState | None = None, *, ema: bool = False) -> nnx.Module:
+        """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded); with
+        ``ema=True``, holding the moving average of its weights (``shardax.ema_params``)."""
+        state = state if state is not None else self.state
+        model = self.parallel.ema_model(state) if ema else self.parallel.merge(state)
         model.eval()
         return model
 
