@@ -110,10 +110,10 @@ def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_
     plain NNX trains them with ``wrt=nnx.LoRAParam``, the base kernels stay as they were and
     hold no optimizer state; ``trainable=`` picks other parameters, and one matching none is
     refused in one line."""
-    expected, ref_model = plain_nnx_run(LoRAMLP, optax.adamw(1e-2), classification_loss, vector_batches(STEPS),
-                                        wrt=nnx.LoRAParam)
+    tx = optax.chain(optax.adamw(1e-2), ema_params(0.5))
+    expected, ref_model = plain_nnx_run(LoRAMLP, tx, classification_loss, vector_batches(STEPS), wrt=nnx.LoRAParam)
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
-    parallel = parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, loss_fn=classification_loss,
+    parallel = parallelize(LoRAMLP, tx, mesh, strategy, loss_fn=classification_loss,
                            example_batch=next(vector_batches(1)))
     state, step = parallel.init(seed=0), parallel.train_step(classification_loss)
     start = variables(parallel.merge(state), nnx.Param)
@@ -126,8 +126,11 @@ def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_
     for path in params:
         np.testing.assert_allclose(params[path], ref_params[path], rtol=1e-4, atol=1e-6, err_msg=str(path))
         assert np.array_equal(params[path], start[path]) == ("kernel" in str(path) or "bias" in str(path))
-    moments = sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) - 1  # adamw's mu and nu, and a count
-    assert moments == 2 * 3 * (12 + 40 + 40 + 5)
+    # adamw's mu and nu and the adapters' average, a count and the average's weight
+    assert sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) - 2 == 3 * 3 * (12 + 40 + 40 + 5)
+    averages = variables(parallel.ema_model(state), nnx.Param)  # the adapters averaged, the base as it is
+    for path in averages:
+        assert np.array_equal(averages[path], params[path]) == ("kernel" in str(path) or "bias" in str(path))
     heads = parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, loss_fn=classification_loss,
                         example_batch=next(vector_batches(1)), trainable=nnx.PathContains("out"))
     assert sum(leaf.size for leaf in jax.tree.leaves(heads.init(0).opt_state)) - 1 == 2 * (40 * 5 + 5 + 3 * 45)

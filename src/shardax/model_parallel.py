@@ -243,10 +243,8 @@ class ParallelModel:
         """``state`` with the trained parameters replaced by the moving average that
         ``shardax.ema_params`` keeps in the optimizer state, laid out as the parameters are
         (before the first update: the parameters themselves); for ``eval_step`` and ``merge``."""
-        trained, frozen = (state.params, None) if self.trainable is None else nnx.split_state(
-            state.params, self.trainable, ...)
-        average = averaged(state.opt_state, trained)
-        params = average if frozen is None else nnx.merge_state(average, frozen)
+        average = averaged(state.opt_state, trained_part(state.params, self.trainable))
+        params = nnx.merge_state(state.params, average)  # the frozen ones as they are
         return state.replace(params=jax.device_put(params, self.state_shardings.params))
 
     def ema_model(self, state: TrainState) -> nnx.Module:
