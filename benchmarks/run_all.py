@@ -282,6 +282,15 @@ def table() -> str:
         lines.append(f"| 25. runs aborted in XLA:CPU's collectives, {stress['devices']} simulated devices beside a load "
                      f"of {stress['load processes']} busy processes on {stress['cores']} cores, XLA's default thread pool "
                      f"vs shardax's (`simulate_cpu_devices`) | {cells} | 0 with shardax's |")
+    ema = load("ema")
+    if ema:
+        cells = "; ".join(f"{strategy}: {row['ema_bytes_ratio']:.3f}x the parameters' bytes, step "
+                          f"{row['step_time_ratio']:.3f}x ({row['step_s_with'] * 1e3:.1f} vs "
+                          f"{row['step_s_without'] * 1e3:.1f} ms)" for strategy, row in ema["strategies"].items())
+        lines.append(f"| 26. a moving average of the weights (`ema_params({ema['decay']})`), Llama-style "
+                     f"{ema['model']['d_model']}-wide, {ema['model']['n_layers']} layers, batch {ema['batch']}, on "
+                     f"{ema['mesh']}: its bytes per device / the parameters', step time with / without (median of "
+                     f"interleaved steps) | {cells} | dp 1x, zero2 and fsdp 1x of their share; a few % a step |")
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -379,6 +388,7 @@ if __name__ == "__main__":
     run(["benchmarks/layer_vjps.py"])
     run(["benchmarks/checkpoint_integrity.py"])
     run(["benchmarks/lora.py"])
+    run(["benchmarks/ema.py"])
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])
