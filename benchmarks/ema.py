@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -33,16 +32,12 @@ from shardax import DeviceMeshManager, ema_params, parallelize  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss  # noqa: E402
 from shardax.step.ema import EmaState  # noqa: E402
 
+from lora import device0_bytes, time_interleaved  # noqa: E402  (benchmarks/lora.py, beside this one)
+
 RESULTS = Path(__file__).parent / "results"
 MODEL = dict(vocab_size=4096, d_model=256, n_heads=8, n_kv_heads=4, n_layers=4, d_ff=688, positions="rotary",
              norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=128)
 BATCH, STEPS = 16, 15
-
-
-def device0_bytes(tree) -> int:
-    first = jax.devices()[0]
-    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
-               if shard.device == first)
 
 
 def average_of(opt_state):
@@ -63,12 +58,7 @@ def measure(strategy: str, mesh, tokens) -> dict:
             state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         runs[name] = {"state": state, "batch": batch, "step": step, "times": []}
-    for _ in range(STEPS):
-        for run in runs.values():
-            began = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready(metrics)
-            run["times"].append(time.perf_counter() - began)
+    time_interleaved(runs, STEPS)
     with_ema = runs["with"]["state"]
     row = {"param_bytes_per_device": device0_bytes(with_ema.params),
            "ema_bytes_per_device": device0_bytes(average_of(with_ema.opt_state)),

@@ -44,6 +44,16 @@ def device0_bytes(tree) -> int:
                if shard.device == first)
 
 
+def time_interleaved(runs: dict, steps: int) -> None:
+    """Append each run's step times to its ``times``, the runs' steps alternating ``steps`` times."""
+    for _ in range(steps):
+        for run in runs.values():
+            began = time.perf_counter()
+            run["state"], metrics = run["step"](run["state"], run["batch"])
+            jax.block_until_ready(metrics)
+            run["times"].append(time.perf_counter() - began)
+
+
 def main() -> None:
     mesh = DeviceMeshManager().create_device_mesh("data=8")
     base = TransformerConfig(**MODEL)
@@ -66,12 +76,7 @@ def main() -> None:
         for _ in range(2):  # compile and warm up
             runs[name]["state"], metrics = step(runs[name]["state"], batch)
         jax.block_until_ready(metrics)
-    for _ in range(STEPS):
-        for run in runs.values():
-            began = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready(metrics)
-            run["times"].append(time.perf_counter() - began)
+    time_interleaved(runs, STEPS)
     result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU devices",
               "model": MODEL, "parameters": parameter_count(base), "rank": RANK, "batch": BATCH, "strategy": "fsdp",
               "mesh": "data=8"}
