@@ -146,14 +146,17 @@ def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
                 example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})  # widths: the data's
 
 
-@pytest.mark.parametrize("name", ["square", "vae", "unet"])
-def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name):
+@pytest.mark.parametrize("name, strategy, mesh_shape", [
+    ("square", "tp", "data=4,model=2"), ("vae", "tp", "data=4,model=2"), ("unet", "tp", "data=4,model=2"),
+    ("convnext", "pp_tp", "stage=2,data=2,model=2")])
+def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strategy, mesh_shape):
     """A square hidden weight, a VAE's equal widths, a U-Net's skips (added and concatenated),
-    GroupNorm and timestep embedding: tp splits them in column-row pairs (at most 0.75 of the
-    parameters on each device) and moves every weight as one device's SGD step does."""
-    factory, batch, loss = generative_batch(name)
-    mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
-    parallel = parallelize(factory, optax.sgd(1.0), mesh, "tp", loss_fn=loss, example_batch=batch)
+    GroupNorm and timestep embedding, ConvNeXt's depthwise blocks in a pipeline: tp splits them in
+    column-row pairs (at most 0.75 of the parameters on each device) and moves every weight as
+    one device's SGD step does (the depthwise kernels' gradient too, see grouped_conv)."""
+    factory, batch, loss = generative_batch(name, rows=16 if name == "convnext" else 8)
+    mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
+    parallel = parallelize(factory, optax.sgd(1.0), mesh, strategy, loss_fn=loss, example_batch=batch)
     state, step = parallel.init(seed=0), parallel.train_step(loss)
     held = sum(shard.data.nbytes for leaf in jax.tree.leaves(state.params)
                for shard in leaf.addressable_shards if shard.device == jax.devices()[0])

@@ -112,9 +112,39 @@ class TinyUNet(nnx.Module):
         return self.out(nnx.silu(self.fuse(jnp.concatenate([self.up(middle), h], axis=-1))))
 
 
+class ConvNeXtBlock(nnx.Module):
+    """ConvNeXt's block: a depthwise 3x3 conv, a pointwise MLP (4x), added to its input."""
+
+    def __init__(self, rngs: nnx.Rngs, channels: int = 16):
+        self.depthwise = nnx.Conv(channels, channels, (3, 3), feature_group_count=channels, rngs=rngs)
+        self.up, self.down = nnx.Linear(channels, 4 * channels, rngs=rngs), nnx.Linear(4 * channels, channels, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.depthwise(x))))
+
+
+class TinyConvNeXt(nnx.Module):
+    """A stem conv, a LayerStack of two ConvNeXt blocks (so pipelines can stage it), a head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        from shardax.blocks import LayerStack
+
+        self.stem = nnx.Conv(3, 16, (2, 2), strides=2, rngs=rngs)
+        self.stack = LayerStack(lambda rngs: ConvNeXtBlock(rngs), 2, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, images):
+        return self.head(self.stack(self.stem(images)).mean(axis=(1, 2)))
+
+
 def generative_batch(name, rows=8, seed=0):
-    """One batch for SquareMLP ("square"), VAE ("vae") or TinyUNet ("unet"), and its loss."""
+    """One batch for SquareMLP ("square"), VAE ("vae"), TinyUNet ("unet") or TinyConvNeXt
+    ("convnext"), and its loss."""
     rng = np.random.default_rng(seed)
+    if name == "convnext":
+        batch = {"inputs": rng.normal(size=(rows, 8, 8, 3)).astype(np.float32),
+                 "labels": rng.integers(0, 10, rows).astype(np.int32)}
+        return TinyConvNeXt, batch, lambda model, b: classification_loss(model, b)[0]
     if name == "square":
         batch = {"x": rng.normal(size=(rows, 16)), "y": rng.normal(size=(rows, 4))}
         return SquareMLP, jax.tree.map(np.float32, batch), lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean()
