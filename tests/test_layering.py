@@ -6,7 +6,7 @@
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
-    model_parallel, compat        parallelize(), reshard(); the seed's data-parallel API
+    model_parallel, parts, compat parallelize(), reshard(); named parts of a run; the seed's data-parallel API
     hf, generation                Hugging Face checkpoints in and out, into and from shards; generate()
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
@@ -24,7 +24,7 @@ LAYERS = [
     {"runtime"},
     {"layers", "blocks", "models", "data"},
     {"step"},
-    {"model_parallel", "compat"},
+    {"model_parallel", "parts", "compat"},
     {"hf", "generation"},
     {"trainer"},
     {"lm", "analysis"},

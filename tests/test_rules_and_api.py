@@ -34,7 +34,7 @@ EXPECTED_API = {
     "data_parallel_train_step", "describe_mesh", "get_mesh_info", "model_state_shardings",
     "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
     "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
-    "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "parallelize",
+    "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "Part", "parallelize",
     "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
     "TrainState", "ema_params", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
 }

@@ -224,3 +224,138 @@ def on_host(tree):
         return np.asarray(jax.device_get(leaf))
 
     return jax.tree.map(fetch, tree)
+
+
+# Procedures of several parts (shardax.Part): each step is written once, against ``parts`` (a
+# part by name, ``parts.update(name, grads)``), and runs in shardax and in plain NNX (PlainParts).
+
+class Generator(nnx.Module):
+    """A GAN generator in the DCGAN style, as an MLP: noise 4 -> 24, BatchNorm, ReLU, a square
+    24 -> 24, ReLU, -> 8, tanh."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.project = nnx.Linear(4, 24, use_bias=False, rngs=rngs)  # BatchNorm has the bias
+        self.norm = nnx.BatchNorm(24, momentum=0.8, rngs=rngs)
+        self.hidden = nnx.Linear(24, 24, rngs=rngs)
+        self.out = nnx.Linear(24, 8, rngs=rngs)
+
+    def __call__(self, noise):
+        h = nnx.relu(self.norm(self.project(noise)))
+        return jnp.tanh(self.out(nnx.relu(self.hidden(h))))
+
+
+class Discriminator(nnx.Module):
+    """8 -> 16, leaky ReLU, a residual MLP block 16 -> 32 -> 16 added to its input, -> one score."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(8, 16, rngs=rngs)
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+        self.score = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, images):
+        h = nnx.leaky_relu(self.embed(images), 0.2)
+        h = h + self.down(nnx.leaky_relu(self.up(h), 0.2))
+        return self.score(h)[:, 0]
+
+
+def gan_step(parts, batch):
+    """The non-saturating GAN: the discriminator's update, then the generator's against it."""
+    generator, discriminator = parts["generator"], parts["discriminator"]
+    fake = jax.lax.stop_gradient(generator(batch["noise"]))
+
+    def discriminator_loss(d):
+        return jnp.mean(jax.nn.softplus(-d(batch["image"]))) + jnp.mean(jax.nn.softplus(d(fake)))
+
+    d_loss, grads = nnx.value_and_grad(discriminator_loss)(discriminator)
+    parts.update("discriminator", grads)
+
+    def generator_loss(g):
+        return jnp.mean(jax.nn.softplus(-discriminator(g(batch["noise"]))))
+
+    g_loss, grads = nnx.value_and_grad(generator_loss)(generator)
+    parts.update("generator", grads)
+    return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def gan_eval(parts, batch):
+    """How often the discriminator tells real from generated."""
+    scores_real = parts["discriminator"](batch["image"])
+    scores_fake = parts["discriminator"](parts["generator"](batch["noise"]))
+    return {"d_accuracy": (jnp.mean(scores_real > 0) + jnp.mean(scores_fake < 0)) / 2}
+
+
+def gan_batches(steps, batch_size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        yield {"noise": rng.normal(size=(batch_size, 4)).astype(np.float32),
+               "image": np.tanh(rng.normal(0.5, 0.6, size=(batch_size, 8))).astype(np.float32)}
+
+
+class Teacher(nnx.Module):
+    """A wider classifier 12 -> 48 -> 5 with Dropout (off while it teaches: a frozen part runs in eval mode)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(12, 48, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(48, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(nnx.gelu(self.hidden(x))))
+
+
+class Student(nnx.Module):
+    """12 -> 10 (an odd width) -> 5."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(12, 10, rngs=rngs)
+        self.out = nnx.Linear(10, 5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def distill_step(parts, batch, temperature=2.0):
+    """Knowledge distillation: the student matches the frozen teacher's softened distribution."""
+    target = jax.nn.softmax(parts["teacher"](batch["inputs"]) / temperature)
+
+    def loss(student):
+        return jnp.mean(optax.softmax_cross_entropy(student(batch["inputs"]) / temperature, target))
+
+    value, grads = nnx.value_and_grad(loss)(parts["student"])
+    parts.update("student", grads)
+    return {"loss": value}
+
+
+def distill_eval(parts, batch):
+    student, teacher = parts["student"](batch["inputs"]), parts["teacher"](batch["inputs"])
+    return {"agreement": jnp.mean(student.argmax(-1) == teacher.argmax(-1))}
+
+
+class PlainParts:
+    """What a step of parts sees, in plain Flax NNX on one device: models by name, and
+    ``update(name, grads)`` as each part's ``nnx.Optimizer`` (frozen parts in eval mode)."""
+
+    def __init__(self, models, optimizers):
+        self.models, self.optimizers = models, optimizers
+
+    def __getitem__(self, name):
+        return self.models[name]
+
+    def update(self, name, grads):
+        self.optimizers[name].update(self.models[name], grads)
+
+
+def plain_parts_run(factories, optimizers, step_fn, batches, seeds):
+    """Train parts with plain Flax NNX on one device: the reference a run of parts must match."""
+    models = {name: factory(nnx.Rngs(seeds[name])) for name, factory in factories.items()}
+    for name, model in models.items():
+        model.train() if name in optimizers else model.eval()
+    opts = {name: nnx.Optimizer(models[name], tx, wrt=nnx.Param) for name, tx in optimizers.items()}
+
+    @nnx.jit
+    def step(models, opts, batch):
+        return step_fn(PlainParts(models, opts), batch)
+
+    history = [jax.device_get(step(models, opts, batch)) for batch in batches]
+    return history, models, opts

@@ -34,6 +34,7 @@ _EXPORTS = {
     "get_mesh_info": "shardax.mesh",
     "parse_mesh_shape": "shardax.mesh",
     "ParallelModel": "shardax.model_parallel",
+    "Part": "shardax.parts",
     "parallelize": "shardax.model_parallel",
     "reshard": "shardax.model_parallel",
     "LoRA": "shardax.models.transformer",
@@ -93,6 +94,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.mesh import get_mesh_info as get_mesh_info
     from shardax.mesh import parse_mesh_shape as parse_mesh_shape
     from shardax.model_parallel import ParallelModel as ParallelModel
+    from shardax.parts import Part as Part
     from shardax.model_parallel import parallelize as parallelize
     from shardax.model_parallel import reshard as reshard
     from shardax.models.transformer import LoRA as LoRA

@@ -29,6 +29,7 @@ from shardax.errors import UsageError
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
+from shardax.sharding.checks import check_tensor_axis
 from shardax.sharding.compute import layer_specs
 from shardax.sharding.derive import Derived, derive_tensor_parallel
 from shardax.sharding.grouped_conv import route_grouped_convs
@@ -90,11 +91,13 @@ class ParallelModel:
     @classmethod
     def create(cls, factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
                axis_names: AxisNames = None, loss_fn: LossFn | None = None, example_batch: Any = None,
-               trainable: Any = None) -> ParallelModel:
+               trainable: Any = None, check_tensor: bool = True) -> ParallelModel:
         """Lay ``factory``'s model and ``tx`` out by ``settings`` (resolved and checked once, see
-        ``shardax.step.settings``); the keywords are ``parallelize``'s."""
+        ``shardax.step.settings``); the keywords are ``parallelize``'s. ``check_tensor=False``:
+        a tensor axis that splits none of its weights is not refused here (a run of parts checks
+        its parts together)."""
         return _lay_out(factory, tx, settings, axis_names=axis_names, loss_fn=loss_fn,
-                        example_batch=example_batch, trainable=trainable)
+                        example_batch=example_batch, trainable=trainable, check_tensor=check_tensor)
 
     @property
     def mesh(self) -> Mesh:
@@ -286,7 +289,7 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
 
 def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
              axis_names: AxisNames = None, loss_fn: LossFn | None = None, example_batch: Any = None,
-             trainable: Any = None) -> ParallelModel:
+             trainable: Any = None, check_tensor: bool = True) -> ParallelModel:
     """``parallelize`` on settings already resolved (``ParallelModel.create``)."""
     mapping = parse_axis_names(axis_names)
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
@@ -302,7 +305,8 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
-    _check_tensor_axis(layout, tensor, derived is not None)
+    if check_tensor:
+        check_tensor_axis(layout, tensor, derived is not None)
     _check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
@@ -375,20 +379,6 @@ def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
     raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, and this "
                      "model has none (no shardax.blocks.LayerStack), so every stage would repeat the same work; build "
                      "the repeated layers with LayerStack, or use dp, fsdp, tp or fsdp_tp")
-
-
-def _check_tensor_axis(layout: Layout, tensor: str | None, read_off_program: bool) -> None:
-    """Refuse a tensor axis that would split nothing: its devices would repeat each other's work."""
-    if tensor is None or any(tensor in spec_axes(entry) for leaf in layout.leaves.values() for entry in leaf.spec):
-        return
-    reasons = layout.whole_on_tensor_axis()
-    first = next(iter(reasons), "the model has no parameters")
-    more = "" if read_off_program else ", or give loss_fn and example_batch so shardax reads the split off the model"
-    raise UsageError(
-        f"strategy {layout.strategy.name!r} splits no weight of this model over {tensor}={layout.mesh.shape[tensor]}, "
-        f"so its {tensor} devices would repeat each other's work ({first}); use fsdp or dp on this mesh's devices"
-        f"{' or' if read_off_program else ','} annotate the weights{more}"
-    )
 
 
 def reshard(tree: Any, target: Any) -> Any:

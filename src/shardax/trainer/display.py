@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from shardax.trainer.metrics import NOT_PLOTTED
+from shardax.trainer.metrics import plotted
 
 
 def count_parameters(count: int) -> str:
@@ -23,7 +23,7 @@ def count_parameters(count: int) -> str:
 
 
 def _metrics_text(record: dict[str, Any], prefix: str = "") -> str:
-    names = [key for key in record if key.startswith(prefix) and key.removeprefix(prefix) not in NOT_PLOTTED]
+    names = [key for key in record if key.startswith(prefix) and plotted(key.removeprefix(prefix))]
     return "  ".join(f"{key.removeprefix(prefix)} {record[key]:.4f}" for key in names
                      if isinstance(record[key], (int, float)))
 
@@ -77,7 +77,8 @@ class RunDisplay:
             self.progress.update(self.task, completed=step, stats=stats)
         else:
             extra = f"  lr {record['lr']:.2e}" if "lr" in record else ""
-            self.print(f"step {step:>6}  {stats}{extra}  grad norm {record['grad_norm']:.3f}")
+            norm = f"  grad norm {record['grad_norm']:.3f}" if "grad_norm" in record else ""
+            self.print(f"step {step:>6}  {stats}{extra}{norm}")
 
     def advance(self, step: int) -> None:
         if self.progress is not None:
@@ -85,6 +86,9 @@ class RunDisplay:
 
     def evaluation(self, step: int, record: dict[str, Any]) -> None:
         others = _metrics_text({k: v for k, v in record.items() if k != "val_loss"}, "val_")
+        if "val_loss" not in record:
+            self.print(f"[bold]eval[/bold] step {step}: {others}")
+            return
         self.print(f"[bold]eval[/bold] step {step}: validation loss {record['val_loss']:.4f}"
                    + (f"  ({others})" if others else ""))
 

@@ -14,6 +14,11 @@ from shardax.errors import UsageError
 NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm", "skipped_steps"}
 
 
+def plotted(name: str) -> bool:
+    """Whether a metric is one of the run's own curves (not a timing, nor a part's gradient norm)."""
+    return name not in NOT_PLOTTED and not name.startswith("grad_norm/")
+
+
 def finite_or_none(record: dict[str, Any]) -> dict[str, Any]:
     return {key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in record.items()}
 
@@ -80,8 +85,10 @@ class MetricsLog:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
 
-        names = ["loss"] + sorted({key.removeprefix("val_") for record in self.records for key in record
-                                   if key.removeprefix("val_") not in NOT_PLOTTED | {"loss"}})
+        has_loss = any("loss" in record or "val_loss" in record for record in self.records)
+        names = ["loss"] * has_loss + sorted({key.removeprefix("val_") for record in self.records for key in record
+                                             if plotted(key.removeprefix("val_")) and key != "loss"
+                                             and key != "val_loss"})
         names = names[:4]
         figure, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.4), squeeze=False)
         for axis, name in zip(axes[0], names):

@@ -240,7 +240,7 @@ class Run:
         record = None
         if due["log"]:
             values = {name: host_float(value) for name, value in step_metrics.items()}
-            record = {"step": step, "loss": values.pop("loss"), **values, **clock.tick(step)}
+            record = {"step": step, **values, **clock.tick(step)}  # the loss first, where the step has one
             if self.trainer.learning_rate is not None:
                 rate = self.trainer.learning_rate
                 record["lr"] = float(rate(step - 1) if callable(rate) else rate)
@@ -251,8 +251,9 @@ class Run:
             began = time.perf_counter()
             self.last_eval = self.trainer.evaluate(evaluations, self.state)
             clock.pause(time.perf_counter() - began)
-            loss = self.last_eval["loss"]
-            self.best_eval_loss = loss if self.best_eval_loss is None else min(self.best_eval_loss, loss)
+            loss = self.last_eval.get("loss")
+            if loss is not None:
+                self.best_eval_loss = loss if self.best_eval_loss is None else min(self.best_eval_loss, loss)
             evaluated = {f"val_{name}": value for name, value in self.last_eval.items()}
             record = (record or {"step": step}) | evaluated
             self.display.evaluation(step, evaluated)
@@ -281,7 +282,7 @@ class Run:
         rows["wall time"] = f"{wall:.1f} s"
         rows["throughput"] = clock.throughput(step)
         unit = f" {unit}" if unit else ""
-        if self.last_eval is not None:
+        if self.last_eval is not None and "loss" in self.last_eval:
             rows["validation loss"] = f"{self.last_eval['loss']:.4f}{unit} (best {self.best_eval_loss:.4f})"
         for name, value in baselines.items():
             rows[f"{name} baseline"] = f"{value:.4f}{unit}"

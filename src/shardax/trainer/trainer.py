@@ -13,7 +13,7 @@ position) and a summary. ``shardax train`` is one client of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,19 @@ from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
+from shardax.parts import Part, ParallelParts
 from shardax.models.transformer import LoRA, TransformerLM
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy
 from shardax.step.loss import WEIGHT, LossFn
+from shardax.step.parts import StepFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.trainer.display import count_parameters
 from shardax.trainer.preemption import StopSignals
+from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.settings import FitSettings
@@ -92,8 +95,9 @@ class Trainer:
         objects with ``write(record)`` and ``close()``; see ``shardax.trainer.trackers``.
     """
 
-    def __init__(self, model: ModelFactory | None, optimizer: optax.GradientTransformation, loss_fn: LossFn, *,
-                 mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
+    def __init__(self, model: ModelFactory | None = None, optimizer: optax.GradientTransformation | None = None,
+                 loss_fn: LossFn | None = None, *, parts: Mapping[str, Part] | None = None,
+                 step: StepFn | None = None, eval_fn: StepFn | None = None, mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
                  microbatches: int | None = None, pipeline_repeats: int = 1, context_attention: str = "all-gather",
                  seed: int = 0, eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
@@ -106,12 +110,20 @@ class Trainer:
         self.settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
                                              pipeline_repeats=pipeline_repeats, context_attention=context_attention)
         self.init_from = init_from
-        self.parallel: ParallelModel = ParallelModel.create(_factory(model, init_from, lora), optimizer, self.settings,
-                                                            axis_names=axis_names, loss_fn=loss_fn,
-                                                            example_batch=example_batch)
-        self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
-        self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
+        self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from, lora,
+                                     grad_accum)
+        self.parallel: ParallelModel | ParallelParts
+        if self.parts is not None:
+            self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=axis_names,
+                                                 example_batch=example_batch)
+            self.schedule, self.context_attention = None, None
+        else:
+            self.parallel = ParallelModel.create(_factory(model, init_from, lora), optimizer, self.settings,
+                                                 axis_names=axis_names, loss_fn=loss_fn, example_batch=example_batch)
+            self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
+            self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
+        self.step_fn, self.eval_fn = step, eval_fn
         self.seed, self.name, self.learning_rate = seed, name, learning_rate
         self._state: TrainState | None = None
         self._run: Run | None = None  # the fit under way: its state is the trainer's
@@ -161,6 +173,8 @@ class Trainer:
 
     def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
+        if on_nonfinite not in self._steps and self.parts is not None:
+            self._steps[on_nonfinite] = self.parallel.train_step(self.step_fn, nonfinite=on_nonfinite)
         if on_nonfinite not in self._steps:
             self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.settings.grad_accum,
                                                                  nonfinite=on_nonfinite,
@@ -168,6 +182,11 @@ class Trainer:
         return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
+        if "eval" not in self._steps and self.parts is not None:
+            if self.eval_fn is None:
+                raise UsageError("this run of parts has no evaluation step; give Trainer(eval_fn=lambda parts, batch: "
+                                 "{'name': scalar, ...}) to evaluate, or leave eval_data out")
+            self._steps["eval"] = self.parallel.eval_step(self.eval_fn)
         if "eval" not in self._steps:
             self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.settings.schedule_options)
         return self._steps["eval"]
@@ -203,15 +222,41 @@ class Trainer:
     def model(self, state: TrainState | None = None, *, ema: bool = False) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded); with
         ``ema=True``, holding the moving average of its weights (``shardax.ema_params``)."""
+        if self.parts is not None:
+            raise UsageError(f"this trainer holds parts ({', '.join(self.parts)}); take one with "
+                             f"trainer.part({next(iter(self.parts))!r})")
         state = state if state is not None else self.state
         model = self.parallel.ema_model(state) if ema else self.parallel.merge(state)
         model.eval()
         return model
 
+    def part(self, name: str, state: TrainState | None = None, *, ema: bool = False) -> nnx.Module:
+        """Part ``name`` of a run of parts as an ``nnx.Module`` in eval mode (its arrays stay
+        sharded); with ``ema=True``, holding the moving average of its weights when it keeps one."""
+        if self.parts is None:
+            raise UsageError("this trainer trains one model, not parts; take it with trainer.model()")
+        state = state if state is not None else self.state if self.state is not None else self.init()
+        if ema and name in self.parallel.averaged_parts(state):
+            state = self.parallel.ema_state(state)
+        elif ema:
+            raise UsageError(f"part {name!r} keeps no moving average of its weights; chain shardax.ema_params(decay) "
+                             "last in its optimizer, or take it with ema=False")
+        model = self.parallel.part(state, name)
+        model.eval()
+        return model
+
+    def _models(self) -> str:
+        """What is trained: the model's class, or each part's name and class."""
+        if self.parts is None:
+            return type(self.parallel._abstract_model()).__name__
+        return ", ".join(f"{name} ({type(model._abstract_model()).__name__}"
+                         f"{', frozen' if self.parts[name].optimizer is None else ''})"
+                         for name, model in self.parallel.models.items())
+
     def title(self) -> str:
         """One line naming the run for plots: name, model, size, strategy, mesh."""
         parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
-        model = type(self.parallel._abstract_model()).__name__
+        model = self._models()
         return (f"{self.name}: {model} of {count_parameters(parameters)} parameters, {self.strategy.name} on mesh "
                 f"{describe_mesh(self.mesh)} ({self.mesh.devices.size} {jax.devices()[0].platform} devices)")
 
@@ -224,6 +269,8 @@ class Trainer:
             f"({describe_devices(self.mesh)})",
             f"state: {report(self.parallel).summary()}",
         ]
+        if self.parts is not None:
+            lines.append(f"parts: {self._models()}")
         if self.schedule is not None:
             schedule = self.schedule
             repeats = f" x {schedule.repeats} repeats" if schedule.repeats > 1 else ""
@@ -239,11 +286,13 @@ class Trainer:
                      if getattr(self.loss_fn, "__module__", None) == "shardax.models.transformer"
                      else "in order (one contiguous share each)")
             lines.append(f"context: each sequence split {shards} ways over context, {order}, {how}")
-        layout = self.parallel.layout
-        fallbacks = [f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in layout.leaves.values() if leaf.notes]
+        layouts = ({"": self.parallel.layout} if self.parts is None else
+                   {f"{name}/": model.layout for name, model in self.parallel.models.items()})
+        fallbacks = [f"{part}{leaf.path}: {'; '.join(leaf.notes)}" for part, layout in layouts.items()
+                     for leaf in layout.leaves.values() if leaf.notes]
         tensor = self.strategy.tensor_axis(self.mesh)
-        whole = [f"  whole on {tensor}: {', '.join(paths)}: {reason}"
-                 for reason, paths in layout.whole_on_tensor_axis().items()]
+        whole = [f"  whole on {tensor}: {', '.join(part + path for path in paths)}: {reason}"
+                 for part, layout in layouts.items() for reason, paths in layout.whole_on_tensor_axis().items()]
         return lines + [f"  replicated or moved: {note}" for note in fallbacks[:5]] + whole
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,

@@ -1,0 +1,232 @@
+"""Named parts: several models in one run, each with its own optimizer or frozen, laid out together.
+
+    parts = {"generator": Part(lambda rngs: Generator(rngs=rngs), optax.adam(2e-4)),
+             "discriminator": Part(lambda rngs: Discriminator(rngs=rngs), optax.adam(2e-4))}
+    trainer = Trainer(parts=parts, step=gan_step, strategy="fsdp")
+
+Each part is laid out by the run's strategy on the run's mesh as a lone model would be
+(``parallelize``), initialised straight into its shards, and its parameters, optimizer state and
+variables live in one ``TrainState`` whose trees are keyed by part name: a checkpoint holds them
+together (``params/generator/...``, ``opt_state/discriminator/...``) and resumes them exactly. A
+frozen part (``Part(model)``, no optimizer) has no optimizer state and is never updated: a
+distillation's teacher, DPO's reference model. The step over the parts is the user's
+(``shardax.step.parts``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.errors import UsageError
+from shardax.model_parallel import ModelFactory, ParallelModel, _build_state, trained_part
+from shardax.sharding.axis_names import AxisNames
+from shardax.sharding.checks import check_tensor_axis
+from shardax.sharding.layout import Layout
+from shardax.sharding.place import spec_axes
+from shardax.sharding.strategies import Strategy
+from shardax.step.ema import EmaState, averaged
+from shardax.step.parts import PartPlan, StepFn, build_parts_eval_step, build_parts_step
+from shardax.step.settings import StepSettings
+from shardax.step.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One model of a run.
+
+    Args:
+      model: ``lambda rngs: MyModel(..., rngs=rngs)``.
+      optimizer: its optax transformation; None: frozen (no gradient, no optimizer state).
+      forward: ``lambda model, batch: model(batch["x"])``: how the step calls it. Under ``tp``
+        and ``fsdp_tp`` the weights without logical names are split as Megatron would, read off
+        this call on the trainer's ``example_batch`` (as the one-model Trainer reads its loss).
+      trainable: an NNX filter of the parameters its optimizer updates (default: every one, or
+        its ``nnx.LoRAParam`` adapters alone when it holds some).
+      seed: its initialisation; default the trainer's seed plus the part's position in ``parts``.
+    """
+
+    model: ModelFactory
+    optimizer: optax.GradientTransformation | None = None
+    forward: Callable[[nnx.Module, Any], Any] | None = None
+    trainable: Any = None
+    seed: int | None = None
+
+
+def check_parts(parts: Any) -> dict[str, Part]:
+    """``parts`` as a dict of ``Part``, refused in one line unless it is one."""
+    if not isinstance(parts, Mapping) or not parts:
+        raise UsageError(f"parts={type(parts).__name__}; give a dict of named parts, e.g. "
+                         "{'generator': Part(make_generator, optax.adam(2e-4)), 'teacher': Part(make_teacher)}")
+    for name, part in parts.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UsageError(f"part name {name!r} is not a Python identifier; name parts like 'generator' or 'teacher'")
+        if not isinstance(part, Part):
+            given = f"the class {part.__name__}" if isinstance(part, type) else f"a {type(part).__name__}"
+            raise UsageError(f"part {name!r} is {given}, not a Part; wrap it: Part(lambda rngs: Model(rngs=rngs), "
+                             "optax.adam(1e-3)), or Part(...) with no optimizer to freeze it")
+        if part.optimizer is not None and not (hasattr(part.optimizer, "init") and hasattr(part.optimizer, "update")):
+            raise UsageError(f"part {name!r} has optimizer {type(part.optimizer).__name__}; give one optax "
+                             "transformation per part (e.g. optax.adam(1e-3)), or None to freeze the part")
+    if all(part.optimizer is None for part in parts.values()):
+        raise UsageError("every part is frozen, so nothing would train; give at least one part an optimizer")
+    return dict(parts)
+
+
+def _as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.Module, Any], jax.Array]:
+    """A scalar of what ``forward`` computes, for reading tensor-parallel splits off its program."""
+
+    def loss(model: nnx.Module, batch: Any) -> jax.Array:
+        return sum((jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(forward(model, batch))),
+                   jnp.zeros((), jnp.float32))
+
+    return loss
+
+
+def _check_tensor_axis(parts: dict[str, Part], models: dict[str, ParallelModel], example_batch: Any) -> None:
+    """Refuse a tensor axis that splits no weight of any part (one part left whole is listed in
+    ``describe`` with its reason, as a lone model's whole weights are)."""
+    first = next(iter(models.values()))
+    tensor = first.strategy.tensor_axis(first.mesh)
+    if tensor is None or any(tensor in spec_axes(entry) for model in models.values()
+                             for leaf in model.layout.leaves.values() for entry in leaf.spec):
+        return
+    name = next(iter(models))
+    read_off = parts[name].forward is not None and example_batch is not None
+    check_tensor_axis(models[name].layout, tensor, read_off,
+                      hint="give each part forward=lambda model, batch: model(...) and the Trainer example_batch, "
+                           "so shardax reads the split off their calls")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelParts:
+    """Named parts laid out on one mesh by one strategy; ``models`` holds each part's layout."""
+
+    parts: dict[str, Part]
+    models: dict[str, ParallelModel]
+    abstract_state: TrainState
+    state_shardings: TrainState
+
+    @classmethod
+    def create(cls, parts: Mapping[str, Part], settings: StepSettings, *, axis_names: AxisNames = None,
+               example_batch: Any = None) -> ParallelParts:
+        parts = check_parts(parts)
+        if settings.strategy.pipeline_axis is not None or settings.mesh.shape.get("context", 1) > 1:
+            raise UsageError(f"strategy {settings.strategy.name!r} on mesh {dict(settings.mesh.shape)} pipelines or "
+                             "splits sequences of one model; a run of several parts uses dp, zero1, zero2, fsdp, "
+                             "hsdp, tp or fsdp_tp on a mesh without a context axis")
+        models = {}
+        for name, part in parts.items():
+            derive = part.forward is not None and example_batch is not None
+            models[name] = ParallelModel.create(
+                part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
+                loss_fn=_as_loss(part.forward) if derive else None, example_batch=example_batch if derive else None,
+                trainable=part.trainable, check_tensor=False)
+        _check_tensor_axis(parts, models, example_batch)
+        trained = [name for name, part in parts.items() if part.optimizer is not None]
+        mesh = next(iter(models.values())).mesh
+        scalar = NamedSharding(mesh, PartitionSpec())
+
+        def combined(pick: Callable[[ParallelModel], TrainState], step: Any) -> TrainState:
+            return TrainState(step=step, skipped=step,
+                              params={name: pick(model).params for name, model in models.items()},
+                              opt_state={name: pick(models[name]).opt_state for name in trained},
+                              rest={name: pick(model).rest for name, model in models.items()})
+
+        return cls(parts, models, combined(lambda m: m.abstract_state, jax.ShapeDtypeStruct((), jnp.int32)),
+                   combined(lambda m: m.state_shardings, scalar))
+
+    @property
+    def first(self) -> ParallelModel:
+        return next(iter(self.models.values()))
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.first.mesh
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.first.strategy
+
+    @property
+    def layout(self) -> Layout:
+        """The first part's layout (the batch's sharding is every part's)."""
+        return self.first.layout
+
+    def seeds(self, seed: int) -> dict[str, int]:
+        return {name: seed + i if part.seed is None else part.seed for i, (name, part) in enumerate(self.parts.items())}
+
+    def init(self, seed: int = 0) -> TrainState:
+        """Every part initialised straight into its shards (in one program)."""
+        seeds = self.seeds(seed)
+
+        def build() -> TrainState:
+            states = {name: _build_state(model.factory, model.tx, seeds[name], self.mesh, model.trainable)
+                      for name, model in self.models.items()}
+            zero = jnp.zeros((), jnp.int32)
+            return TrainState(step=zero, skipped=zero, params={name: s.params for name, s in states.items()},
+                              opt_state={name: states[name].opt_state for name in self.abstract_state.opt_state},
+                              rest={name: s.rest for name, s in states.items()})
+
+        return jax.jit(build, out_shardings=self.state_shardings)()
+
+    def plans(self) -> dict[str, PartPlan]:
+        plans = {}
+        for name, model in self.models.items():
+            params = model.abstract_state.params
+            plans[name] = PartPlan(model.configured(), self.parts[name].optimizer, model.trainable,
+                                   model.state_shardings.params, model.layout.compute(params),
+                                   model.layout.gradients(params))
+        return plans
+
+    def _under_mesh(self) -> Any:
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+
+    def train_step(self, step_fn: StepFn, *, nonfinite: str = "stop",
+                   donate: bool = True) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+        """The compiled ``(state, batch) -> (state, metrics)`` of the user's ``step_fn(parts, batch)``."""
+        step = build_parts_step(self.plans(), step_fn, nonfinite=nonfinite, layer_layout=self._under_mesh,
+                                select_update=self.mesh.devices.flat[0].platform == "tpu")
+        return jax.jit(step, in_shardings=(self.state_shardings, self.layout.batch()),
+                       out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
+                       donate_argnums=(0,) if donate else ())
+
+    def eval_step(self, eval_fn: StepFn) -> Callable[[TrainState, Any], dict]:
+        evaluate = build_parts_eval_step(self.plans(), eval_fn, layer_layout=self._under_mesh)
+        return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()),
+                       out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+
+    def averaged_parts(self, state: TrainState) -> list[str]:
+        """The parts whose optimizer keeps a moving average of their weights (``shardax.ema_params``)."""
+        def keeps(opt_state: Any) -> bool:
+            return any(isinstance(leaf, EmaState)
+                       for leaf in jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, EmaState)))
+
+        return [name for name, opt_state in state.opt_state.items() if keeps(opt_state)]
+
+    def ema_state(self, state: TrainState) -> TrainState:
+        """``state`` with each averaged part's trained parameters replaced by their moving average."""
+        names = self.averaged_parts(state)
+        if not names:
+            raise UsageError("no part keeps a moving average of its weights; chain shardax.ema_params(decay) last "
+                             "in a part's optimizer: Part(model, optax.chain(optax.adam(1e-3), ema_params(0.999)))")
+        params = dict(state.params)
+        for name in names:
+            model = self.models[name]
+            average = averaged(state.opt_state[name], trained_part(params[name], model.trainable))
+            params[name] = jax.device_put(nnx.merge_state(params[name], average), model.state_shardings.params)
+        return state.replace(params=params)
+
+    def part(self, state: TrainState, name: str) -> nnx.Module:
+        """Part ``name`` as an ``nnx.Module`` holding ``state``'s arrays (sharded as they are)."""
+        if name not in self.models:
+            raise UsageError(f"no part named {name!r}; the parts are {', '.join(map(repr, self.models))}")
+        return nnx.merge(self.models[name].graphdef, state.params[name], state.rest[name])
+

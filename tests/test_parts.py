@@ -1,0 +1,200 @@
+"""Runs of several named parts (``shardax.Part``) and a step the user wrote over them.
+
+A GAN (two models, two optimizers, alternating updates, BatchNorm in the generator, a moving
+average of the generator's weights) and a distillation (a student beside a frozen teacher that
+has Dropout) train under each strategy exactly as the same step does in plain Flax NNX on one
+device: the metrics of every step, every parameter's movement (SGD: a gradient off by any factor
+shows), batch statistics, the moving average. Checkpoints hold every part, resume exactly and
+restore with orbax alone; bad input is one line.
+"""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from shardax import Part, Trainer, ema_params, report
+from shardax.errors import UsageError
+from user_models import (Discriminator, Generator, Student, Teacher, distill_eval, distill_step, gan_batches,
+                         gan_eval, gan_step, on_host, plain_parts_run, vector_batches)
+
+pytestmark = pytest.mark.xdist_group("test_parts")
+
+STEPS = 4
+STRATEGIES = [("dp", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"),
+              ("fsdp_tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]
+
+
+def sgd():
+    return optax.sgd(0.05, momentum=0.9)
+
+
+def gan_parts():
+    """The generator keeps a moving average of its weights, as GANs are sampled from."""
+    return {"generator": Part(Generator, optax.chain(sgd(), ema_params(0.8)), forward=lambda g, b: g(b["noise"])),
+            "discriminator": Part(Discriminator, sgd(), forward=lambda d, b: d(b["image"]))}
+
+
+def distill_parts():
+    return {"teacher": Part(Teacher, forward=lambda t, b: t(b["inputs"])),
+            "student": Part(Student, sgd(), forward=lambda s, b: s(b["inputs"]))}
+
+
+PROCEDURES = {
+    "gan": (gan_parts, gan_step, gan_eval, gan_batches),
+    "distillation": (distill_parts, distill_step, distill_eval, vector_batches),
+}
+_REFERENCE = {}
+
+
+def reference(procedure):
+    """Plain NNX on one device, each part built with the seed shardax gives it (0, 1, ... in order)."""
+    if procedure not in _REFERENCE:
+        make, step, _, batches = PROCEDURES[procedure]
+        parts = make()
+        _REFERENCE[procedure] = plain_parts_run(
+            {name: part.model for name, part in parts.items()},
+            {name: part.optimizer for name, part in parts.items() if part.optimizer is not None},
+            step, batches(STEPS), seeds={name: i for i, name in enumerate(parts)})
+    return _REFERENCE[procedure]
+
+
+def by_path(tree):
+    return {jax.tree_util.keystr(path).removesuffix(".value"): np.asarray(value)
+            for path, value in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+
+
+def unwrapped(tree):  # plain NNX's optimizer holds Variables (OptArray); their values
+    return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+@pytest.mark.parametrize("procedure", list(PROCEDURES))
+@pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+def test_a_procedure_of_parts_trains_like_plain_nnx_on_one_device(procedure, strategy, mesh_shape):
+    make, step, evaluate, batches = PROCEDURES[procedure]
+    expected, ref_models, ref_optimizers = reference(procedure)
+    parts = make()
+    trainer = Trainer(parts=parts, step=step, eval_fn=evaluate, strategy=strategy, mesh=mesh_shape,
+                      example_batch=next(batches(1)))
+    initial = {name: by_path(nnx.state(trainer.part(name, trainer.init()), nnx.Param)) for name in parts}
+    result = trainer.fit(list(batches(STEPS)), steps=STEPS, log_every=1, summary=False)
+    for name in expected[0]:
+        np.testing.assert_allclose([r[name] for r in result.history], [e[name] for e in expected], rtol=1e-5,
+                                   err_msg=name)
+    state = result.state
+    assert set(state.opt_state) == {name for name, part in parts.items() if part.optimizer is not None}
+    for name, part in parts.items():
+        model, ref = trainer.part(name), ref_models[name]
+        params, ref_params = by_path(nnx.state(model, nnx.Param)), by_path(nnx.state(ref, nnx.Param))
+        assert params.keys() == ref_params.keys()
+        for path in params:
+            moved, ref_moved = params[path] - initial[name][path], ref_params[path] - initial[name][path]
+            if part.optimizer is None:  # frozen: exactly as it started
+                np.testing.assert_array_equal(moved, 0, err_msg=f"{name}{path}")
+                continue
+            scale = float(np.abs(ref_moved).max())
+            assert scale > 0, (name, path)
+            # 1e-5 of the step, plus the float32 rounding of the parameters the step was added to
+            rounding = 2 * float(np.spacing(np.abs(ref_params[path]).max()))
+            np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-5 * scale + rounding,
+                                       err_msg=f"{name}{path}")
+        stats, ref_stats = by_path(nnx.state(model, nnx.BatchStat)), by_path(nnx.state(ref, nnx.BatchStat))
+        for path in stats:
+            np.testing.assert_allclose(stats[path], ref_stats[path], rtol=1e-5, atol=1e-6, err_msg=f"{name}{path}")
+    if procedure == "gan":  # the generator's moving average: one device's
+        from shardax.step.ema import averaged
+
+        ours = by_path(nnx.state(trainer.part("generator", ema=True), nnx.Param))
+        theirs = by_path(averaged(unwrapped(ref_optimizers["generator"].opt_state),
+                                  unwrapped(nnx.state(ref_models["generator"], nnx.Param))))
+        for path in ours:
+            moved, ref_moved = ours[path] - initial["generator"][path], theirs[path] - initial["generator"][path]
+            np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-4 * float(np.abs(ref_moved).max()))
+    assert jax.tree.map(lambda a: a.sharding, state) == trainer.parallel.state_shardings
+    if strategy == "tp":  # Megatron's split of both parts' square, skip and odd weights
+        assert report(trainer.parallel).fraction <= 0.75
+    metrics = trainer.evaluate(list(batches(2)))
+    assert set(metrics) == {"d_accuracy"} if procedure == "gan" else {"agreement"}
+
+
+def test_a_run_of_parts_resumes_exactly_and_restores_with_orbax_alone(tmp_path):
+    batches = list(gan_batches(6))
+
+    def gan(**options):
+        return Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp", **options)
+
+    straight = gan().fit(batches, steps=6, log_every=1, summary=False)
+    gan().fit(batches, steps=3, checkpoint_dir=tmp_path, summary=False)
+    resumed = gan().fit(batches, steps=6, log_every=1, checkpoint_dir=tmp_path, resume=True, summary=False)
+    assert resumed.start_step == 3
+    assert [r["g_loss"] for r in resumed.history] == [r["g_loss"] for r in straight.history[3:]]
+    jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(straight.state))
+    # orbax alone: the generator's parameters and batch statistics from the tree keyed by part
+    generator = nnx.eval_shape(lambda: Generator(nnx.Rngs(0)))
+    params, rest = nnx.state(generator, nnx.Param, ...)
+    target = {"params": {"generator": params}, "rest": {"generator": rest}}
+    restored = ocp.PyTreeCheckpointer().restore(
+        os.path.abspath(tmp_path / "6" / "state"),
+        args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                    partial_restore=True))
+    nnx.update(generator, restored["params"]["generator"], restored["rest"]["generator"])
+    trained = resumed.state.params["generator"]
+    np.testing.assert_array_equal(generator.out.kernel[...], np.asarray(trained["out"]["kernel"][...]))
+
+
+def _wrong_grads(parts, batch):
+    grads = nnx.grad(lambda d: d(batch["image"]).mean())(parts["discriminator"])
+    parts.update("generator", grads)
+    parts.update("discriminator", grads)
+    return {}
+
+
+def _never_updates_the_generator(parts, batch):
+    grads = nnx.grad(lambda d: d(batch["image"]).mean())(parts["discriminator"])
+    parts.update("discriminator", grads)
+    return {"score": parts["discriminator"](batch["image"]).mean()}
+
+
+def _updates_the_teacher(parts, batch):
+    grads = nnx.grad(lambda t: t(batch["inputs"]).mean())(parts["teacher"])
+    parts.update("teacher", grads)
+    return {}
+
+
+GAN_BATCH = next(gan_batches(1))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: Trainer(Generator, (sgd(), sgd()), lambda m, b: 0.0),
+     "Trainer was given 2 optimizers; one model trains with one optax transformation: for several models"),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step, loss_fn=lambda m, b: 0.0),
+     "Trainer(parts=...) was also given loss_fn;"),
+    (lambda: Trainer(parts=gan_parts()), "Trainer(parts=...) needs step=your_step(parts, batch)"),
+    (lambda: Trainer(parts={"generator": Generator}, step=gan_step), "part 'generator' is the class Generator, not a Part; wrap it: Part("),
+    (lambda: Trainer(parts={"teacher": Part(Teacher)}, step=gan_step), "every part is frozen, so nothing would train"),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step, strategy="pp", mesh="data=4,stage=2"),
+     "a run of several parts uses dp, zero1, zero2, fsdp, hsdp, tp or fsdp_tp"),
+    (lambda: Trainer(parts=gan_parts(), step=_wrong_grads, example_batch=GAN_BATCH),
+     "parts.update('generator', grads): grads hold 8 arrays that are not the gradients of part 'generator' (7 trained parameters)"),
+    (lambda: Trainer(parts=gan_parts(), step=_never_updates_the_generator, example_batch=GAN_BATCH),
+     "part 'generator' has an optimizer but the step never called parts.update('generator', grads)"),
+    (lambda: Trainer(parts=distill_parts(), step=_updates_the_teacher, example_batch=next(vector_batches(1))),
+     "parts.update('teacher', ...): part 'teacher' is frozen (no optimizer)"),
+    (lambda: Trainer(parts=gan_parts(), step=lambda parts, batch: [1.0], example_batch=GAN_BATCH),
+     "the step returned a list; return a dict of scalar metrics"),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step).fit([GAN_BATCH], steps=1, eval_data=[GAN_BATCH]),
+     "this run of parts has no evaluation step; give Trainer(eval_fn="),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step).model(),
+     "this trainer holds parts (generator, discriminator); take one with trainer.part('generator')"),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step).part("discriminator", ema=True),
+     "part 'discriminator' keeps no moving average of its weights"),
+])
+def test_bad_input_to_a_run_of_parts_is_one_line(call, message):
+    with pytest.raises(UsageError) as error:
+        call()
+    assert message in str(error.value) and "\n" not in str(error.value)
