@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from shardax.trainer.lock import LOCK_NAME
 from shardax import Trainer, ema_params
@@ -35,7 +36,8 @@ def tensorboard_scalars(directory):
             event = Event.FromString(data[offset + 12:offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
-                scalars[(value.tag, event.step)] = value.simple_value
+                scalars[(value.tag, event.step)] = (("image", value.image.height, value.image.width)
+                                                    if value.HasField("image") else value.simple_value)
     return scalars
 
 
@@ -80,11 +82,17 @@ def wandb_history(directory):
 
 def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsys):
     batches, held_out = list(vector_batches(6)), list(vector_batches(2, seed=9))
-    logged = []
+    logged, drawn = [], {}
     trackers = [f"mlflow:{tmp_path / 'mlflow'}", f"wandb:{tmp_path / 'wandb'}"]
-    run = trainer(trackers=trackers).fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
-                                         metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb",
-                                         on_log=logged.append)
+
+    def draw(model, step):  # six 5x8 "images": the hidden layer's activations of six inputs
+        drawn[step] = (model, jax.device_get(nnx.state(model, nnx.Param)))
+        return jax.nn.sigmoid(model.hidden(held_out[0]["inputs"][:6])).reshape(6, 5, 8)
+
+    fitting = trainer(trackers=trackers)
+    run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2, metrics=tmp_path / "m.jsonl",
+                      tensorboard=tmp_path / "tb", on_log=logged.append, samples=draw, sample_every=3,
+                      samples_dir=tmp_path / "samples")
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -104,6 +112,23 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     out = capsys.readouterr().out
     assert "strategy fsdp" in out and "eval step 3: validation loss" in out and "summary" in out
     assert (run.start_step, run.end_step) == (0, 6) and run.examples_per_sec > 0
+    # samples: drawn from the moving average of the weights in eval mode, written as 2x3 grids of 5x8
+    assert sorted(drawn) == [3, 6] and drawn[6][0].dropout.deterministic
+    averaged = jax.device_get(nnx.state(fitting.model(ema=True), nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(drawn[6][1]), jax.tree.leaves(averaged))
+    import matplotlib.image
+
+    for step in (3, 6):
+        image = matplotlib.image.imread(tmp_path / "samples" / f"samples_step_{step:06d}.png")
+        assert image.shape[:2] == (2 * 6 + 1, 3 * 9 + 1) and f"samples_step_{step:06d}.png" in out
+    assert tensorboard_scalars(tmp_path / "tb")[("samples/samples", 6)] == ("image", 13, 28)
+    images = wandb_history(tmp_path / "wandb")
+    assert images[("samples/samples/_type", 3)] == "image-file" and images[("samples/samples/width", 6)] == 28
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(tmp_path / "mlflow").resolve().as_uri())
+    [mlflow_run] = client.search_runs([client.get_experiment_by_name("shardax").experiment_id])
+    assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["images"]
 
 
 def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
@@ -254,6 +279,11 @@ def one_pass():
     (lambda t, d: t.fit([{"inputs": np.ones((12, 12), np.float32), "labels": np.zeros(12, np.int32)}], steps=1),
      "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh data=8 times "
      "`grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
+    (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))), "samples= needs samples_dir=DIR"),
+    (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: -np.ones((2, 4, 4)), samples_dir=d),
+     "samples returned 'samples' with values from -1 to -1; return values in "),
+    (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: {"x": np.ones((2, 4))}, samples_dir=d),
+     "samples returned 'x' of shape (2, 4); return images as (count, height, width) or"),
 ])
 def test_bad_arguments_are_one_line_errors(call, message, tmp_path):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:

@@ -32,7 +32,7 @@ from shardax.sharding.checks import check_tensor_axis
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
 from shardax.sharding.strategies import Strategy
-from shardax.step.ema import EmaState, averaged
+from shardax.step.ema import averaged, keeps_average
 from shardax.step.parts import PartPlan, StepFn, build_parts_eval_step, build_parts_step
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
@@ -51,6 +51,9 @@ class Part:
       trainable: an NNX filter of the parameters its optimizer updates (default: every one, or
         its ``nnx.LoRAParam`` adapters alone when it holds some).
       seed: its initialisation; default the trainer's seed plus the part's position in ``parts``.
+      init_from: weights to start from instead of ``seed``'s: a trained ``nnx.Module`` of the
+        same structure (a teacher, a reference model), or its ``nnx.state``; each device takes
+        its own slices of them.
     """
 
     model: ModelFactory
@@ -58,6 +61,7 @@ class Part:
     forward: Callable[[nnx.Module, Any], Any] | None = None
     trainable: Any = None
     seed: int | None = None
+    init_from: Any = None
 
 
 def check_parts(parts: Any) -> dict[str, Part]:
@@ -103,6 +107,18 @@ def _check_tensor_axis(parts: dict[str, Part], models: dict[str, ParallelModel],
     check_tensor_axis(models[name].layout, tensor, read_off,
                       hint="give each part forward=lambda model, batch: model(...) and the Trainer example_batch, "
                            "so shardax reads the split off their calls")
+
+
+def _described(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """Each array's path and shape: what must match for weights to be a part's (the Variables'
+    own metadata, such as how they were first placed, may differ)."""
+    return [(jax.tree_util.keystr(path), tuple(jnp.shape(leaf)))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _like(tree: Any, template: Any) -> Any:
+    """``tree``'s arrays in ``template``'s structure (the same paths and shapes)."""
+    return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +191,33 @@ class ParallelParts:
                               opt_state={name: states[name].opt_state for name in self.abstract_state.opt_state},
                               rest={name: s.rest for name, s in states.items()})
 
-        return jax.jit(build, out_shardings=self.state_shardings)()
+        state = jax.jit(build, out_shardings=self.state_shardings)()
+        for name, part in self.parts.items():
+            if part.init_from is not None:
+                state = self._start_from(state, name, part.init_from)
+        return state
+
+    def _start_from(self, state: TrainState, name: str, source: Any) -> TrainState:
+        """``state`` with part ``name``'s parameters (and its other variables, when ``source`` has
+        them) taken from ``source``, each device given its slices."""
+        given = nnx.state(source) if isinstance(source, nnx.Module) else source
+        params, rest = nnx.split_state(given, nnx.Param, ...) if isinstance(given, nnx.State) else (given, None)
+        model = self.models[name]
+        for what, tree, template in (("parameters", params, state.params[name]), ("variables", rest, state.rest[name])):
+            if what == "variables" and not jax.tree.leaves(tree):
+                continue  # parameters alone: the part's own variables stay
+            if _described(tree) != _described(template):
+                shapes = jax.tree.leaves(tree)
+                raise UsageError(f"Part(init_from=...) of part {name!r} holds {what} of another structure than "
+                                 f"{type(model._abstract_model()).__name__}'s ({len(shapes)} arrays, "
+                                 f"{len(jax.tree.leaves(template))} expected); give a module built by the "
+                                 "part's own model factory, or its nnx.state")
+        params = jax.device_put(_like(params, state.params[name]), model.state_shardings.params)
+        state = state.replace(params={**state.params, name: params})
+        if rest is not None and jax.tree.leaves(rest):
+            rest = jax.device_put(_like(rest, state.rest[name]), model.state_shardings.rest)
+            state = state.replace(rest={**state.rest, name: rest})
+        return state
 
     def plans(self) -> dict[str, PartPlan]:
         plans = {}
@@ -205,11 +247,7 @@ class ParallelParts:
 
     def averaged_parts(self, state: TrainState) -> list[str]:
         """The parts whose optimizer keeps a moving average of their weights (``shardax.ema_params``)."""
-        def keeps(opt_state: Any) -> bool:
-            return any(isinstance(leaf, EmaState)
-                       for leaf in jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, EmaState)))
-
-        return [name for name, opt_state in state.opt_state.items() if keeps(opt_state)]
+        return [name for name, opt_state in state.opt_state.items() if keeps_average(opt_state)]
 
     def ema_state(self, state: TrainState) -> TrainState:
         """``state`` with each averaged part's trained parameters replaced by their moving average."""

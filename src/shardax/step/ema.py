@@ -49,6 +49,12 @@ def ema_params(decay: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+def keeps_average(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a moving average of the parameters (``ema_params``)."""
+    return any(isinstance(leaf, EmaState)
+               for leaf in jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, EmaState)))
+
+
 def averaged(opt_state: Any, params: Any) -> Any:
     """The moving average of ``params`` held in ``opt_state`` (bias-corrected, in ``params``'
     dtypes); ``params`` themselves while no update has been applied. Refused in one line unless

@@ -20,9 +20,11 @@ from shardax.errors import NonFiniteError, Preempted, UsageError
 from shardax.sharding.report import format_bytes, report
 from shardax.step.state import TrainState
 from shardax.trainer.checkpoint import Checkpointer
+from shardax.trainer.clock import Clock
 from shardax.trainer.display import RunDisplay, show_summary
 from shardax.trainer.metrics import MetricsLog, finite_or_none
 from shardax.trainer.preemption import StopSignals
+from shardax.trainer.samples import SampleFn, grid, image_batches, write_grid
 from shardax.trainer.settings import FitSettings
 from shardax.trainer.sources import BatchSource
 from shardax.trainer.trackers import Tracker, open_tracker
@@ -51,6 +53,8 @@ class Trainer(Protocol):
     def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]: ...
 
     def title(self) -> str: ...
+
+    def for_sampling(self, state: TrainState) -> Any: ...
 
 
 def host_float(value: jax.Array) -> float:
@@ -105,17 +109,19 @@ class Run:
     checkpointer: Checkpointer | None
     notes: list[str]
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    samples: SampleFn | None = None
     last_eval: dict[str, float] | None = None
     best_eval_loss: float | None = None
 
     @classmethod
-    def start(cls, trainer: Trainer, source: BatchSource, settings: FitSettings) -> Run:
+    def start(cls, trainer: Trainer, source: BatchSource, settings: FitSettings,
+              samples: SampleFn | None = None) -> Run:
         """Restore or initialise the state (the settings were checked as they were made); nothing
         is written before."""
         checkpointer = (Checkpointer(settings.checkpoint_dir, keep=settings.keep_checkpoints)
                         if settings.checkpoint_dir else None)
         try:
-            return cls._start(trainer, source, checkpointer, settings)
+            return dataclasses.replace(cls._start(trainer, source, checkpointer, settings), samples=samples)
         except BaseException:
             if checkpointer is not None:
                 checkpointer.close()
@@ -156,7 +162,7 @@ class Run:
         A stop signal (``stops``) that came before a step ends the run after it, with its checkpoint."""
         settings, step_fn = self.settings, self.trainer.train_step(self.settings.on_nonfinite)
         step, done, step_metrics = self.start_step, set(), {}
-        clock = _Clock(step, settings.tokens_per_example)
+        clock = Clock(step, settings.tokens_per_example)
         while settings.steps is None or step < settings.steps:
             batch = self.source.next()
             if batch is None:
@@ -166,7 +172,7 @@ class Run:
             step += 1
             clock.count(batch_rows(placed))
             due = settings.due(step, step == self.start_step + 1, evaluations is not None,
-                               self.checkpointer is not None)
+                               self.checkpointer is not None, self.samples is not None)
             self._after_step(step, step_metrics, clock, due, evaluations, on_log)
             done = {name for name, wanted in due.items() if wanted}
             if stops.reached(step):
@@ -175,7 +181,8 @@ class Run:
             raise UsageError("the data gave no batches; give at least one batch to train on")
         if settings.steps is not None and step < settings.steps:
             self.display.print(f"the data ran out after step {step} (of {settings.steps})")
-        final = {"log": True, "eval": evaluations is not None, "save": self.checkpointer is not None}
+        final = {"log": True, "eval": evaluations is not None, "sample": self.samples is not None,
+                 "save": self.checkpointer is not None}
         missing = {name: wanted and name not in done for name, wanted in final.items()}
         if any(missing.values()):  # the data ran out: the last step gets what a last step gets
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
@@ -185,7 +192,7 @@ class Run:
             self._stop(step, True, stops.received)
         return result
 
-    def _finish(self, step: int, clock: _Clock) -> FitResult:
+    def _finish(self, step: int, clock: Clock) -> FitResult:
         settings = self.settings
         wall = clock.finish(self.checkpointer)
         rows = self._summary(step, clock, wall, settings.loss_unit, settings.baselines or {})
@@ -233,14 +240,15 @@ class Run:
         self.display.print(message)
         raise Preempted(message)
 
-    def _after_step(self, step: int, step_metrics: dict, clock: _Clock, due: dict[str, bool],
+    def _after_step(self, step: int, step_metrics: dict, clock: Clock, due: dict[str, bool],
                     evaluations: Callable | None, on_log: Callable | None) -> None:
         if any(due.values()):
             self._check_finite(step)
         record = None
         if due["log"]:
             values = {name: host_float(value) for name, value in step_metrics.items()}
-            record = {"step": step, **values, **clock.tick(step)}  # the loss first, where the step has one
+            first = {"loss": values.pop("loss")} if "loss" in values else {}  # the loss first, where there is one
+            record = {"step": step, **first, **values, **clock.tick(step)}
             if self.trainer.learning_rate is not None:
                 rate = self.trainer.learning_rate
                 record["lr"] = float(rate(step - 1) if callable(rate) else rate)
@@ -265,15 +273,34 @@ class Run:
                 tracker.write(record)
             if on_log is not None:
                 on_log(record)
+        if due["sample"]:
+            began = time.perf_counter()
+            self._sample(step)
+            clock.pause(time.perf_counter() - began)
         if due["save"]:
             self._save(step)
+
+    def _sample(self, step: int) -> None:
+        """The samples hook on the (averaged) model; process 0 writes each batch as a PNG grid and
+        hands it to the trackers that take images."""
+        batches = image_batches(self.samples(self.trainer.for_sampling(self.state), step))
+        if jax.process_index() != 0:
+            return
+        written = []
+        for name, images in batches.items():
+            image = grid(images)
+            written.append(str(write_grid(Path(self.settings.samples_dir), name, step, image)))
+            for tracker in self.trackers:
+                if callable(getattr(tracker, "write_image", None)):
+                    tracker.write_image(f"samples/{name}", image, step)
+        self.display.print(f"[bold]samples[/bold] step {step}: {', '.join(written)}")
 
     def _save(self, step: int) -> None:
         record = {"step": step, "data": self.source.record(), "seed": self.trainer.seed,
                   "processes": jax.process_count(), **(self.settings.record or {})}
         self.checkpointer.save(step, self.state, record, data=self.source.save_args())
 
-    def _summary(self, step: int, clock: _Clock, wall: float, unit: str | None,
+    def _summary(self, step: int, clock: Clock, wall: float, unit: str | None,
                  baselines: dict[str, float]) -> dict[str, str]:
         layout = report(self.trainer.parallel)
         rows = {"steps": f"{step - self.start_step} (to step {step})", "examples": f"{clock.examples:,}"}
@@ -344,53 +371,3 @@ def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) 
                          f"run needs ({error}); resume with the processes and data it was saved with") from None
     source.resume(record.get("data", {}), step)
     return state, notes + [f"resumed from step {step} of {checkpointer.directory}"]
-
-
-class _Clock:
-    """Step times and throughput: the first record includes compilation; the summary leaves it out."""
-
-    def __init__(self, step: int, tokens_per_example: int | None) -> None:
-        self.began = self.mark = time.perf_counter()
-        self.mark_step, self.start_step = step, step
-        self.compiled_at: float | None = None
-        self.examples, self.after_first, self.rows, self.paused = 0, 0, 0, 0.0
-        self.tokens_per_example = tokens_per_example
-
-    def pause(self, seconds: float) -> None:
-        """Time spent on something else than training (evaluation): not counted in step times."""
-        self.mark += seconds
-        self.paused += seconds
-
-    def count(self, rows: int) -> None:
-        """A step of ``rows`` examples was dispatched."""
-        self.rows = rows
-        self.examples += rows
-        self.after_first += rows if self.mark_step > self.start_step else 0
-
-    def tick(self, step: int) -> dict[str, float]:
-        """Times since the last record (the step has finished: its metrics were fetched)."""
-        now = time.perf_counter()
-        elapsed = (now - self.mark) / (step - self.mark_step)
-        rows = self.rows
-        self.compiled_at = self.compiled_at or now
-        self.mark, self.mark_step = now, step
-        timing = {"step_time_s": elapsed, "examples_per_sec": rows / elapsed}
-        if self.tokens_per_example:
-            timing["tokens_per_sec"] = rows * self.tokens_per_example / elapsed
-        return timing
-
-    def finish(self, checkpointer: Checkpointer | None) -> float:
-        if checkpointer is not None:
-            checkpointer.wait()
-        self.ended = time.perf_counter()
-        return self.ended - self.began
-
-    def examples_per_sec(self, step: int) -> float:
-        trained = self.ended - (self.compiled_at or self.began) - self.paused
-        return self.after_first / trained if trained > 0 and self.after_first else 0.0
-
-    def throughput(self, step: int) -> str:
-        rate = self.examples_per_sec(step)
-        if self.tokens_per_example:
-            return f"{rate * self.tokens_per_example:,.0f} tokens/s"
-        return f"{rate:,.1f} examples/s"

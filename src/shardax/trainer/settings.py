@@ -44,6 +44,8 @@ class FitSettings:
       loss_unit: the loss's unit (``"nats/token"``), in the summary and on the plot's axis.
       baselines: reference losses by name (``{"unigram": 3.24}``), in the summary and drawn on
         the plot's loss as dashed lines.
+      sample_every, samples_dir: steps between calls of ``fit``'s ``samples`` hook (0: only at
+        the end) and where its PNG grids go (``shardax.trainer.samples``).
     """
 
     steps: int | None = None
@@ -61,9 +63,12 @@ class FitSettings:
     summary: bool = True
     loss_unit: str | None = None
     baselines: dict[str, float] | None = None
+    sample_every: int = 0
+    samples_dir: str | None = None
 
     def __post_init__(self) -> None:
-        for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0), ("keep_checkpoints", 1)):
+        for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0), ("keep_checkpoints", 1),
+                            ("sample_every", 0)):
             check_at_least(name, getattr(self, name), least)
         if self.steps is not None:
             check_at_least("steps", self.steps, 1)
@@ -71,9 +76,10 @@ class FitSettings:
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("`resume=True` needs checkpoint_dir (where the run's checkpoints are)")
 
-    def due(self, step: int, first: bool, evaluating: bool, saving: bool) -> dict[str, bool]:
-        """What step ``step`` writes: a log record, an evaluation, a checkpoint (the last step all)."""
+    def due(self, step: int, first: bool, evaluating: bool, saving: bool, sampling: bool = False) -> dict[str, bool]:
+        """What step ``step`` writes: a log record, an evaluation, samples, a checkpoint (the last step all)."""
         last = step == self.steps
         return {"log": step % self.log_every == 0 or first or last,
                 "eval": evaluating and ((self.eval_every and step % self.eval_every == 0) or last),
+                "sample": sampling and ((self.sample_every and step % self.sample_every == 0) or last),
                 "save": saving and ((self.checkpoint_every and step % self.checkpoint_every == 0) or last)}

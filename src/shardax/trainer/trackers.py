@@ -11,7 +11,8 @@
 
 Only process 0 opens them. A record is ``{"step": n, "loss": ..., "val_loss": ...}``; every
 tracker logs its numbers under ``train/<name>`` (``eval/<name>`` for ``val_<name>``) at its step,
-and the run's settings (the ``record`` given to ``fit``) as the run's parameters.
+and the run's settings (the ``record`` given to ``fit``) as the run's parameters. A tracker that
+also has ``write_image(tag, image, step)`` (the three here do) receives ``fit``'s sample grids.
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ class TensorBoardTracker:
             self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()
 
+    def write_image(self, tag: str, image: Any, step: int) -> None:
+        """An image (height, width, channels; uint8) at ``step``."""
+        self.writer.add_image(tag, image, step, dataformats="HWC")
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -136,6 +142,9 @@ class MLflowTracker:
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
+    def write_image(self, tag: str, image: Any, step: int) -> None:
+        self.client.log_image(self.run_id, image[..., 0] if image.shape[-1] == 1 else image, key=tag, step=step)
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -152,6 +161,11 @@ class WandbTracker:
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=int(record["step"]))
+
+    def write_image(self, tag: str, image: Any, step: int) -> None:
+        import wandb
+
+        self.run.log({tag: wandb.Image(image[..., 0] if image.shape[-1] == 1 else image)}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -35,6 +35,7 @@ from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy
 from shardax.step.loss import WEIGHT, LossFn
+from shardax.step.ema import keeps_average
 from shardax.step.parts import StepFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
@@ -42,6 +43,7 @@ from shardax.trainer.display import count_parameters
 from shardax.trainer.preemption import StopSignals
 from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
+from shardax.trainer.samples import SampleFn, check_samples
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.settings import FitSettings
 from shardax.trainer.trackers import parse_tracker
@@ -245,6 +247,16 @@ class Trainer:
         model.eval()
         return model
 
+    def for_sampling(self, state: TrainState | None = None) -> Any:
+        """What to draw samples from: the model in eval mode with the moving average of its weights
+        when its optimizer keeps one (``shardax.ema_params``), else its weights; in a run of parts,
+        each part so, by name."""
+        state = state if state is not None else self.state
+        if self.parts is not None:
+            averaged = self.parallel.averaged_parts(state)
+            return {name: self.part(name, state, ema=name in averaged) for name in self.parts}
+        return self.model(state, ema=keeps_average(state.opt_state))
+
     def _models(self) -> str:
         """What is trained: the model's class, or each part's name and class."""
         if self.parts is None:
@@ -301,7 +313,8 @@ class Trainer:
             metrics: str | None = None, tensorboard: str | None = None,
             on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
             record: dict[str, Any] | None = None, header: Sequence[str] = (), summary: bool = True,
-            loss_unit: str | None = None, baselines: dict[str, float] | None = None) -> FitResult:
+            loss_unit: str | None = None, baselines: dict[str, float] | None = None,
+            samples: SampleFn | None = None, sample_every: int = 0, samples_dir: str | None = None) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
 
         Args:
@@ -312,6 +325,11 @@ class Trainer:
             iterable), evaluated every ``eval_every`` steps (0: only at the end) and at the end.
           on_log: called with each record (every process, the same record).
           header: extra lines printed after the set-up lines.
+          samples: ``draw(model, step) -> images`` in [0, 1], called every ``sample_every`` steps
+            (0: only at the end) and at the end with the model in eval mode (its moving average
+            when the optimizer keeps one; a dict of the parts in a run of parts); each batch is
+            written as a PNG grid into ``samples_dir`` and to the trackers
+            (``shardax.trainer.samples``).
 
         The other keywords (``steps``, ``eval_every``, ``log_every``, ``checkpoint_dir``,
         ``checkpoint_every``, ``resume``, ``keep_checkpoints``, ``on_nonfinite``, ``metrics``,
@@ -326,13 +344,15 @@ class Trainer:
                                checkpoint_every=checkpoint_every, resume=resume, keep_checkpoints=keep_checkpoints,
                                on_nonfinite=on_nonfinite, metrics=metrics, tensorboard=tensorboard,
                                tokens_per_example=tokens_per_example, record=record, summary=summary,
-                               loss_unit=loss_unit, baselines=baselines)
+                               loss_unit=loss_unit, baselines=baselines, sample_every=sample_every,
+                               samples_dir=samples_dir)
+        check_samples(samples, sample_every, samples_dir)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
             self.check_step(example)  # what the first step would refuse, refused before anything is written
         with StopSignals() as stops:  # from here to the final checkpoint: stop after a step, saved
-            run = self._run = Run.start(self, source, settings)
+            run = self._run = Run.start(self, source, settings, samples)
             try:
                 run.display.print(*self.describe(), *header, *run.notes)
                 return run.loop(evaluations, on_log, stops)
