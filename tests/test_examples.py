@@ -51,6 +51,34 @@ def test_vae_digits_improves_its_held_out_elbo():
     assert after - before >= 15, out[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
+    """Two parts, two optimizers, the generator's moving average. Measured on this machine (1000
+    steps): digit score 1.21 before training, 4.19 after under fsdp and under tp (real images 7.18)."""
+    out = example("gan_digits.py", "--strategy", strategy, "--steps", 1000, "--samples-dir", tmp_path,
+                  "--sample-every", 500)
+    assert f"strategy {strategy}" in out and "parts: generator (Generator), discriminator (Discriminator)" in out
+    before, after = map(float, re.search(r"digit score: ([\d.]+) before training, ([\d.]+) after", out).groups())
+    assert before < 1.6 and after >= 3.0, out[-2000:]
+    import matplotlib.image
+
+    grids = sorted(path.name for path in tmp_path.glob("*.png"))
+    assert grids == ["samples_step_000500.png", "samples_step_001000.png"]
+    assert matplotlib.image.imread(tmp_path / grids[-1]).shape[:2] == (6 * 9 + 1, 6 * 9 + 1)  # 36 digits of 8x8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_distill_digits_teaches_a_small_student_from_a_frozen_teacher(strategy):
+    """Measured on this machine: teacher 0.983 held out, student 0.953, agreeing on 0.961 (fsdp)."""
+    out = example("distill_digits.py", "--strategy", strategy)
+    assert "parts: teacher (MLP, frozen), student (MLP)" in out
+    teacher, student, agreement = map(float, re.search(
+        r"held-out accuracy: teacher ([\d.]+), student ([\d.]+) \(agrees with the teacher on ([\d.]+)", out).groups())
+    assert teacher >= 0.95 and student >= 0.9 and agreement >= 0.9, out[-2000:]
+
+
 RUN = ("classify_digits.py", "--steps", 8, "--log-every", 1, "--eval-every", 0, "--checkpoint-every", 3)
 
 

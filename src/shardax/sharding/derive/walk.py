@@ -19,6 +19,10 @@ _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
 _FRESH = {"iota", "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform"}
 
 
+# primitives whose results are random bits: what a model draws from its RNG streams in __call__
+RANDOM_DRAWS = frozenset({"random_bits", "threefry2x32"})
+
+
 class Walker:
     """Walks a jaxpr, tying dimensions and marking roles; ``kind`` says what each value is made of."""
 
@@ -35,6 +39,8 @@ class Walker:
     def walk(self, jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
             kinds = {self.kind_of(v) for v in eqn.invars}
+            if eqn.primitive.name in RANDOM_DRAWS:
+                kinds.add("act")  # a draw from the model's own RNG stream (a GAN's noise) is data, like the batch
             out_kind = "act" if "act" in kinds else "weight" if "weight" in kinds else None
             for out in eqn.outvars:
                 if out_kind:
