@@ -9,6 +9,7 @@ better), before training and after.
 
     python examples/vae_digits.py
     python examples/vae_digits.py --strategy fsdp
+    python examples/vae_digits.py --strategy tp
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     shardax.init_distributed(cpu_devices=int(os.environ.get("SHARDAX_DEVICES_PER_PROCESS", 8)))
     train, test = load_digits()
-    trainer = shardax.Trainer(DigitsVAE, optax.adam(args.lr), negative_elbo, strategy=args.strategy, name="vae_digits")
     held_out = batches(test, 120, seed=None, repeat=False)
+    example = next(iter(held_out))  # under tp and fsdp_tp the weights are split as Megatron would, read off it
+    trainer = shardax.Trainer(DigitsVAE, optax.adam(args.lr), negative_elbo, strategy=args.strategy, name="vae_digits",
+                              example_batch=example)
     before = trainer.evaluate(held_out)
     result = trainer.fit(batches(train, args.batch_size, seed=1, repeat=True), steps=args.steps,
                          eval_data=held_out, eval_every=args.steps // 2, log_every=args.log_every,

@@ -4,6 +4,9 @@
     result = trainer.fit(train_batches, steps=1000, eval_data=held_out, eval_every=100,
                          checkpoint_dir="runs/a/ckpt", checkpoint_every=200, metrics="runs/a/metrics.jsonl")
 
+    trainer = Trainer(parts={"generator": Part(G, optax.adam(2e-4)), "discriminator": Part(D, optax.adam(2e-4))},
+                      step=gan_step, strategy="fsdp")   # several models, the user's own step
+
 ``loss_fn(model, batch)`` returns the mean loss, or ``(loss, {"accuracy": ..., ...})``. The
 Trainer owns the rest of a run: batches placed on the mesh, the compiled step, progress,
 metrics (JSON lines, a PNG, optionally TensorBoard), evaluation in eval mode, asynchronous
@@ -61,6 +64,12 @@ class Trainer:
         gradient accumulation and evaluation then weight by it (the same update as one batch).
         The model is in training mode (``model.train()``); what it updates in ``__call__``
         (BatchNorm statistics, Dropout's RNG counters, your own Variables) is kept.
+      parts, step, eval_fn: instead of ``model``, ``optimizer`` and ``loss_fn``, a run of several
+        models: ``parts={"generator": Part(make_g, optax.adam(2e-4)), "teacher": Part(make_t)}``
+        (``shardax.Part``: each with its own optimizer, or frozen), and ``step(parts, batch) ->
+        {"name": scalar}``, the user's step, which updates each trained part with
+        ``parts.update(name, nnx.grad(loss)(parts[name]))`` (``shardax.step.parts``);
+        ``eval_fn(parts, batch) -> {"name": scalar}`` is what evaluation computes.
       mesh: a ``jax.sharding.Mesh``, a shape such as ``"data=4,model=2"``, or ``None`` (every
         device on ``data``, plus what the strategy needs).
       strategy: ``dp``, ``zero1``, ``zero2``, ``fsdp``, ``tp``, ``fsdp_tp``, ``hsdp``, ``pp``,
