@@ -12,11 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
-from shardax import DeviceMeshManager, ema_params, parallelize
+from shardax import DeviceMeshManager, LoRA, Trainer, ema_params, parallelize
 from shardax.errors import UsageError
+from shardax.models.adapters import add_lora, save_adapters
 from shardax.step.ema import EmaState, averaged
-from user_models import (USER_MODELS, LoRAMLP, SeenExamples, classification_loss, on_host, plain_nnx_run,
-                         vector_batches)
+from user_models import (USER_MODELS, ConvNet, LoRAMLP, SeenExamples, classification_loss, image_batches, on_host,
+                         plain_nnx_run, vector_batches)
 
 pytestmark = pytest.mark.xdist_group("test_user_models")
 
@@ -166,3 +167,94 @@ def test_evaluation_runs_in_eval_mode_and_leaves_the_state_alone(strategy, mesh_
         fresh, _ = step(fresh, parallel.place_batch(batch))
     untouched, _ = step(fresh, parallel.place_batch(held_out))
     jax.tree.map(np.testing.assert_array_equal, on_host(trained), on_host(untouched))
+
+
+LORA_TARGETS = r"conv\d|head"  # the plain convolutions and the head: not the depthwise one
+
+
+def lora_convnet(rngs):
+    return add_lora(ConvNet(rngs), 4, 8.0, LORA_TARGETS, rngs=rngs)
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+def test_lora_by_layer_path_on_a_users_convnet_trains_its_adapters_as_one_device(strategy, mesh_shape, tmp_path):
+    """``Trainer(lora=LoRA(rank, alpha, r"conv\\d|head"))`` on a model shardax knows nothing of:
+    adapters on the two plain convolutions and the head, each moved under SGD as plain NNX moves
+    them (``wrt=nnx.LoRAParam``); the base weights, the depthwise convolution and BatchNorm's
+    parameters stay as they were and hold no optimizer state."""
+    tx, batches = optax.sgd(0.1, momentum=0.9), list(image_batches(3))
+    expected, ref_model = plain_nnx_run(lora_convnet, tx, classification_loss, batches, wrt=nnx.LoRAParam)
+    trainer = Trainer(ConvNet, tx, classification_loss, strategy=strategy, mesh=mesh_shape,
+                      lora=LoRA(4, 8.0, LORA_TARGETS), example_batch=batches[0])
+    start = variables(trainer.model(trainer.init()), nnx.Param)
+    result = trainer.fit(batches, steps=3, log_every=1, summary=False)
+    np.testing.assert_allclose([r["loss"] for r in result.history], [e["loss"] for e in expected], rtol=1e-5)
+    params, ref_params = variables(trainer.model(), nnx.Param), variables(ref_model, nnx.Param)
+    adapters = {path for path in params if "lora_" in str(path)}
+    assert {str(path[0].key) for path in adapters} == {"conv1", "conv2", "head"} and len(adapters) == 6
+    for path in params:
+        moved, ref_moved = params[path] - start[path], ref_params[path] - start[path]
+        if path not in adapters:
+            assert not moved.any(), path
+            continue
+        scale = float(np.abs(ref_moved).max())
+        assert scale > 0, path
+        np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-5 * scale + 2 * float(np.spacing(
+            np.abs(ref_params[path]).max())), err_msg=str(path))
+    assert sum(leaf.size for leaf in jax.tree.leaves(result.state.opt_state)) == sum(params[p].size for p in adapters)
+
+
+class ConvThenLinear(nnx.Module):
+    """A convolution (3x3, same padding), ReLU, a mean over the image, a linear head."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(2, 6, (3, 3), rngs=rngs)
+        self.head = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, images):
+        return self.head(nnx.relu(self.conv(images)).mean(axis=(1, 2)))
+
+
+def test_adapters_of_any_model_are_saved_in_peft_layout_that_peft_reads(tmp_path):
+    """``save_adapters`` writes a convolution's and a linear layer's adapters as PEFT names and
+    lays them out; PyTorch's twin of the model with them loaded by peft computes what ours does."""
+    torch, peft = pytest.importorskip("torch"), pytest.importorskip("peft")
+    model = add_lora(ConvThenLinear(nnx.Rngs(0)), 2, 5.0, ".*", rngs=nnx.Rngs(1))
+    for layer in (model.conv, model.head):  # B starts at zero: make the adapters count
+        layer.lora_b[...] = jax.random.normal(jax.random.key(2), layer.lora_b.shape) * 0.3
+    save_adapters(model, tmp_path)
+
+    class Twin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = torch.nn.Conv2d(2, 6, 3, padding=1), torch.nn.Linear(6, 3)
+
+        def forward(self, images):
+            return self.head(torch.relu(self.conv(images)).mean(dim=(2, 3)))
+
+    twin = Twin()
+    with torch.no_grad():
+        twin.conv.weight.copy_(torch.tensor(np.asarray(model.conv.kernel[...]).transpose(3, 2, 0, 1)))
+        twin.conv.bias.copy_(torch.tensor(np.asarray(model.conv.bias[...])))
+        twin.head.weight.copy_(torch.tensor(np.asarray(model.head.kernel[...]).T))
+        twin.head.bias.copy_(torch.tensor(np.asarray(model.head.bias[...])))
+    images = np.random.default_rng(0).normal(size=(4, 5, 5, 2)).astype(np.float32)
+    adapted = peft.PeftModel.from_pretrained(twin, str(tmp_path)).eval()
+    with torch.no_grad():
+        theirs = adapted(torch.tensor(images.transpose(0, 3, 1, 2))).numpy()
+    ours = np.asarray(model(images))
+    base = np.asarray(nnx.merge(*nnx.split(ConvThenLinear(nnx.Rngs(0))))(images))
+    assert np.abs(ours - base).max() > 1e-2  # the adapters change the outputs
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora, message", [
+    (LoRA(4, targets="nothing"), "LoRA targets ['nothing'] match none of the model's 4 linear, einsum and conv layers"),
+    (LoRA(4, targets="depthwise"), "LoRA on the grouped convolution 'depthwise' (feature_group_count=6) is not "),
+    (LoRA(0, targets="head"), "LoRA rank 0 must be a whole number of at least 1"),
+    (LoRA(2, targets="(head"), "LoRA targets ['(head']: missing ), unterminated subpattern at position 0; give"),
+])
+def test_lora_targets_that_cannot_be_adapted_are_one_line(lora, message):
+    with pytest.raises(UsageError) as error:
+        Trainer(ConvNet, optax.sgd(0.1), classification_loss, lora=lora)
+    assert message in str(error.value) and "\n" not in str(error.value)

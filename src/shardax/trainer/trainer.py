@@ -32,7 +32,8 @@ from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
 from shardax.parts import Part, ParallelParts
-from shardax.models.transformer import LoRA, TransformerLM
+from shardax.models.adapters import add_lora
+from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerLM
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
@@ -97,10 +98,13 @@ class Trainer:
         model starts from its weights, each device's slice read straight from the files,
         instead of from ``seed``. ``model`` may then be ``None`` (the checkpoint's own model,
         ``shardax.hf.factory(init_from)``); a model of another config is refused in one line.
-      lora: ``shardax.LoRA(rank, alpha, targets)``: fine-tune with LoRA adapters on the
-        projections of a ``TransformerLM`` (shardax's, or a Hugging Face checkpoint's): the base
-        weights are frozen (no gradient, no optimizer state), the adapters are split like the
-        weights they adapt. Any model holding Flax's ``nnx.LoRAParam`` trains those alone anyway.
+      lora: ``shardax.LoRA(rank, alpha, targets)``: fine-tune with LoRA adapters, the base
+        weights frozen (no gradient, no optimizer state). On a ``TransformerLM`` (shardax's, or a
+        Hugging Face checkpoint's) ``targets`` names its projections (``"q,v"``), and the
+        adapters are split like the weights they adapt; on any other model ``targets`` is a
+        regular expression (or several) over layer paths, default every ``nnx.Linear``,
+        ``nnx.LinearGeneral``, ``nnx.Einsum`` and ``nnx.Conv`` (``shardax.models.adapters``).
+        Any model holding Flax's ``nnx.LoRAParam`` trains those alone anyway.
       trackers: where each ``fit`` also logs its records, on process 0: ``"tensorboard:DIR"``,
         ``"mlflow:DIR"`` (a local MLflow file store), ``"wandb:DIR"`` (W&B in offline mode), or
         objects with ``write(record)`` and ``close()``; see ``shardax.trainer.trackers``.
@@ -381,12 +385,14 @@ def _factory(model: ModelFactory | None, init_from: str | Path | None, lora: LoR
 
 
 def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:
-    """``factory``'s ``TransformerLM`` with ``lora``'s adapters; another model is refused in one line."""
+    """``factory``'s model with ``lora``'s adapters: on a ``TransformerLM``'s projections by their
+    Hugging Face names, on any other model's layers by path (``shardax.models.adapters``)."""
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
-    if not isinstance(model, TransformerLM):
-        raise UsageError(f"lora= adds adapters to shardax's TransformerLM (its own, or a Hugging Face checkpoint's via "
-                         f"init_from); this model is a {type(model).__name__}: put Flax's nnx.LoRA or nnx.LoRALinear "
-                         "in it instead, and the Trainer trains their nnx.LoRAParam adapters alone")
-    config = lora.applied(model.config)
-    return lambda rngs: TransformerLM(config, rngs=rngs)
+    if isinstance(model, TransformerLM):
+        config = lora.applied(model.config)
+        return lambda rngs: TransformerLM(config, rngs=rngs)
+    targets = ".*" if lora.targets == LORA_TARGETS else lora.targets  # default: every adaptable layer
+    with nnx.use_eager_sharding(False):  # refused now, in one line, if the targets match nothing
+        nnx.eval_shape(lambda: add_lora(factory(nnx.Rngs(0)), lora.rank, lora.alpha, targets, rngs=nnx.Rngs(1)))
+    return lambda rngs: add_lora(factory(rngs), lora.rank, lora.alpha, targets, rngs=rngs)
