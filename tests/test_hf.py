@@ -246,8 +246,11 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
     for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     if lora is not None:
-        with pytest.raises(UsageError, match="lora= adds adapters to shardax's TransformerLM .* this model is a Linear"):
-            Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4))
+        # another model's layers are adapted by path (shardax.models.adapters); these names match none of its
+        adapted = Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4))
+        assert [leaf.shape for leaf in jax.tree.leaves(adapted.init().opt_state[0].mu)] == [(4, 4), (4, 4)]
+        with pytest.raises(UsageError, match=r"LoRA targets \['q,v'\] match none of the model's 1 linear"):
+            Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4, targets="q,v"))
         return
     other = TransformerConfig(vocab_size=96, d_model=64, n_heads=4, n_layers=2, d_ff=96, positions="rotary")
     with pytest.raises(UsageError, match="the model's .* but the checkpoint's config.json gives"):

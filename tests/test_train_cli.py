@@ -37,6 +37,9 @@ def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys)
     assert main([*run, "--extend-to", "3", "--resume", "--scan-layers"]) == 2
     assert "--scan-layers True contradicts the checkpoint's --scan-layers False" in capsys.readouterr().err
     assert main([*run, "--extend-to", "3", "--resume"]) == 0  # the saved run's blocks, in a loop
+    assert main(["export", str(tmp_path), "--hf", str(tmp_path / "out"), "--ema"]) == 2
+    assert (f"--ema: step 3 of {tmp_path} keeps no moving average of the weights (it was trained without shardax "
+            "train --ema DECAY); drop --ema") in capsys.readouterr().err
 
 
 def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_corpus, tmp_path, capsys,
@@ -46,7 +49,7 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     command it prints continues it with the same settings (fsdp, from config.yaml)."""
     monkeypatch.setenv("SHARDAX_RUNS_DIR", str(tmp_path / "runs"))
     assert main(["train", *QUICK, "--steps", "6", "--log-every", "2", "--eval-every", "3", "--data", str(small_corpus),
-                 "--strategy", "fsdp"]) == 0
+                 "--strategy", "fsdp", "--ema", "0.9"]) == 0
     [run] = (tmp_path / "runs").iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_fsdp", run.name)
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "metrics.png",
@@ -59,6 +62,7 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     assert out.index("sample") < out.index("summary")  # the sample, then the summary, then what to do next
     settings = yaml.safe_load((run / "config.yaml").read_text())
     assert settings["strategy"] == "fsdp" and settings["steps"] == 6 and settings["preset"] == "tiny"
+    assert settings["ema"] == 0.9
     assert settings["data"] == [str(small_corpus)] and "resume" not in settings
 
     records = read_metrics(run / "metrics.jsonl")
@@ -93,6 +97,17 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     assert main(["train", "--resume"]) == 2
     assert f"--resume continues a saved run: name it with --run-dir DIR (the latest is {run})" in capsys.readouterr().err
 
+    # the moving average the run kept (--ema 0.9, resumed with it): exported and generated from
+    from safetensors.numpy import load_file
+
+    assert main(["export", str(run), "--hf", str(tmp_path / "weights")]) == 0
+    assert main(["export", str(run), "--hf", str(tmp_path / "average"), "--ema"]) == 0
+    assert "from the moving average of its weights" in capsys.readouterr().out
+    weights, average = (load_file(tmp_path / name / "model.safetensors") for name in ("weights", "average"))
+    assert weights.keys() == average.keys() and all((weights[k] != average[k]).any() for k in weights)
+    assert main(["generate", "--checkpoint", str(run), "--ema", "--prompt", "import", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("import")
+
 
 @pytest.mark.parametrize("args, message", [
     (["--mesh", "data=16"], "mesh shape 'data=16' needs 16 devices but only 8 are available"),
@@ -106,6 +121,7 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     (["--resume"], "--resume continues a saved run: name it with --run-dir DIR"),
     (["--strategy", "fsdq"], "argument --strategy: invalid choice: 'fsdq'"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    (["--ema", "1.5"], "--ema 1.5 is not between 0 and 1 (exclusive); use e.g. 0.999"),
 ])
 def test_bad_flags_are_one_line_errors(args, message):
     result = shardax("train", *QUICK, "--steps", "2", *args, check=False)

@@ -37,7 +37,7 @@ _EXPORTS = {
     "Part": "shardax.parts",
     "parallelize": "shardax.model_parallel",
     "reshard": "shardax.model_parallel",
-    "LoRA": "shardax.models.transformer",
+    "LoRA": "shardax.models.adapters",
     "for_compute": "shardax.sharding.compute",
     "grouped_conv": "shardax.sharding.grouped_conv",
     "ShardingReport": "shardax.sharding.report",
@@ -97,7 +97,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.parts import Part as Part
     from shardax.model_parallel import parallelize as parallelize
     from shardax.model_parallel import reshard as reshard
-    from shardax.models.transformer import LoRA as LoRA
+    from shardax.models.adapters import LoRA as LoRA
     from shardax.sharding.compute import for_compute as for_compute
     from shardax.sharding.grouped_conv import grouped_conv as grouped_conv
     from shardax.sharding.report import ShardingReport as ShardingReport

@@ -37,6 +37,8 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--merge", action="store_true",
         help="a LoRA run (--lora-rank): write the weights with its adapters merged in; without it, the adapters "
              "alone in PEFT's layout (adapter_config.json, adapter_model.safetensors)")
+    add("--ema", action="store_true",
+        help="write the moving average of the weights that a run trained with --ema DECAY kept, not the weights")
     add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the tensors' dtype")
     add("--max-shard-size", type=int, default=2 << 30, metavar="BYTES", help="bytes per safetensors file")
     add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
@@ -51,10 +53,12 @@ def checkpoints_of(directory: str) -> Path:
     return path / CHECKPOINTS if (path / CONFIG).is_file() and (path / CHECKPOINTS).is_dir() else path
 
 
-def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tuple[int, dict, Any, Any, Any]:
+def restore_run(checkpoint_dir: str, step: int | None, check: Any = None,
+                ema: bool = False) -> tuple[int, dict, Any, Any, Any]:
     """A ``shardax train`` checkpoint restored FSDP over the local devices: (its step, the run's
     record, the model's config, the ``ParallelModel``, the state). ``check(config, step)`` runs
-    before anything is read."""
+    before anything is read. With ``ema``, the state's parameters are the moving average the run
+    kept (``--ema``), refused in one line if it kept none."""
     from shardax.lm.job import optimizer
     from shardax.model_parallel import parallelize
     from shardax.models.transformer import TransformerConfig, TransformerLM
@@ -78,10 +82,13 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None) -> tup
         config = TransformerConfig(**model)
         if check is not None:
             check(config, step)
-        tx, _ = optimizer(run["lr"], run["steps"])
+        if ema and run.get("ema") is None:
+            raise UsageError(f"--ema: step {step} of {checkpoint_dir} keeps no moving average of the weights (it was "
+                             "trained without shardax train --ema DECAY); drop --ema")
+        tx, _ = optimizer(run["lr"], run["steps"], run.get("ema"))
         parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
-    return step, run, config, parallel, state
+    return step, run, config, parallel, parallel.ema_state(state) if ema else state
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -98,7 +105,7 @@ def export_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} trained every "
                              "weight (no --lora-rank); drop --merge")
 
-    step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check)
+    step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check, ema=args.ema)
     source = Path(run["init_from"]) if run.get("init_from") else None
     base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
     tokenizer = tokenizer_of(args.checkpoint_dir, run)
@@ -122,6 +129,7 @@ def export_command(args: argparse.Namespace) -> int:
     if tokenizer is not None and "tokenizer_config.json" not in copied:
         (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(config), indent=1) + "\n")
         copied.append("tokenizer_config.json")
+    what += " from the moving average of its weights" if args.ema else ""
     print(f"wrote step {step} of {args.checkpoint_dir} to {out} {what} "
           f"({config.n_layers} layers, {args.dtype})" + (f"; with {', '.join(copied)}" if copied else ""))
     return 0

@@ -33,6 +33,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
                                                     "tokenizer.json)")
     add("--step", type=int, help="with --checkpoint: which step (default: the latest good one)")
+    add("--ema", action="store_true", help="with --checkpoint: generate with the moving average of the weights that "
+                                           "a run trained with --ema DECAY kept")
     add("--prompt", action="append", help="text to continue (give it more than once for a batch)")
     add("--prompt-file", metavar="FILE", help="prompts, one per line")
     add("--max-new-tokens", type=int, default=64, help="tokens to add to each prompt (default 64)")
@@ -87,12 +89,15 @@ def _model_and_tokenizer(args: argparse.Namespace):
         return hf.load(args.hf, "data=-1", "fsdp").model(), load_tokenizer(Path(args.hf) / "tokenizer.json")
     from shardax.cli.export import restore_run
 
-    _, run, _, parallel, state = restore_run(args.checkpoint, args.step)
+    _, run, _, parallel, state = restore_run(args.checkpoint, args.step, ema=args.ema)
     return parallel.merge(state), _run_tokenizer(args.checkpoint, run)
 
 
 def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
+    if args.ema and args.hf:
+        raise UsageError("--ema reads the moving average a shardax train run kept; give --checkpoint DIR with it, "
+                         "not --hf")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     configure_jax(args.devices, start=True)

@@ -34,6 +34,9 @@ def _add_model_flags(group: Any) -> None:
     add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R, a scale of 1)")
     add("--lora-targets", metavar="LIST",
         help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the model has)")
+    add("--ema", type=float, metavar="DECAY",
+        help="keep an exponential moving average of the weights with this decay (e.g. 0.999), laid out like the "
+             "optimizer state and checkpointed; shardax export --ema and generate --ema use it")
     add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
     add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
         help="what the backward pass recomputes instead of storing")

@@ -22,9 +22,9 @@ The package: ``names`` (``config.json`` and where each parameter comes from), ``
 """
 
 from shardax.hf.files import DTYPES, SafeTensors
-from shardax.hf.load import Loaded, factory, initial_state, load
+from shardax.hf.load import Loaded, Pretrained, factory, initial_state, load
 from shardax.hf.names import FAMILY, config_json, hf_names, is_adapter, read_config
 from shardax.hf.save import save, save_adapters
 
-__all__ = ["DTYPES", "FAMILY", "Loaded", "SafeTensors", "config_json", "factory", "hf_names", "initial_state",
+__all__ = ["DTYPES", "FAMILY", "Loaded", "Pretrained", "SafeTensors", "config_json", "factory", "hf_names", "initial_state",
            "is_adapter", "load", "read_config", "save", "save_adapters"]

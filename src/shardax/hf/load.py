@@ -44,12 +44,27 @@ class Loaded:
         return nnx.merge(self.parallel.graphdef, self.state.params, self.state.rest)
 
 
-def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A Hugging Face checkpoint as a model factory: ``Pretrained(...)(rngs)`` builds its
+    ``TransformerLM`` (fresh weights, as any factory), and ``initial_state(parallel, seed)`` lays
+    the checkpoint's weights out into ``parallel`` (``Trainer(init_from=...)`` calls it)."""
+
+    path: Path
+    config: TransformerConfig
+
+    def __call__(self, rngs: nnx.Rngs) -> TransformerLM:
+        return TransformerLM(self.config, rngs=rngs)
+
+    def initial_state(self, parallel: ParallelModel, seed: int = 0) -> TrainState:
+        return initial_state(parallel, self.path, seed)[0]
+
+
+def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Pretrained:
     """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s
-    options), with ``lora``'s adapters if given."""
+    options), with ``lora``'s adapters if given; its ``initial_state`` loads the weights."""
     config = read_config(path, **options)
-    config = config if lora is None else lora.applied(config)
-    return lambda rngs: TransformerLM(config, rngs=rngs)
+    return Pretrained(Path(path), config if lora is None else lora.applied(config))
 
 
 def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig:

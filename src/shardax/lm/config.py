@@ -42,6 +42,7 @@ class TrainConfig:
     context_attention: str = "all-gather"  # a mesh with a context axis: all-gather or ring attention
     seq_len: int | None = None  # tokens per training sequence (bytes with the byte tokenizer)
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
+    ema: float | None = None  # keep a moving average of the weights with this decay (export/generate --ema)
     seed: int | None = None  # model initialisation and data order (default 0)
     data: list[str] | None = None  # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib
     tokenizer: str | None = None  # bytes, bpe or a tokenizer.json: tokenize into shards first (see shardax prepare)
@@ -74,7 +75,7 @@ DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
 RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
-                "batch_size", "steps", "lr", "data", "tokenizer", "vocab_size", "field")
+                "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
@@ -159,6 +160,9 @@ def check_values(config: TrainConfig) -> None:
         if wrong or len(set(targets)) != len(targets):
             raise UsageError(f"--lora-targets {config.lora_targets}: name each projection once, from "
                              f"{','.join(LORA_TARGETS)}")
+    if config.ema is not None and not 0 < config.ema < 1:
+        raise UsageError(f"--ema {config.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an average over "
+                         "about the last 1,000 steps")
     if config.init_from is not None and config.preset is not None:
         raise UsageError(f"--preset {config.preset} and --init-from {config.init_from} both say what the model is; "
                          "drop --preset to fine-tune the checkpoint, or --init-from to train a preset from scratch")
@@ -180,6 +184,7 @@ class Run:
     vocab_size: int | None = None
     field: str | None = None
     init_from: str | None = None
+    ema: float | None = None  # the moving average's decay (None: none kept)
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
@@ -190,7 +195,7 @@ class Run:
                 "scan_layers": self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
-                "vocab_size": self.vocab_size, "field": self.field}
+                "vocab_size": self.vocab_size, "field": self.field, "ema": self.ema}
 
 
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> Run:
@@ -233,7 +238,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
                batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
                train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
-               vocab_size=config.vocab_size, field=config.field, init_from=config.init_from)
+               vocab_size=config.vocab_size, field=config.field, init_from=config.init_from, ema=config.ema)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:

@@ -29,6 +29,7 @@ from shardax.model_parallel import ParallelModel
 from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
                                         weighted_next_token_loss)
+from shardax.step.ema import ema_params
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say, show_summary
 from shardax.trainer.trackers import parse_tracker
@@ -49,10 +50,12 @@ class TrainResult:
     directory: RunDirectory
 
 
-def optimizer(lr: float, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def optimizer(lr: float, steps: int, ema: float | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The run's AdamW and schedule; with ``ema``, keeping a moving average of the weights last."""
     warmup = max(1, min(100, steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1),
+                     *([ema_params(ema)] if ema is not None else []))
     return tx, schedule
 
 
@@ -180,7 +183,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
         raise UsageError(f"--tokenizer {run.tokenizer} has {data.vocab} tokens but the model of --init-from "
                          f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was trained with")
     _check_same_model(record, run, step, config)
-    tx, schedule = optimizer(run.lr, run.steps)
+    tx, schedule = optimizer(run.lr, run.steps, run.ema)
     model = run.model
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them

@@ -15,6 +15,7 @@ layout. The layers keep their paths: ``conv1/kernel`` stays where it was, beside
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -30,6 +31,35 @@ from flax import nnx
 from shardax.errors import UsageError
 
 ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
+
+# the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """LoRA adapters for fine-tuning (``Trainer(..., lora=LoRA(16))``): ``rank``, ``alpha`` (the
+    adapters' term is scaled by alpha / rank; default: the rank) and ``targets``: on a
+    ``TransformerLM`` the projections adapted by their Hugging Face names (``"q,v"`` or a tuple;
+    default all seven), on any other model regular expressions over its layers' paths (default
+    every ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` and ``nnx.Conv``)."""
+
+    rank: int
+    alpha: float | None = None
+    targets: tuple[str, ...] | str = LORA_TARGETS
+
+    def layer_patterns(self) -> str | tuple[str, ...]:
+        """``targets`` for a model other than ``TransformerLM``: regular expressions over layer
+        paths (``shardax.models.adapters``); the default, every adaptable layer."""
+        return ".*" if self.targets == LORA_TARGETS else self.targets
+
+    def applied(self, config: "TransformerConfig") -> "TransformerConfig":
+        """``config`` with these adapters (checked there)."""
+        targets = self.targets.split(",") if isinstance(self.targets, str) else self.targets
+        if self.rank < 1:
+            raise UsageError(f"LoRA rank {self.rank} must be at least 1")
+        return dataclasses.replace(config, lora_rank=self.rank, lora_alpha=self.alpha,
+                                   lora_targets=tuple(t.strip() for t in targets))
 
 
 def _split(layer: nnx.Module) -> int:

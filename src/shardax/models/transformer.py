@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from shardax.blocks import REMAT_POLICIES, Attention, LayerStack, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
+from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
 from shardax.runtime import context
 from shardax.sharding.compute import for_compute
 
@@ -46,29 +48,6 @@ NORMS = ("layer", "rms")
 
 
 MLPS = ("gelu", "swiglu")
-
-
-# the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRA:
-    """LoRA adapters for fine-tuning (``Trainer(..., lora=LoRA(16))``): ``rank``, ``alpha`` (the
-    adapters' term is scaled by alpha / rank; default: the rank) and ``targets``, the projections
-    adapted by their Hugging Face names (``"q,v"`` or a tuple; default all seven)."""
-
-    rank: int
-    alpha: float | None = None
-    targets: tuple[str, ...] | str = LORA_TARGETS
-
-    def applied(self, config: "TransformerConfig") -> "TransformerConfig":
-        """``config`` with these adapters (checked there)."""
-        targets = self.targets.split(",") if isinstance(self.targets, str) else self.targets
-        if self.rank < 1:
-            raise UsageError(f"LoRA rank {self.rank} must be at least 1")
-        return dataclasses.replace(config, lora_rank=self.rank, lora_alpha=self.alpha,
-                                   lora_targets=tuple(t.strip() for t in targets))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +281,12 @@ class TransformerLM(nnx.Module):
         with metadata_only():
             self._build(config, rngs)
 
+    def lora_factory(self, lora: LoRA) -> Callable[[nnx.Rngs], "TransformerLM"]:
+        """``Trainer(lora=...)``'s hook: this model's factory with ``lora``'s adapters on the
+        projections it names (checked by the config)."""
+        config = lora.applied(self.config)
+        return lambda rngs: TransformerLM(config, rngs=rngs)
+
     def _build(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
         self.config = config
         d = config.d_model
@@ -389,6 +374,10 @@ def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Ar
     return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
+# how these losses feed a model whose sequences are split over a context axis (Trainer.describe says so)
+next_token_loss.sequence_order = "zig-zag"  # type: ignore[attr-defined]
+
+
 def weighted_next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
     """``next_token_loss`` and, as ``"weight"``, how many predictions it is the mean of: the
     loss ``shardax train`` trains on, so that microbatches of packed or padded rows, which count
@@ -398,3 +387,6 @@ def weighted_next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) 
         return losses.mean(), {"weight": jnp.asarray(losses.size, jnp.float32)}
     count = weights.sum()
     return (losses * weights).sum() / jnp.maximum(count, 1.0), {"weight": count}
+
+
+weighted_next_token_loss.sequence_order = "zig-zag"  # type: ignore[attr-defined]

@@ -26,14 +26,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from shardax import hf
 from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
 from shardax.parts import Part, ParallelParts
-from shardax.models.adapters import add_lora
-from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerLM
+from shardax.models.transformer import LoRA
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
@@ -45,6 +43,7 @@ from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.trainer.display import count_parameters
 from shardax.trainer.preemption import StopSignals
+from shardax.trainer.models import first_weights, model_factory
 from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.samples import SampleFn, check_samples
@@ -94,7 +93,9 @@ class Trainer:
         anything runs or is written (``check_step``); and under ``tp``, ``fsdp_tp`` and ``pp_tp``
         the weights without logical names are split as Megatron would, read off what ``loss_fn``
         computes on it (see ``parallelize``).
-      init_from: a Hugging Face checkpoint directory of the Llama family (``shardax.hf``): the
+      init_from: a Hugging Face checkpoint directory of the Llama family (``shardax.hf``), or
+        any object with ``initial_state(parallel, seed) -> TrainState`` (``shardax.hf.factory(path)``
+        makes one that is also the checkpoint's model factory): the
         model starts from its weights, each device's slice read straight from the files,
         instead of from ``seed``. ``model`` may then be ``None`` (the checkpoint's own model,
         ``shardax.hf.factory(init_from)``); a model of another config is refused in one line.
@@ -125,6 +126,7 @@ class Trainer:
         self.settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
                                              pipeline_repeats=pipeline_repeats, context_attention=context_attention)
         self.init_from = init_from
+        self.weights = first_weights(init_from)
         self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from, lora,
                                      grad_accum)
         self.parallel: ParallelModel | ParallelParts
@@ -133,7 +135,7 @@ class Trainer:
                                                  example_batch=example_batch)
             self.schedule, self.context_attention = None, None
         else:
-            self.parallel = ParallelModel.create(_factory(model, init_from, lora), optimizer, self.settings,
+            self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer, self.settings,
                                                  axis_names=axis_names, loss_fn=loss_fn, example_batch=example_batch)
             self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
             self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
@@ -180,8 +182,8 @@ class Trainer:
     def init(self) -> TrainState:
         """A fresh state from ``seed`` (or the weights of ``init_from``), initialised straight
         into shards (also ``self.state``)."""
-        if self.init_from is not None:
-            self.state = hf.initial_state(self.parallel, self.init_from, self.seed)[0]
+        if self.weights is not None:
+            self.state = self.weights.initial_state(self.parallel, self.seed)
         else:
             self.state = self.parallel.init(seed=self.seed)
         return self.state
@@ -305,10 +307,10 @@ class Trainer:
             shards = self.mesh.shape["context"]
             how = ("keys and values all-gathered" if self.context_attention == "all-gather"
                    else "keys and values passed round a ring")
-            # shardax's LM losses feed the model its tokens in zig-zag order (token_losses); another
+            # a loss marked sequence_order="zig-zag" (shardax's LM losses) feeds the model its tokens so; another
             # loss feeds them in order, and each device holds one contiguous share
             order = (f"zig-zag order ({2 * shards} chunks, each device two)"
-                     if getattr(self.loss_fn, "__module__", None) == "shardax.models.transformer"
+                     if getattr(self.loss_fn, "sequence_order", None) == "zig-zag"
                      else "in order (one contiguous share each)")
             lines.append(f"context: each sequence split {shards} ways over context, {order}, {how}")
         layouts = ({"": self.parallel.layout} if self.parts is None else
@@ -339,26 +341,19 @@ class Trainer:
           on_log: called with each record (every process, the same record).
           header: extra lines printed after the set-up lines.
           samples: ``draw(model, step) -> images`` in [0, 1], called every ``sample_every`` steps
-            (0: only at the end) and at the end with the model in eval mode (its moving average
-            when the optimizer keeps one; a dict of the parts in a run of parts); each batch is
-            written as a PNG grid into ``samples_dir`` and to the trackers
+            and at the end with the model in eval mode (its moving average when kept; in a run of
+            parts a dict of them), written as PNG grids into ``samples_dir`` and to the trackers
             (``shardax.trainer.samples``).
 
-        The other keywords (``steps``, ``eval_every``, ``log_every``, ``checkpoint_dir``,
-        ``checkpoint_every``, ``resume``, ``keep_checkpoints``, ``on_nonfinite``, ``metrics``,
-        ``tensorboard``, ``tokens_per_example``, ``record``, ``summary``, ``loss_unit``,
-        ``baselines``) are the run's ``FitSettings``, each described there, and checked before
-        anything runs or is written.
+        The other keywords are the run's ``FitSettings``, each described there, and checked
+        before anything runs or is written.
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
-        settings = FitSettings(steps=steps, eval_every=eval_every, log_every=log_every, checkpoint_dir=checkpoint_dir,
-                               checkpoint_every=checkpoint_every, resume=resume, keep_checkpoints=keep_checkpoints,
-                               on_nonfinite=on_nonfinite, metrics=metrics, tensorboard=tensorboard,
-                               tokens_per_example=tokens_per_example, record=record, summary=summary,
-                               loss_unit=loss_unit, baselines=baselines, sample_every=sample_every,
-                               samples_dir=samples_dir)
+        settings = FitSettings(steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
+                               on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
+                               baselines, sample_every, samples_dir)
         check_samples(samples, sample_every, samples_dir)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
@@ -372,27 +367,3 @@ class Trainer:
             finally:
                 self._run, self.state = None, run.state
                 run.close()
-
-
-def _factory(model: ModelFactory | None, init_from: str | Path | None, lora: LoRA | None) -> ModelFactory:
-    """The model to lay out: ``model``, or ``init_from``'s own; with ``lora``'s adapters."""
-    if model is None:
-        if init_from is None:
-            raise UsageError("Trainer(model=None) needs init_from=<a Hugging Face checkpoint directory>; "
-                             "otherwise give the model: lambda rngs: MyModel(..., rngs=rngs)")
-        model = hf.factory(init_from)
-    return model if lora is None else _with_lora(model, lora)
-
-
-def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:
-    """``factory``'s model with ``lora``'s adapters: on a ``TransformerLM``'s projections by their
-    Hugging Face names, on any other model's layers by path (``shardax.models.adapters``)."""
-    with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
-    if isinstance(model, TransformerLM):
-        config = lora.applied(model.config)
-        return lambda rngs: TransformerLM(config, rngs=rngs)
-    targets = ".*" if lora.targets == LORA_TARGETS else lora.targets  # default: every adaptable layer
-    with nnx.use_eager_sharding(False):  # refused now, in one line, if the targets match nothing
-        nnx.eval_shape(lambda: add_lora(factory(nnx.Rngs(0)), lora.rank, lora.alpha, targets, rngs=nnx.Rngs(1)))
-    return lambda rngs: add_lora(factory(rngs), lora.rank, lora.alpha, targets, rngs=rngs)
