@@ -92,7 +92,7 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     fitting = trainer(trackers=trackers)
     run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2, metrics=tmp_path / "m.jsonl",
                       tensorboard=tmp_path / "tb", on_log=logged.append, samples=draw, sample_every=3,
-                      samples_dir=tmp_path / "samples")
+                      samples_dir=tmp_path / "samples", eval_ema=True)
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -102,6 +102,7 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
             assert {"loss", "accuracy", "grad_norm", "step_time_s", "examples_per_sec"} <= set(record)
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert run.last_eval == {"loss": records[-1]["val_loss"], "accuracy": records[-1]["val_accuracy"]}
+    assert run.last_eval == fitting.evaluate(held_out, ema=True) != fitting.evaluate(held_out)  # the average's
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     # every tracker holds every record, read back by its own client (TensorBoard: its protos)
     for logged_by in (tensorboard_scalars(tmp_path / "tb"), mlflow_metrics(tmp_path / "mlflow"),
@@ -280,6 +281,8 @@ def one_pass():
      "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh data=8 times "
      "`grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))), "samples= needs samples_dir=DIR"),
+    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1, eval_ema=True),
+     "eval_ema=True evaluates the moving average of the weights, and the optimizer keeps none; chain"),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: -np.ones((2, 4, 4)), samples_dir=d),
      "samples returned 'samples' with values from -1 to -1; return values in "),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: {"x": np.ones((2, 4))}, samples_dir=d),

@@ -16,10 +16,11 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import shardax
-from shardax import DeviceMeshManager, Trainer, parallelize
+from shardax import DeviceMeshManager, Trainer, ema_params, parallelize
 from shardax.analysis.collectives import find_collectives
 from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
+from shardax.step.ema import averaged
 from user_models import generative_batch, plain_nnx_run
 from zoo_models import LAYERS, MESH_NAMES, ZOO, lm_batches, lm_loss
 
@@ -153,10 +154,12 @@ def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strat
     """A square hidden weight, a VAE's equal widths, a U-Net's skips (added and concatenated),
     GroupNorm and timestep embedding, ConvNeXt's depthwise blocks in a pipeline: tp splits them in
     column-row pairs (at most 0.75 of the parameters on each device) and moves every weight as
-    one device's SGD step does (the depthwise kernels' gradient too, see grouped_conv)."""
+    one device's two SGD steps do (the depthwise kernels' gradient too, see grouped_conv), their
+    moving average (a diffusion model's EMA) too."""
     factory, batch, loss = generative_batch(name, rows=16 if name == "convnext" else 8)
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
-    parallel = parallelize(factory, optax.sgd(1.0), mesh, strategy, loss_fn=loss, example_batch=batch)
+    tx = optax.chain(optax.sgd(0.1), ema_params(0.5))
+    parallel = parallelize(factory, tx, mesh, strategy, loss_fn=loss, example_batch=batch)
     state, step = parallel.init(seed=0), parallel.train_step(loss)
     held = sum(shard.data.nbytes for leaf in jax.tree.leaves(state.params)
                for shard in leaf.addressable_shards if shard.device == jax.devices()[0])
@@ -164,18 +167,28 @@ def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strat
     if name == "square":
         specs = {path: tuple(leaf.spec) for path, leaf in parallel.layout.leaves.items()}
         assert specs["a/kernel"] == (None, "model") and specs["b/kernel"] == ("model", None), specs
-    state, _ = step(state, parallel.place_batch(batch))
-    _, reference = plain_nnx_run(factory, optax.sgd(1.0), lambda m, b: (loss(m, b), {}), [batch])
+    for _ in range(2):
+        state, _ = step(state, parallel.place_batch(batch))
+    _, reference, optimizer = plain_nnx_run(factory, tx, lambda m, b: (loss(m, b), {}), [batch] * 2,
+                                            optimizer_too=True)
 
-    def params(model):
-        return {jax.tree_util.keystr(path): np.asarray(value) for path, value in jax.tree_util.tree_leaves_with_path(
-            jax.device_get(nnx.state(model, nnx.Param)))}
+    def params(tree):
+        tree = tree if isinstance(tree, nnx.State) or isinstance(tree, dict) else nnx.state(tree, nnx.Param)
+        return {jax.tree_util.keystr(path).removesuffix(".value"): np.asarray(value)
+                for path, value in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+
+    def unwrapped(tree):  # plain NNX's optimizer holds Variables; their values
+        return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     start, ours, theirs = params(factory(nnx.Rngs(0))), params(parallel.merge(state)), params(reference)
-    for path in start:  # every weight moved by one device's gradient (SGD at 1.0: the update is the gradient)
-        want = theirs[path] - start[path]
-        np.testing.assert_allclose(ours[path] - start[path], want, rtol=0, atol=2e-5 * np.abs(want).max(),
-                                   err_msg=path)
+    average = params(parallel.ema_model(state))
+    ref_average = params(averaged(unwrapped(optimizer.opt_state), unwrapped(nnx.state(reference, nnx.Param))))
+    for path in start:  # every weight, and its moving average, moved as one device's
+        for got, want in ((ours[path], theirs[path]), (average[path], ref_average[path])):
+            want = want - start[path]
+            np.testing.assert_allclose(got - start[path], want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                                       err_msg=path)
 
 
 class RawDepthwise(nnx.Module):

@@ -50,7 +50,7 @@ class Trainer(Protocol):
 
     def place(self, batch: Any) -> Any: ...
 
-    def evaluate(self, data: Any, state: TrainState | None = None) -> dict[str, float]: ...
+    def evaluate(self, data: Any, state: TrainState | None = None, *, ema: bool = False) -> dict[str, float]: ...
 
     def title(self) -> str: ...
 
@@ -257,7 +257,7 @@ class Run:
             self.display.advance(step)
         if due["eval"]:
             began = time.perf_counter()
-            self.last_eval = self.trainer.evaluate(evaluations, self.state)
+            self.last_eval = self.trainer.evaluate(evaluations, self.state, ema=self.settings.eval_ema)
             clock.pause(time.perf_counter() - began)
             loss = self.last_eval.get("loss")
             if loss is not None:

@@ -46,6 +46,8 @@ class FitSettings:
         the plot's loss as dashed lines.
       sample_every, samples_dir: steps between calls of ``fit``'s ``samples`` hook (0: only at
         the end) and where its PNG grids go (``shardax.trainer.samples``).
+      eval_ema: evaluate the moving average of the weights (``shardax.ema_params``) instead of
+        the weights, as diffusion models are evaluated.
     """
 
     steps: int | None = None
@@ -65,6 +67,7 @@ class FitSettings:
     baselines: dict[str, float] | None = None
     sample_every: int = 0
     samples_dir: str | None = None
+    eval_ema: bool = False
 
     def __post_init__(self) -> None:
         for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0), ("keep_checkpoints", 1),

@@ -272,6 +272,16 @@ class Trainer:
             return {name: self.part(name, state, ema=name in averaged) for name in self.parts}
         return self.model(state, ema=keeps_average(state.opt_state))
 
+    def _check_hooks(self, samples: Any, sample_every: int, samples_dir: Any, eval_ema: bool) -> None:
+        """``fit``'s samples hook and ``eval_ema``, refused in one line before the run if they cannot work."""
+        check_samples(samples, sample_every, samples_dir)
+        abstract = self.parallel.abstract_state
+        averaged = (self.parallel.averaged_parts(abstract) if self.parts is not None
+                    else keeps_average(abstract.opt_state))
+        if eval_ema and not averaged:
+            raise UsageError("eval_ema=True evaluates the moving average of the weights, and the optimizer keeps "
+                             "none; chain shardax.ema_params(decay) last in it, or drop eval_ema")
+
     def _models(self) -> str:
         """What is trained: the model's class, or each part's name and class."""
         if self.parts is None:
@@ -329,7 +339,8 @@ class Trainer:
             on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
             record: dict[str, Any] | None = None, header: Sequence[str] = (), summary: bool = True,
             loss_unit: str | None = None, baselines: dict[str, float] | None = None,
-            samples: SampleFn | None = None, sample_every: int = 0, samples_dir: str | None = None) -> FitResult:
+            samples: SampleFn | None = None, sample_every: int = 0, samples_dir: str | None = None,
+            eval_ema: bool = False) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
 
         Args:
@@ -353,8 +364,8 @@ class Trainer:
         """
         settings = FitSettings(steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
                                on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
-                               baselines, sample_every, samples_dir)
-        check_samples(samples, sample_every, samples_dir)
+                               baselines, sample_every, samples_dir, eval_ema)
+        self._check_hooks(samples, sample_every, samples_dir, eval_ema)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
