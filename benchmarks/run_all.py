@@ -291,6 +291,15 @@ def table() -> str:
                      f"{ema['model']['d_model']}-wide, {ema['model']['n_layers']} layers, batch {ema['batch']}, on "
                      f"{ema['mesh']}: its bytes per device / the parameters', step time with / without (median of "
                      f"interleaved steps) | {cells} | dp 1x, zero2 1/8 (the optimizer state's share), fsdp 1x of its share; under 5% a step |")
+    ema_gpu = load("ema_nvidia_h200")
+    if ema_gpu:
+        row = ema_gpu["strategies"]["dp"]
+        lines.append(f"| 26. the same on {ema_gpu['machine']}: Llama-style {ema_gpu['model']['d_model']}-wide, "
+                     f"{ema_gpu['model']['n_layers']} layers, vocabulary {ema_gpu['model']['vocab_size']} "
+                     f"({row['param_bytes_per_device'] / 4e9:.2f}B parameters), batch {ema_gpu['batch']} x "
+                     f"{ema_gpu['model']['seq_len']}, bfloat16 compute, dp | {row['ema_bytes_ratio']:.3f}x the "
+                     f"parameters' bytes, step {row['step_time_ratio']:.3f}x ({row['step_s_with'] * 1e3:.1f} vs "
+                     f"{row['step_s_without'] * 1e3:.1f} ms) | the average's read and write, about 1% a step |")
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -402,6 +411,7 @@ if __name__ == "__main__":
     if has_gpu():
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])
+        run(["benchmarks/ema.py", "--accelerator"])
     text = table()
     (RESULTS / "README.md").write_text(text)
     print(text)
