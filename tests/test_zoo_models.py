@@ -149,10 +149,12 @@ def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
 
 @pytest.mark.parametrize("name, strategy, mesh_shape", [
     ("square", "tp", "data=4,model=2"), ("vae", "tp", "data=4,model=2"), ("unet", "tp", "data=4,model=2"),
+    ("dit", "tp", "data=4,model=2"),
     ("convnext", "pp_tp", "stage=2,data=2,model=2")])
 def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strategy, mesh_shape):
     """A square hidden weight, a VAE's equal widths, a U-Net's skips (added and concatenated),
-    GroupNorm and timestep embedding, ConvNeXt's depthwise blocks in a pipeline: tp splits them in
+    GroupNorm and timestep embedding, a DiT's attention and adaLN modulation, ConvNeXt's depthwise
+    blocks in a pipeline: tp splits them in
     column-row pairs (at most 0.75 of the parameters on each device) and moves every weight as
     one device's two SGD steps do (the depthwise kernels' gradient too, see grouped_conv), their
     moving average (a diffusion model's EMA) too."""
@@ -187,6 +189,9 @@ def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strat
     for path in start:  # every weight, and its moving average, moved as one device's
         for got, want in ((ours[path], theirs[path]), (average[path], ref_average[path])):
             want = want - start[path]
+            if np.abs(want).max() < 1e-7:  # a gradient that is zero but for rounding (attention's key bias)
+                assert np.abs(got - start[path]).max() < 1e-7, path
+                continue
             np.testing.assert_allclose(got - start[path], want, rtol=0, atol=2e-5 * np.abs(want).max(),
                                        err_msg=path)
 

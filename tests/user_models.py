@@ -112,6 +112,44 @@ class TinyUNet(nnx.Module):
         return self.out(nnx.silu(self.fuse(jnp.concatenate([self.up(middle), h], axis=-1))))
 
 
+class DiTBlock(nnx.Module):
+    """A DiT block (Peebles and Xie): adaLN-Zero, the timestep's shift, scale and gate for the
+    attention and the MLP, computed by one linear layer and split six ways."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 32, heads: int = 4):
+        self.modulation = nnx.Linear(width, 6 * width, rngs=rngs)
+        self.norm1 = nnx.LayerNorm(width, use_scale=False, use_bias=False, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=width, decode=False, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(width, use_scale=False, use_bias=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(width, 4 * width, rngs=rngs), nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x, condition):
+        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.modulation(nnx.silu(condition))[:, None], 6, -1)
+        x = x + gate1 * self.attention(self.norm1(x) * (1 + scale1) + shift1)
+        return x + gate2 * self.down(nnx.gelu(self.up(self.norm2(x) * (1 + scale2) + shift2)))
+
+
+class TinyDiT(nnx.Module):
+    """A diffusion transformer on 8x8x3 images: 2x2 patches embedded, a learned position table,
+    two DiT blocks conditioned on the timestep embedding, a final norm and linear back to patches."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 32):
+        self.patches = nnx.Linear(12, width, rngs=rngs)
+        self.positions = nnx.Param(jax.random.normal(rngs.params(), (16, width)) * 0.02)
+        self.time = nnx.Linear(16, width, rngs=rngs)
+        self.block1, self.block2 = DiTBlock(rngs, width), DiTBlock(rngs, width)
+        self.final_norm = nnx.LayerNorm(width, rngs=rngs)
+        self.out = nnx.Linear(width, 12, rngs=rngs)
+
+    def __call__(self, images, timesteps):
+        b = images.shape[0]
+        patches = images.reshape(b, 4, 2, 4, 2, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b, 16, 12)
+        x, condition = self.patches(patches) + self.positions[...], self.time(timesteps)
+        x = self.block2(self.block1(x, condition), condition)
+        out = self.out(self.final_norm(x)).reshape(b, 4, 4, 2, 2, 3).transpose(0, 1, 3, 2, 4, 5)
+        return out.reshape(b, 8, 8, 3)
+
+
 class ConvNeXtBlock(nnx.Module):
     """ConvNeXt's block: a depthwise 3x3 conv, a pointwise MLP (4x), added to its input."""
 
@@ -138,8 +176,8 @@ class TinyConvNeXt(nnx.Module):
 
 
 def generative_batch(name, rows=8, seed=0):
-    """One batch for SquareMLP ("square"), VAE ("vae"), TinyUNet ("unet") or TinyConvNeXt
-    ("convnext"), and its loss."""
+    """One batch for SquareMLP ("square"), VAE ("vae"), TinyUNet ("unet"), TinyDiT ("dit") or
+    TinyConvNeXt ("convnext"), and its loss."""
     rng = np.random.default_rng(seed)
     if name == "convnext":
         batch = {"inputs": rng.normal(size=(rows, 8, 8, 3)).astype(np.float32),
@@ -156,7 +194,7 @@ def generative_batch(name, rows=8, seed=0):
         return VAE, {"x": rng.normal(size=(rows, 32)).astype(np.float32)}, elbo
     batch = {"images": rng.normal(size=(rows, 8, 8, 3)), "noise": rng.normal(size=(rows, 8, 8, 3)),
              "t": rng.normal(size=(rows, 16))}
-    return TinyUNet, jax.tree.map(np.float32, batch), lambda model, b: (
+    return TinyDiT if name == "dit" else TinyUNet, jax.tree.map(np.float32, batch), lambda model, b: (
         (model(b["images"] + b["noise"], b["t"]) - b["noise"]) ** 2).mean()
 
 

@@ -52,6 +52,19 @@ def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], param
     return _decide(classes, dict(zip(params, param_vars)), model_size)
 
 
+# what each primitive that cuts a dimension does to it, in a reason's words
+_CUTS = {"concatenate": "concatenated (a skip joined on the channels)", "reshape": "reshaped (patches, heads)",
+         "conv_general_dilated": "a convolution's window or grouped channels", "pad": "padded",
+         "reduce_window": "pooled over a window", "gather": "gathered from", "split": "split into pieces (adaLN's shift, scale and gate)",
+         "broadcast_in_dim": "broadcast from a smaller size"}
+
+
+def _cut_reason(marks: set[str]) -> str:
+    """Why a dimension that is cut stays whole: what cuts it, by the primitives that did."""
+    words = sorted({_CUTS.get(mark.split(":", 1)[1], "sliced") for mark in marks if mark.startswith("cut-by:")})
+    return f"it is {', '.join(words) or 'sliced'}"
+
+
 def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
     """Per class root: the logical name it splits as, or why it cannot."""
     for whole, major in classes.soft:  # tie merged dimensions to their major part where it divides
@@ -78,7 +91,7 @@ def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, st
         elif "stacked" in marks:
             reasons[root] = "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
         elif "cut" in marks:
-            reasons[root] = "it is sliced, concatenated, strided or windowed (a conv's spatial extent)"
+            reasons[root] = _cut_reason(marks)
         elif "produced" in marks and "consumed" in marks and "reduced" in marks:
             reasons[root] = "the model width: normalised or reduced over between the weights that share it"
         elif "produced" in marks and "consumed" in marks and not bad:

@@ -32,6 +32,7 @@ class Walker:
         self.grouped_convs: list[str] = []  # grouped convolutions outside shardax.grouped_conv
         self._routed = 0  # inside shardax.grouped_conv
         self._walked: dict[int, Any] = {}  # the jaxprs walked so far, by id (kept, so no id is reused)
+        self._primitive = ""  # the equation being walked
 
     def kind_of(self, var: Any) -> str | None:
         return None if isinstance(var, jcore.Literal) else self.kind.get(var)
@@ -89,8 +90,14 @@ class Walker:
                 self.kind[o] = self.kind_of(i)
         self.bind(eqn.outvars, inner.outvars)
 
+    def _cut(self, var: Any, dim: int) -> None:
+        """``var``'s ``dim`` is cut (sliced, joined, reshaped, windowed) by the equation being walked."""
+        self.classes.mark(var, dim, "cut")
+        self.classes.mark(var, dim, f"cut-by:{self._primitive}")
+
     def equation(self, eqn: Any) -> None:
         name, params, ins, outs = eqn.primitive.name, eqn.params, eqn.invars, eqn.outvars
+        self._primitive = name
         handler = getattr(self, "_" + name, None)
         if name in _CALLS and params.get(_CALLS[name]) is not None:
             self.call(eqn, params[_CALLS[name]])
@@ -167,11 +174,11 @@ class Walker:
                 else:
                     self.classes.join(node_whole, node_major)
                 for var, dim in minor:
-                    self.classes.mark(var, dim, "cut")
+                    self._cut(var, dim)
                 continue
             for var, dims in ((ins[0], group_in), (outs[0], group_out)):
                 for dim in dims:
-                    self.classes.mark(var, dim, "cut")
+                    self._cut(var, dim)
 
     def _dot_general(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = params["dimension_numbers"]
@@ -213,10 +220,10 @@ class Walker:
             self._roles(rhs, lhs, (rhs_spec[1],), [rhs_spec[0]], ())
         else:
             for var, dim in ((lhs, lhs_spec[1]), (rhs, rhs_spec[0]), (rhs, rhs_spec[1]), (out, out_spec[1])):
-                self.classes.mark(var, dim, "cut")
+                self._cut(var, dim)
         for var, spec in ((lhs, lhs_spec), (rhs, rhs_spec), (out, out_spec)):
             for dim in spec[2:]:
-                self.classes.mark(var, dim, "cut")
+                self._cut(var, dim)
 
     def _gather(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         operand, indices, out = ins[0], ins[1], outs[0]
@@ -227,7 +234,7 @@ class Walker:
             if sizes[d_in] == shape_of(operand)[d_in]:
                 self.classes.tie(operand, d_in, out, d_out)
             else:
-                self.classes.mark(operand, d_in, "cut")
+                self._cut(operand, d_in)
         batch_out = [d for d in range(rank(out)) if d not in numbers.offset_dims]
         for d_out, d_index in zip(batch_out, range(rank(indices) - 1)):
             self.classes.tie(indices, d_index, out, d_out)
@@ -243,7 +250,7 @@ class Walker:
             if size == shape_of(ins[0])[dim] and strides[dim] == 1:
                 self.classes.tie(ins[0], dim, outs[0], dim)
             else:
-                self.classes.mark(ins[0], dim, "cut")
+                self._cut(ins[0], dim)
 
     def _dynamic_slice(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         self._slice(ins[:1], outs, {})
@@ -254,34 +261,34 @@ class Walker:
             if shape_of(ins[1])[dim] == size:
                 self.classes.tie(ins[1], dim, outs[0], dim)
             else:
-                self.classes.mark(ins[0], dim, "cut")
+                self._cut(ins[0], dim)
 
     def _concatenate(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         axis = params["dimension"]
         for var in ins:
             for dim in range(rank(var)):
                 if dim == axis:
-                    self.classes.mark(var, dim, "cut")
+                    self._cut(var, dim)
                 else:
                     self.classes.tie(var, dim, outs[0], dim)
-        self.classes.mark(outs[0], axis, "cut")
+        self._cut(outs[0], axis)
 
     def _pad(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         for dim, config in enumerate(params["padding_config"]):
             if tuple(config) == (0, 0, 0):
                 self.classes.tie(ins[0], dim, outs[0], dim)
             else:
-                self.classes.mark(ins[0], dim, "cut")
-                self.classes.mark(outs[0], dim, "cut")
+                self._cut(ins[0], dim)
+                self._cut(outs[0], dim)
 
     def _split(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         for out in outs:
             for dim in range(rank(out)):
                 if dim == params["axis"]:
-                    self.classes.mark(out, dim, "cut")
+                    self._cut(out, dim)
                 else:
                     self.classes.tie(ins[0], dim, out, dim)
-        self.classes.mark(ins[0], params["axis"], "cut")
+        self._cut(ins[0], params["axis"])
 
     def _sort(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         self.elementwise(ins, outs)
