@@ -198,3 +198,31 @@ def test_bad_input_to_a_run_of_parts_is_one_line(call, message):
     with pytest.raises(UsageError) as error:
         call()
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])
+def test_an_update_with_a_non_finite_gradient_is_dropped(on_nonfinite):
+    """A batch with a NaN image makes the discriminator's gradient NaN: its update is dropped (its
+    parameters and optimizer state stay), counted in skipped_steps. Under "skip" the generator's
+    update, whose gradient is finite, stands; under "stop" the whole step is dropped and fit
+    stops naming it."""
+    from shardax.errors import NonFiniteError
+
+    trainer = Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp")
+    step = trainer.train_step(on_nonfinite)
+    good, bad = list(gan_batches(2))
+    bad["image"][3, 2] = np.nan
+    first, _ = step(trainer.init(), trainer.place(good))
+    before = on_host(first)
+    second, metrics = step(first, trainer.place(bad))
+    after = on_host(second)
+    assert int(metrics["skipped_steps"]) == 1 and not np.isfinite(float(metrics["grad_norm/discriminator"]))
+    jax.tree.map(np.testing.assert_array_equal, after.params["discriminator"], before.params["discriminator"])
+    jax.tree.map(np.testing.assert_array_equal, after.opt_state["discriminator"], before.opt_state["discriminator"])
+    generator_moved = any((a != b).any() for a, b in zip(jax.tree.leaves(after.params["generator"]),
+                                                         jax.tree.leaves(before.params["generator"])))
+    assert generator_moved == (on_nonfinite == "skip")
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(after.params))
+    if on_nonfinite == "stop":
+        with pytest.raises(NonFiniteError, match="step 2: the loss or gradient norm is NaN or infinite"):
+            Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp").fit([good, bad, good], steps=3, summary=False)

@@ -160,9 +160,11 @@ def build_parts_step(plans: dict[str, PartPlan], step_fn: StepFn, *, nonfinite: 
     """The un-jitted ``(state, batch) -> (state, metrics)`` of ``step_fn`` over the parts.
 
     Every trained part must be updated by the step; one that is not is refused (in one line,
-    when the step is traced), as is an update of a frozen part. With ``nonfinite="stop"``, after
-    the first dropped update nothing is applied any more (the state stays the last good one
-    until the host notices ``skipped`` and stops); with ``"skip"`` training goes on."""
+    when the step is traced), as is an update of a frozen part. An update whose gradient norm is
+    not finite is dropped. With ``nonfinite="stop"`` the whole step is then dropped (every part,
+    its variables too) and nothing after it is applied: the state stays the last good one until
+    the host notices ``skipped`` and stops. With ``"skip"`` the other updates of that step stand
+    and training goes on."""
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, Metrics]:
         allowed = state.skipped == 0 if nonfinite == "stop" else jnp.ones((), bool)
@@ -175,6 +177,9 @@ def build_parts_step(plans: dict[str, PartPlan], step_fn: StepFn, *, nonfinite: 
                              f"parts.update({idle[0]!r}, grads); update it in the step, or make it frozen "
                              "(Part(model) with no optimizer)")
         new = parts.final(state)
+        if nonfinite == "stop":  # a step with a dropped update moves nothing but its counters, as one model's
+            kept = state.replace(step=new.step, skipped=new.skipped)
+            new = jax.tree.map(lambda moved, still: jnp.where(parts.applied, moved, still), new, kept)
         return new, {**metrics, **parts.metrics, "skipped_steps": new.skipped}
 
     return step
