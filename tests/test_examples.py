@@ -57,12 +57,16 @@ def test_vae_digits_improves_its_held_out_elbo(strategy):
 @pytest.mark.parametrize("strategy", ["fsdp", "tp"])
 def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
     """Two parts, two optimizers, the generator's moving average. Measured on this machine (1000
-    steps): digit score 1.21 before training, 4.19 after under fsdp and under tp (real images 7.18)."""
+    steps, fsdp and tp alike): digit score 1.21 before training, 4.13 after (real images 7.18);
+    Fréchet distance to the held-out digits 11.76 before, 0.83 after (the training images 0.10)."""
     out = example("gan_digits.py", "--strategy", strategy, "--steps", 1000, "--samples-dir", tmp_path,
                   "--sample-every", 500)
     assert f"strategy {strategy}" in out and "parts: generator (Generator), discriminator (Discriminator)" in out
     before, after = map(float, re.search(r"digit score: ([\d.]+) before training, ([\d.]+) after", out).groups())
     assert before < 1.6 and after >= 3.0, out[-2000:]
+    distance_before, distance_after = map(float, re.search(
+        r"Fréchet distance to the held-out digits: ([\d.]+) before training, ([\d.]+) after", out).groups())
+    assert distance_after < distance_before / 4, out[-2000:]
     import matplotlib.image
 
     grids = sorted(path.name for path in tmp_path.glob("*.png"))
@@ -74,12 +78,15 @@ def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
 @pytest.mark.parametrize("strategy", ["fsdp", "tp"])
 def test_diffusion_digits_samples_digits_from_its_moving_average(strategy, tmp_path):
     """A U-Net with timestep embeddings, GroupNorm, attention and a concatenated skip. Measured on
-    this machine: digit score 3.34 after 400 steps, 4.72 after 1500 (fsdp and tp alike; real 7.18)."""
+    this machine (300 steps): Fréchet distance to the held-out digits 14.93 before training, 0.64
+    after (the training images 0.10). The digit score does not tell here: noise through an
+    untrained U-Net already scores 3.43 (3.14 after 300 steps, 4.72 after 1500)."""
     out = example("diffusion_digits.py", "--strategy", strategy, "--steps", 300, "--samples-dir", tmp_path,
                   "--sample-every", 0)
     assert f"strategy {strategy}" in out
-    score = float(re.search(r"digit score: ([\d.]+) \(the moving average's samples", out).group(1))
-    assert score >= 2.0, out[-2000:]
+    before, after = map(float, re.search(
+        r"Fréchet distance to the held-out digits: ([\d.]+) before training, ([\d.]+) after", out).groups())
+    assert after < before / 4, out[-2000:]
     assert sorted(path.name for path in tmp_path.glob("*.png")) == ["samples_step_000300.png"]
     if strategy == "tp":  # the residual blocks' convolutions and the attention split over model
         assert float(re.search(r"state: .* replicated \(([\d.]+)%\)", out).group(1)) <= 75
