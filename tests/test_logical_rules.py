@@ -133,9 +133,9 @@ def test_init_goes_straight_into_shards(axis_types):
     full = report(parallel).replicated_bytes
     import functools
 
-    from shardax.model_parallel import _build_state
+    from shardax.model_parallel import build_state
 
-    init = jax.jit(functools.partial(_build_state, parallel.factory, parallel.tx, 0, parallel.mesh),
+    init = jax.jit(functools.partial(build_state, parallel.factory, parallel.tx, 0, parallel.mesh),
                    out_shardings=parallel.state_shardings)
     memory = init.lower().compile().memory_analysis()
     assert memory.output_size_in_bytes == pytest.approx(full / 8, rel=0.02)

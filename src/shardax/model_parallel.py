@@ -52,8 +52,8 @@ def trained_part(params: Any, trainable: Any) -> Any:
     return params if trainable is None else nnx.split_state(params, trainable, ...)[0]
 
 
-def _build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
-                 trainable: Any = None) -> TrainState:
+def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
+                trainable: Any = None) -> TrainState:
     # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
     # the mesh, so that a model's own sharding constraints resolve while it is built; with every
     # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
@@ -109,7 +109,7 @@ class ParallelModel:
 
     def init(self, seed: int = 0) -> TrainState:
         """Initialise straight into shards: each device computes only what it holds."""
-        build = functools.partial(_build_state, self.factory, self.tx, seed, self.mesh, self.trainable)
+        build = functools.partial(build_state, self.factory, self.tx, seed, self.mesh, self.trainable)
         return jax.jit(build, out_shardings=self.state_shardings)()
 
     def place_batch(self, batch: Any) -> Any:
@@ -300,7 +300,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
     trainable = _trainable(params, trainable)
-    abstract = jax.eval_shape(functools.partial(_build_state, factory, tx, 0, mesh, trainable))
+    abstract = jax.eval_shape(functools.partial(build_state, factory, tx, 0, mesh, trainable))
     derived = None
     if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)

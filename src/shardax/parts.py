@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
-from shardax.model_parallel import ModelFactory, ParallelModel, _build_state, trained_part
+from shardax.model_parallel import ModelFactory, ParallelModel, build_state, trained_part
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_tensor_axis
 from shardax.sharding.layout import Layout
@@ -184,7 +184,7 @@ class ParallelParts:
         seeds = self.seeds(seed)
 
         def build() -> TrainState:
-            states = {name: _build_state(model.factory, model.tx, seeds[name], self.mesh, model.trainable)
+            states = {name: build_state(model.factory, model.tx, seeds[name], self.mesh, model.trainable)
                       for name, model in self.models.items()}
             zero = jnp.zeros((), jnp.int32)
             return TrainState(step=zero, skipped=zero, params={name: s.params for name, s in states.items()},

@@ -33,7 +33,7 @@ from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.step.state import TrainState
-from shardax.step.train import _for_compute, keep_where
+from shardax.step.train import in_compute_layout, keep_where
 
 Metrics = dict[str, jax.Array]
 StepFn = Callable[["Parts", Any], Mapping[str, Any]]
@@ -63,8 +63,8 @@ class Parts:
         self._plans, self._training, self._allowed, self._select = plans, training, allowed, select
         self._modules: dict[str, nnx.Module] = {}
         for name, plan in plans.items():
-            params = jax.tree.map(_for_compute, state.params[name], plan.compute_shardings, plan.gradient_shardings,
-                                  plan.param_shardings)
+            params = jax.tree.map(in_compute_layout, state.params[name], plan.compute_shardings,
+                                  plan.gradient_shardings, plan.param_shardings)
             module = nnx.merge(plan.graphdef, params, state.rest[name], copy=True)
             module.train() if training and plan.tx is not None else module.eval()  # a frozen part: eval mode
             self._modules[name] = module
@@ -108,7 +108,7 @@ class Parts:
             return optax.apply_updates(trained, updates), opt_state
 
         new, self.opt_state[name] = keep_where(apply, step, (trained, self.opt_state[name]), select=self._select)
-        new = jax.tree.map(_for_compute, new, plan.trained(plan.compute_shardings),
+        new = jax.tree.map(in_compute_layout, new, plan.trained(plan.compute_shardings),
                            plan.trained(plan.gradient_shardings), plan.trained(plan.param_shardings))
         nnx.update(module, new)
         self.metrics[f"grad_norm/{name}"] = norm
@@ -186,7 +186,8 @@ def build_parts_step(plans: dict[str, PartPlan], step_fn: StepFn, *, nonfinite: 
 
 
 def build_parts_eval_step(plans: dict[str, PartPlan], eval_fn: StepFn, *,
-                          layer_layout: Callable[[], Any] = contextlib.nullcontext) -> Callable[[TrainState, Any], Metrics]:
+                          layer_layout: Callable[[], Any] = contextlib.nullcontext,
+                          ) -> Callable[[TrainState, Any], Metrics]:
     """The un-jitted ``(state, batch) -> metrics`` of ``eval_fn`` over the parts in eval mode; the
     state is left as it was."""
 

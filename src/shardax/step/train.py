@@ -124,7 +124,7 @@ class _TrainStep:
     def forward(self, params: Any, rest: Any, batch: Any, weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
         """The loss to differentiate: the mean, or with ``weighted`` the mean times its weight (a
         sum), and the metrics (times the weight too) with the weight itself and the new state."""
-        params = jax.tree.map(_for_compute, params, self.compute_shardings, self.gradient_shardings,
+        params = jax.tree.map(in_compute_layout, params, self.compute_shardings, self.gradient_shardings,
                               self.param_shardings)
         model = _model(self.graphdef, params, rest, training=True)
         with self.layer_layout():
@@ -203,7 +203,7 @@ class _TrainStep:
         return new_state, {**metrics, "grad_norm": grad_norm, "skipped_steps": new_state.skipped}
 
 
-def _for_compute(value: jax.Array, compute: Any, gradient: Any, storage: Any) -> jax.Array:
+def in_compute_layout(value: jax.Array, compute: Any, gradient: Any, storage: Any) -> jax.Array:
     """A parameter in its compute layout (for FSDP the all-gather), its gradient kept in ``gradient``'s."""
     if compute == gradient == storage:  # used where it is stored, its gradient kept there (dp, tp)
         return value
