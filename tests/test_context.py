@@ -19,7 +19,8 @@ from shardax.errors import UsageError
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
 from shardax.blocks import split_sequences
-from shardax.runtime.context import ContextLayout, _allowed, attention, zigzag_order
+from shardax.runtime.attention import allowed
+from shardax.runtime.context import ContextLayout, attention, zigzag_order
 from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, train_transformer
 
 pytestmark = pytest.mark.xdist_group("test_context")
@@ -57,7 +58,7 @@ def test_zigzag_gives_share_i_chunks_i_and_2C_minus_1_minus_i_and_every_share_th
         for hop in range(shards):
             source = (i - hop) % shards
             q, k = jnp.split(positions[i][None], 2, axis=1), jnp.split(positions[source][None], 2, axis=1)
-            blocks = sum(bool(jnp.any(_allowed(q[a], none, k[b], none))) for a in range(2) for b in range(2))
+            blocks = sum(bool(jnp.any(allowed(q[a], none, k[b], none))) for a in range(2) for b in range(2))
             assert blocks == (3 if hop == 0 else 2), (shards, i, hop)
 
 
@@ -76,26 +77,30 @@ CASES = [("data=2,context=4", ()), ("data=1,context=8", ()), ("data=2,context=2,
 
 @pytest.mark.parametrize("variant", ["all-gather", "ring"])
 @pytest.mark.parametrize("mesh_shape, heads", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("packed", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("packed", [False, True, "window"], ids=["causal", "documents", "sliding-window"])
 def test_attention_and_its_gradients_equal_full_attention(variant, mesh_shape, heads, packed):
+    """Sliding window: 11 tokens, so that on 4 or 8 shares a window reaches back across shares."""
     mesh = mesh_of(mesh_shape)
     batch, length, n, h = 2, 64, 4, 8
     q, k, v = (jax.random.normal(key, (batch, length, n, h)) for key in jax.random.split(jax.random.key(1), 3))
-    if packed:
+    if packed is True:
         segments, positions = _documents(batch, length)
     else:
         segments, positions = None, jnp.tile(jnp.arange(length), (batch, 1))
+    window = 11 if packed == "window" else 0
     order = zigzag_order(length, mesh.shape["context"])
     weights = jax.random.normal(jax.random.key(2), (batch, length, n, h))
 
     def full(q, k, v):
         mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+        if window:
+            mask = (jnp.arange(length)[:, None] - jnp.arange(length)[None, :] < window)[None, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     def split(q, k, v):
         out = attention(q[:, order], k[:, order], v[:, order], positions[:, order],
                         None if segments is None else segments[:, order],
-                        layout=ContextLayout.create(mesh, variant, ("data",), heads))
+                        layout=ContextLayout.create(mesh, variant, ("data",), heads), window=window)
         return jnp.zeros_like(out).at[:, order].set(out)
 
     expected, actual = full(q, k, v), jax.jit(split)(q, k, v)

@@ -148,7 +148,7 @@ def _edit_config(folder, **changes):
      "model.embed_tokens.weight has shape [96, 64] but config.json implies [96, 48]"),
     (lambda f: _edit_config(f, num_hidden_layers=1), "tensor model.layers.1."),
     (lambda f: _edit_config(f, num_hidden_layers=3), "lacks the tensor model.layers.2."),
-    (lambda f: _edit_config(f, model_type="gemma"), 'model_type="gemma" is not supported (another architecture)'),
+    (lambda f: _edit_config(f, model_type="gemma3"), 'model_type="gemma3" is not supported (the text model of gemma3'),
     (lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling="),
     (lambda f: _edit_config(f, hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
     (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),

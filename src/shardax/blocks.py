@@ -29,6 +29,7 @@ from flax import nnx
 from shardax.errors import UsageError
 from shardax.layers import metadata_only
 from shardax.runtime import context
+from shardax.runtime.attention import allowed, dense_attention
 from shardax.runtime.context import ContextLayout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -86,6 +87,12 @@ class StackPlan:
         if compute == storage and gradient == storage:
             return None
         return NamedSharding(self.mesh, compute), NamedSharding(self.mesh, gradient)
+
+
+class LayerSetting(nnx.Variable):
+    """A constant of each layer that may differ from layer to layer (a sliding window): never
+    trained, kept in the model's state beside its weights, so that inside a ``LayerStack`` it is
+    stacked, scanned over and cut into pipeline stages with them."""
 
 
 class LayerStack(nnx.Module):
@@ -183,11 +190,13 @@ class LayerStack(nnx.Module):
         return variable.replace(gather_for_compute(variable[...], *shardings))
 
 
-def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None) -> tuple[str, str]:
+def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None, *,
+                     masked: bool = False) -> tuple[str, str]:
     """The kernel attention runs with (``"xla"`` or ``"cudnn"``) and why.
 
     cuDNN's fused kernel needs a GPU, 16-bit inputs and a head dimension that is a multiple of
-    8 and at most 256; ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
+    8 and at most 256, and shardax does not give it sliding windows or soft-capped scores
+    (``masked``); ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
     if implementation not in IMPLEMENTATIONS:
         raise UsageError(f"attention implementation {implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}")
     platform = platform or jax.devices()[0].platform
@@ -198,6 +207,8 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
         problems.append(f"it needs bfloat16 or float16 inputs (these are {jnp.dtype(dtype).name})")
     if head_dim % 8 or head_dim > 256:
         problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {head_dim})")
+    if masked:
+        problems.append("sliding windows and soft-capped scores run in XLA's attention")
     if implementation == "xla":
         return "xla", "asked for"
     if not problems:
@@ -209,47 +220,62 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
               segments: jax.Array | None = None, implementation: str = "auto",
-              sequence: ContextLayout | None = None) -> jax.Array:
+              sequence: ContextLayout | None = None, window: Any = None, scale: float | None = None,
+              softcap: float | None = None) -> jax.Array:
     """Causal self-attention: ``q`` (B, T, N, H), ``k`` and ``v`` (B, T, K, H) with K dividing N
     (grouped-query attention) -> (B, T, N, H).
 
     ``segments`` (B, T): packed documents numbered from 1; a token sees only earlier tokens of
     its own document. ``positions`` (B, T): each token's place (default ``0..T-1``); with a
     ``sequence`` split over devices the mask is made from positions and segments, so any order
-    of the tokens is correct (``shardax.runtime.context``)."""
-    kernel = attention_kernel(implementation, q.dtype, q.shape[-1])[0]
+    of the tokens is correct (``shardax.runtime.context``). ``window``: a sliding window of that
+    many tokens, the query's own included (an integer, traced or not; None or 0: none).
+    ``scale``: of the scores (default ``H ** -0.5``); ``softcap``: Gemma 2's ``cap * tanh(s / cap)``
+    on them."""
+    kernel = attention_kernel(implementation, q.dtype, q.shape[-1], masked=window is not None or softcap is not None)[0]
     if sequence is None:
-        mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=kernel)
+        if window is None and softcap is None:
+            mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale, implementation=kernel)
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1]) if positions is None else positions, q.shape[:2])
+        tokens = jnp.zeros_like(positions) if segments is None else segments
+        mask = allowed(positions, tokens, positions, tokens, 0 if window is None else window)[:, None]
+        return dense_attention(q, k, v, mask, scale=scale, softcap=softcap, implementation=kernel)
     if k.shape[2] != q.shape[2]:  # the context runtime attends head by head
         k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    return context.attention(q, k, v, positions, segments, layout=sequence, implementation=kernel)
+    return context.attention(q, k, v, positions, segments, layout=sequence, implementation=kernel,
+                             window=0 if window is None else window, scale=scale, softcap=softcap)
 
 
 class Attention(nnx.Module):
     """``attention`` as a module, so that ``parallelize`` can tell it how sequences are split
-    (its ``sequence``). It holds no parameters: the model keeps its own projections.
+    (its ``sequence``). It holds no parameters: the model keeps its own projections. ``scale``
+    and ``softcap``: see ``attention``; a sliding window is given per call (it may differ
+    from layer to layer of a stack).
 
     With a key/value cache (``init_cache``), each call writes its keys and values into the
     cache at their positions (``positions``, contiguous in each row) and its queries attend to
-    every cached token at or before their own position: a prompt, then one token at a time."""
+    every cached token at or before their own position (within the window): a prompt, then one
+    token at a time."""
 
-    def __init__(self, *, implementation: str = "auto") -> None:
+    def __init__(self, *, implementation: str = "auto", scale: float | None = None,
+                 softcap: float | None = None) -> None:
         if implementation not in IMPLEMENTATIONS:
             raise UsageError(f"Attention(implementation={implementation!r}); use one of {', '.join(IMPLEMENTATIONS)}")
-        self.implementation = implementation
+        self.implementation, self.scale, self.softcap = implementation, scale, softcap
         self.sequence: ContextLayout | None = None
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
-                 segments: jax.Array | None = None) -> jax.Array:
+                 segments: jax.Array | None = None, window: Any = None) -> jax.Array:
         if hasattr(self, "cached_keys"):  # set by init_cache
-            return self._from_cache(q, k, v, positions)
+            return self._from_cache(q, k, v, positions, window)
         return attention(q, k, v, positions=positions, segments=segments, implementation=self.implementation,
-                         sequence=self.sequence)
+                         sequence=self.sequence, window=window, scale=self.scale, softcap=self.softcap)
 
-    def _from_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> jax.Array:
+    def _from_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
+                    window: Any) -> jax.Array:
         if positions is None:
             raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
 
@@ -259,8 +285,11 @@ class Attention(nnx.Module):
         keys = jax.vmap(write)(self.cached_keys[...], k, positions[:, 0])
         values = jax.vmap(write)(self.cached_values[...], v, positions[:, 0])
         self.cached_keys[...], self.cached_values[...] = keys, values
-        visible = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # (B, T, cache length)
-        return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[:, None])
+        slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+        visible = allowed(positions, jnp.zeros_like(positions), slots, jnp.zeros_like(slots),
+                          0 if window is None else window)  # (B, T, cache length)
+        return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None], scale=self.scale,
+                               softcap=self.softcap)
 
 
 def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,

@@ -20,8 +20,8 @@ from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
 from shardax.step.state import TrainState
 from shardax.hf.files import SafeTensors, _give_back_freed_memory
-from shardax.hf.names import (_check_names, _normalize, _parameter_source, _sources, is_adapter,
-                               read_config)
+from shardax.hf.families import read_config
+from shardax.hf.names import _check_names, _normalize, _parameter_source, _sources, is_adapter
 from shardax.hf.save import save
 
 

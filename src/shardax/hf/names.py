@@ -4,114 +4,23 @@ written, and where each parameter of the model comes from among the checkpoint's
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from shardax.errors import UsageError
-from shardax.models.transformer import LORA_TARGETS, TransformerConfig
+from shardax.models.transformer import TransformerConfig
 
 if TYPE_CHECKING:
     from shardax.hf.files import SafeTensors
 
 
-FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 # buffers some checkpoints carry that are not weights
 IGNORED = ("rotary_emb.inv_freq",)
-
-
-def _refuse(path: Path, field: str, value: Any, why: str) -> UsageError:
-    return UsageError(f"{path / 'config.json'}: {field}={json.dumps(value)} is not supported ({why}); shardax loads "
-                      f"the Llama family ({', '.join(FAMILY)}) as Hugging Face defines it")
-
-
-def _read_raw(path: Path) -> dict[str, Any]:
-    """The settings in ``path``'s ``config.json``, or a ``UsageError`` saying why there are none."""
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path} has no config.json; give a Hugging Face model directory") from None
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{path / 'config.json'} is unreadable ({error}); give a Hugging Face model directory") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{path / 'config.json'} holds no settings; give a Hugging Face model directory")
-    return raw
-
-
-def _check_supported(path: Path, raw: dict[str, Any]) -> None:
-    """Refuse an architecture outside the Llama family as shardax implements it."""
-    kind = raw.get("model_type")
-    if kind not in FAMILY:
-        raise _refuse(path, "model_type", kind, "another architecture")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise _refuse(path, "hidden_act", raw["hidden_act"], "the Llama family's MLP is SwiGLU")
-    for field in ("attention_bias", "mlp_bias"):
-        if raw.get(field) and kind != "qwen2":
-            raise _refuse(path, field, raw[field], "shardax puts no bias on the output projections")
-    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if raw.get(field):
-            raise _refuse(path, field, raw[field], "mixtures of experts")
-
-
-def _rope_scaling(path: Path, raw: dict[str, Any]) -> tuple[float, float, float, int] | None:
-    """Llama 3's RoPE scaling ``(factor, low_freq_factor, high_freq_factor, original length)``, if set."""
-    scaling = raw.get("rope_scaling")
-    if not scaling:
-        return None
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        raise _refuse(path, "rope_scaling", scaling, "of the RoPE scalings only Llama 3's is")
-    return (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]))
-
-
-def _longest(path: Path, raw: dict[str, Any], seq_len: int | None) -> int:
-    """The default ``seq_len``: ``max_position_embeddings``, capped by a sliding window where one
-    applies; a longer ``seq_len`` than the window is refused."""
-    longest = int(raw.get("max_position_embeddings", 2048))
-    slides = raw.get("model_type") == "mistral" or raw.get("use_sliding_window")
-    window = raw.get("sliding_window") if slides else None
-    if window:
-        longest = min(longest, int(window))
-    if seq_len is not None and window and seq_len > int(window):
-        raise _refuse(path, "sliding_window", window, f"seq_len {seq_len} is longer: attention over a sliding window")
-    return longest
-
-
-def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
-                remat: str = "none", scan_layers: bool = True, attention: str = "auto", lora_rank: int = 0,
-                lora_alpha: float | None = None,
-                lora_targets: tuple[str, ...] = LORA_TARGETS) -> TransformerConfig:
-    """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
-
-    ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``, capped by a
-    sliding window where one applies, within which attention is exact). ``lora_*``: LoRA
-    adapters to fine-tune it with (see ``TransformerConfig``)."""
-    path = Path(path)
-    raw = _read_raw(path)
-    _check_supported(path, raw)
-    kind = raw["model_type"]
-    rope = _rope_scaling(path, raw)
-    longest = _longest(path, raw, seq_len)
-    try:
-        return TransformerConfig(
-            vocab_size=int(raw["vocab_size"]), seq_len=seq_len or longest, d_model=int(raw["hidden_size"]),
-            n_heads=int(raw["num_attention_heads"]), n_layers=int(raw["num_hidden_layers"]),
-            d_ff=int(raw["intermediate_size"]), positions="rotary",
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)), remat=remat, compute_dtype=compute_dtype,
-            scan_layers=scan_layers, attention=attention,
-            n_kv_heads=int(raw.get("num_key_value_heads") or raw["num_attention_heads"]),
-            attention_head_dim=raw.get("head_dim"), norm="rms", norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            mlp="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-            rope_theta=float(raw.get("rope_theta", 10000.0)), rope_scaling=rope, lora_rank=lora_rank,
-            lora_alpha=lora_alpha, lora_targets=tuple(lora_targets))
-    except KeyError as error:
-        raise UsageError(f"{path / 'config.json'} lacks {error.args[0]}; give a Hugging Face model directory") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,11 +85,16 @@ def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     attn, mlp = at + "self_attn.", at + "mlp."
     sources = {
         "attn_norm/scale": Source((at + "input_layernorm.weight",), (), (d,)),
-        "mlp_norm/scale": Source((at + "post_attention_layernorm.weight",), (), (d,)),
         "attn_out": Source((attn + "o_proj.weight",), (n, h), (d,)),
         "mlp_gate_up": Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,), axis=1),
         "mlp_out": Source((mlp + "down_proj.weight",), (f,), (d,)),
     }
+    if config.post_norms:  # Gemma 2 and 3: a norm after attention, and one before and one after the MLP
+        sources["attn_post_norm/scale"] = Source((at + "post_attention_layernorm.weight",), (), (d,))
+        sources["mlp_norm/scale"] = Source((at + "pre_feedforward_layernorm.weight",), (), (d,))
+        sources["mlp_post_norm/scale"] = Source((at + "post_feedforward_layernorm.weight",), (), (d,))
+    else:
+        sources["mlp_norm/scale"] = Source((at + "post_attention_layernorm.weight",), (), (d,))
     q, kk, v = (attn + f"{x}_proj" for x in "qkv")
     if k == n:
         sources["qkv"] = Source((q + ".weight", kk + ".weight", v + ".weight"), (d,), (n, h), axis=1)
@@ -263,35 +177,6 @@ def hf_names(config: TransformerConfig) -> Sequence[str]:
     return names + [n for layer in range(config.n_layers) for s in _sources(config, layer).values() for n in s.names]
 
 
-
-
-def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``config.json`` for ``config`` (``base``: the one it was loaded with, whose other fields stay)."""
-    if config.norm != "rms" or config.mlp != "swiglu" or config.positions != "rotary":
-        raise UsageError(f"this model has {config.norm} norms, a {config.mlp} MLP and {config.positions} positions; "
-                         "only the Llama family (rms, swiglu, rotary) has a Hugging Face layout to save in (shardax "
-                         "0.1's presets had layer norms and GELU MLPs: a new run of a preset exports)")
-    kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
-    if kind not in FAMILY:
-        kind = "llama"
-    architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM"}[kind]
-    raw = dict(base or {})
-    raw.update(model_type=kind, architectures=[architecture], vocab_size=config.vocab_size,
-               hidden_size=config.d_model, intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
-               num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
-               rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, hidden_act="silu",
-               tie_word_embeddings=config.tie_embeddings,
-               max_position_embeddings=max(config.seq_len, int(raw.get("max_position_embeddings", 0))))
-    if config.rope_scaling is not None:
-        factor, low, high, context = config.rope_scaling
-        raw["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                               "high_freq_factor": high, "original_max_position_embeddings": context}
-    else:
-        raw["rope_scaling"] = None
-    if kind == "qwen2":
-        raw.setdefault("use_sliding_window", False)
-    return raw
 
 
 # Hugging Face's module of each LoRA target

@@ -15,7 +15,8 @@ from shardax.errors import UsageError
 from shardax.models.transformer import TransformerConfig
 from shardax.sharding.paths import path_to_str
 from shardax.hf.files import DTYPES, _begin, _check_out, _finish, _write_safetensors
-from shardax.hf.names import (MODULES, TARGETS, Source, _parameter_source, _sources, config_json, hf_names,
+from shardax.hf.families import config_json
+from shardax.hf.names import (MODULES, TARGETS, Source, _parameter_source, _sources, hf_names,
                                is_adapter)
 
 

@@ -95,14 +95,17 @@ rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, in float32 (the Llama family's norm)."""
+    """x / rms(x) * scale over the last axis, in float32 (the Llama family's norm); with
+    ``plus_one``, x / rms(x) * (1 + scale), the scale starting at zero (Gemma's)."""
 
-    def __init__(self, features: int, eps: float, axis: str = "embed"):
-        self.eps = eps
-        self.scale = annotated_param(nnx.initializers.ones, jax.random.key(0), (features,), (axis,))
+    def __init__(self, features: int, eps: float, axis: str = "embed", plus_one: bool = False):
+        self.eps, self.plus_one = eps, plus_one
+        start = nnx.initializers.zeros if plus_one else nnx.initializers.ones
+        self.scale = annotated_param(start, jax.random.key(0), (features,), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x.astype(jnp.float32), for_compute(self.scale), self.eps).astype(x.dtype)
+        scale = for_compute(self.scale)
+        return rms_norm(x.astype(jnp.float32), 1.0 + scale if self.plus_one else scale, self.eps).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0,
@@ -173,3 +176,25 @@ def _swiglu_backward(saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -
 
 
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+
+
+def _plain_geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+@jax.custom_vjp
+def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the
+    backward pass (as ``swiglu``)."""
+    return _plain_geglu(gate, up)
+
+
+def _geglu_forward(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _plain_geglu(gate, up), (gate, up)
+
+
+def _geglu_backward(saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.vjp(_plain_geglu, *saved)[1](cotangent)
+
+
+geglu.defvjp(_geglu_forward, _geglu_backward)

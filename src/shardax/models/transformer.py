@@ -20,130 +20,24 @@ parallelism split it as they split the base weight.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardax.blocks import REMAT_POLICIES, Attention, LayerStack, sequence_split
+from shardax.blocks import Attention, LayerSetting, LayerStack, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
 from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
+from shardax.models.transformer_config import (ATTENTION, COMPUTE_DTYPES, MLPS, NORMS,  # noqa: F401 (here too)
+                                               TransformerConfig)
 from shardax.runtime import context
+from shardax.runtime.attention import softcapped
 from shardax.sharding.compute import for_compute
-
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-ATTENTION = ("auto", "xla", "cudnn")
-
-
-NORMS = ("layer", "rms")
-
-
-MLPS = ("gelu", "swiglu")
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-    """Shape and numerics of the model."""
-
-    vocab_size: int = 256  # bytes
-    seq_len: int = 128  # longest context (learned positions are this long)
-    d_model: int = 128
-    n_heads: int = 4
-    n_layers: int = 2
-    d_ff: int = 512
-    positions: str = "learned"  # "learned" or "rotary"
-    tie_embeddings: bool = True
-    remat: str = "none"  # a key of REMAT_POLICIES
-    compute_dtype: str = "float32"  # "float32" or "bfloat16"
-    # False: one module per block in a Python loop, as most hand-written models do. Compile time
-    # grows with depth, and FSDP gathers every layer's weights up front instead of one layer at a
-    # time; in exchange shallow models skip the scan's stacking buffers (faster on CPU).
-    scan_layers: bool = True
-    # How attention is computed, through jax.nn.dot_product_attention: "xla" (plain XLA ops),
-    # "cudnn" (the fused cuDNN kernel; GPU only) or "auto" (cuDNN where it applies, else XLA;
-    # ``attention_implementation`` says which and why).
-    attention: str = "auto"
-    # The Llama family (defaults: shardax's own blocks)
-    n_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: n_heads)
-    attention_head_dim: int | None = None  # each head's size (None: d_model // n_heads)
-    norm: str = "layer"  # "layer" (scale and bias, eps 1e-5) or "rms" (scale only, eps norm_eps)
-    norm_eps: float = 1e-5
-    mlp: str = "gelu"  # "gelu" (with biases) or "swiglu" (gate and up projections, no biases)
-    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
-    rope_theta: float = 10000.0
-    # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original context length)
-    rope_scaling: tuple[float, float, float, int] | None = None
-    # LoRA: adapters of this rank on ``lora_targets`` (0: none), scaled by lora_alpha / lora_rank
-    lora_rank: int = 0
-    lora_alpha: float | None = None  # None: the rank (a scale of 1)
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-
-    def __post_init__(self) -> None:
-        if self.attention_head_dim is None and self.d_model % self.n_heads:
-            raise UsageError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise UsageError(f"n_heads={self.n_heads} must divide by n_kv_heads={self.kv_heads} (grouped-query "
-                             "attention shares each key/value head among as many query heads)")
-        if self.norm not in NORMS:
-            raise UsageError(f"norm={self.norm!r}; use one of {', '.join(NORMS)}")
-        if self.mlp not in MLPS:
-            raise UsageError(f"mlp={self.mlp!r}; use one of {', '.join(MLPS)}")
-        if self.positions not in ("learned", "rotary"):
-            raise UsageError(f"positions={self.positions!r}; use 'learned' or 'rotary'")
-        if self.remat not in REMAT_POLICIES:
-            raise UsageError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
-        if self.attention not in ATTENTION:
-            raise UsageError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
-        if self.lora_rank < 0:
-            raise UsageError(f"lora_rank={self.lora_rank} must be at least 0 (0: no LoRA, full fine-tuning)")
-        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
-        if unknown or not self.lora_targets or len(set(self.lora_targets)) != len(self.lora_targets):
-            raise UsageError(f"lora_targets={','.join(self.lora_targets)!r}: name each projection once, from "
-                             f"{','.join(LORA_TARGETS)}")
-        if self.lora_rank and self.mlp != "swiglu" and "gate" in self.lora_targets:
-            raise UsageError(f"lora_targets includes 'gate' but this model's {self.mlp} MLP has no gate projection; "
-                             "drop gate from the targets")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise UsageError(f"lora_alpha={self.lora_alpha} must be positive (the adapters' scale is alpha / rank)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_head_dim or self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def dtype(self) -> Any:
-        return COMPUTE_DTYPES[self.compute_dtype]
-
-    @property
-    def lora_scale(self) -> float:
-        return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
-
-    def lora_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]]:
-        """Each adapted projection: (input shape, its logical names, output shape, its logical
-        names) of its base weight, for the targets this config adapts."""
-        d, n, k, h, f = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.d_ff
-        shapes = {"q": ((d,), ("embed",), (n, h), ("heads", "kv")), "k": ((d,), ("embed",), (k, h), ("heads", "kv")),
-                  "v": ((d,), ("embed",), (k, h), ("heads", "kv")), "o": ((n, h), ("heads", "kv"), (d,), ("embed",)),
-                  "gate": ((d,), ("embed",), (f,), ("mlp",)), "up": ((d,), ("embed",), (f,), ("mlp",)),
-                  "down": ((f,), ("mlp",), (d,), ("embed",))}
-        return {t: shapes[t] for t in self.lora_targets} if self.lora_rank else {}
-
 
 def attention_implementation(config: TransformerConfig, platform: str | None = None) -> tuple[str, str]:
     """The attention kernel ``config`` runs with on ``platform`` (default: JAX's first device), and why.
@@ -159,6 +53,8 @@ def attention_implementation(config: TransformerConfig, platform: str | None = N
         problems.append(f"it needs bfloat16 compute (this is {config.compute_dtype}; `compute_dtype='bfloat16'`)")
     if config.head_dim % 8 or config.head_dim > 256:
         problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {config.head_dim})")
+    if config.sliding_window or config.attention_softcap:
+        problems.append("sliding windows and soft-capped scores run in XLA's attention")
     if config.attention == "xla":
         return "xla", "asked for"
     if not problems:
@@ -174,8 +70,18 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale:
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
 
 
-def _norm(config: TransformerConfig, features: int) -> nnx.Module:
-    return ops.RMSNorm(features, config.norm_eps) if config.norm == "rms" else ops.LayerNorm(features)
+def _norm(config: TransformerConfig, features: int, axis: str = "embed") -> nnx.Module:
+    if config.norm == "layer":
+        return ops.LayerNorm(features)
+    return ops.RMSNorm(features, config.norm_eps, axis=axis, plus_one=config.norm == "rms_plus_one")
+
+
+def _rope_tables(config: TransformerConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """RoPE's frequencies of the full-attention layers and of the sliding ones (Gemma 3's differ)."""
+    h = config.head_dim
+    full = ops.rope_frequencies(h, config.rope_theta, config.rope_scaling) / config.rope_linear_factor
+    local = full if config.rope_local_theta is None else ops.rope_frequencies(h, config.rope_local_theta)
+    return tuple(full.tolist()), tuple(local.tolist())
 
 
 class Block(nnx.Module):
@@ -184,7 +90,9 @@ class Block(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
         d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
         self.config = config
-        self.inv_freq = tuple(ops.rope_frequencies(h, config.rope_theta, config.rope_scaling).tolist())
+        self.inv_freq, self.local_inv_freq = _rope_tables(config)
+        if config.sliding_window:  # this layer's window (0: none), set per layer by TransformerLM
+            self.window = LayerSetting(jnp.zeros((), jnp.int32))
         self.attn_norm = _norm(config, d)
         if k == n:
             # Query, key and value projections in one weight: under tensor parallelism the backward
@@ -200,11 +108,12 @@ class Block(nnx.Module):
                 self.q_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (n, h), ("heads", "kv"))
                 self.kv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (2, k, h), (None, "heads", "kv"))
         if config.qk_norm:
-            self.q_norm = ops.RMSNorm(h, config.norm_eps, axis="kv")
-            self.k_norm = ops.RMSNorm(h, config.norm_eps, axis="kv")
+            self.q_norm, self.k_norm = _norm(config, h, "kv"), _norm(config, h, "kv")
         self.attn_out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), scale=(n * h) ** -0.5)
         self.mlp_norm = _norm(config, d)
-        if config.mlp == "swiglu":
+        if config.post_norms:
+            self.attn_post_norm, self.mlp_post_norm = _norm(config, d), _norm(config, d)
+        if config.mlp != "gelu":
             self.mlp_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"))
         else:
             self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
@@ -212,7 +121,8 @@ class Block(nnx.Module):
         self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
         if config.mlp == "gelu":
             self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
-        self.attention = Attention(implementation=config.attention)
+        self.attention = Attention(implementation=config.attention, scale=config.attention_scale,
+                                   softcap=config.attention_softcap)
         for target, (inputs, in_axes, outputs, out_axes) in config.lora_shapes().items():
             r = config.lora_rank
             setattr(self, f"lora_{target}_a", annotated_param(
@@ -250,6 +160,7 @@ class Block(nnx.Module):
         """``positions`` and ``segments`` (B, T) or None: see ``TransformerLM.__call__``."""
         config = self.config
         dtype = config.dtype
+        window = self.window[...] if hasattr(self, "window") else None
         y = self.attn_norm(x).astype(dtype)
         q, k, v = self._queries_keys_values(y)
         if config.qk_norm:
@@ -257,21 +168,27 @@ class Block(nnx.Module):
         if config.positions == "rotary":
             positions = jnp.arange(x.shape[1]) if positions is None else positions
             inv_freq = np.asarray(self.inv_freq, np.float32)
+            if window is not None and self.local_inv_freq != self.inv_freq:
+                inv_freq = jnp.where(window > 0, np.asarray(self.local_inv_freq, np.float32), inv_freq)
             q, k = ops.rotary(q, positions, inv_freq), ops.rotary(k, positions, inv_freq)
-        attended = self.attention(q, k, v, positions=positions, segments=segments)  # (B, T, N, H)
-        projected = jnp.einsum("btnh,nhd->btd", attended, for_compute(self.attn_out, dtype))
-        x = x + self._adapted("o", attended, projected).astype(x.dtype)
-        y = self.mlp_norm(x).astype(dtype)
-        if config.mlp == "swiglu":
+        attended = self.attention(q, k, v, positions=positions, segments=segments, window=window)  # (B, T, N, H)
+        projected = self._adapted("o", attended, jnp.einsum("btnh,nhd->btd", attended,
+                                                            for_compute(self.attn_out, dtype)))
+        x = x + (self.attn_post_norm(projected) if config.post_norms else projected).astype(x.dtype)
+        out = self._mlp(self.mlp_norm(x).astype(dtype))
+        return x + (self.mlp_post_norm(out) if config.post_norms else out).astype(x.dtype)
+
+    def _mlp(self, y: jax.Array) -> jax.Array:
+        config, dtype = self.config, self.config.dtype
+        if config.mlp != "gelu":  # gated: SwiGLU or GeGLU
             gate_up = jnp.einsum("btd,dcf->btcf", y, for_compute(self.mlp_gate_up, dtype))
-            hidden = ops.swiglu(self._adapted("gate", y, gate_up[:, :, 0]), self._adapted("up", y, gate_up[:, :, 1]))
-            out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
-        else:
-            hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
-                          + for_compute(self.mlp_in_bias, dtype))
-            out = self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype)) + for_compute(
-                self.mlp_out_bias, dtype)
-        return x + out.astype(x.dtype)
+            glu = ops.swiglu if config.mlp == "swiglu" else ops.geglu
+            hidden = glu(self._adapted("gate", y, gate_up[:, :, 0]), self._adapted("up", y, gate_up[:, :, 1]))
+            return self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
+        hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype)) + for_compute(self.mlp_in_bias,
+                                                                                                  dtype))
+        return self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype)) + for_compute(
+            self.mlp_out_bias, dtype)
 
 
 class TransformerLM(nnx.Module):
@@ -299,6 +216,12 @@ class TransformerLM(nnx.Module):
 
         self.blocks = LayerStack(lambda rngs: Block(config, rngs), config.n_layers, rngs=rngs,
                                  scan=config.scan_layers, remat=config.remat)
+        if config.sliding_window:  # each layer's own window
+            windows = jnp.asarray(config.layer_windows, jnp.int32)
+            if config.scan_layers:
+                self.blocks.layers.window[...] = windows
+            for layer, window in zip([] if config.scan_layers else self.blocks.layers, windows):
+                layer.window[...] = window
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -311,6 +234,8 @@ class TransformerLM(nnx.Module):
             raise UsageError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
         embedding = for_compute(self.embedding)
         x = jnp.take(embedding, tokens, axis=0)  # (B, T, D) float32
+        if config.scale_embeddings:
+            x = x * np.float32(math.sqrt(config.d_model))
         if config.positions == "learned":
             table = for_compute(self.position)
             x = x + (table[:length] if positions is None else jnp.take(table, positions, axis=0))
@@ -319,7 +244,8 @@ class TransformerLM(nnx.Module):
         x = self.blocks(x, positions, segments)
         x = self.final_norm(x).astype(config.dtype)
         head = embedding.T if config.tie_embeddings else for_compute(self.head)
-        return (x @ head.astype(config.dtype)).astype(jnp.float32)
+        logits = (x @ head.astype(config.dtype)).astype(jnp.float32)
+        return logits if config.logits_softcap is None else softcapped(logits, config.logits_softcap)
 
 
 def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
+from shardax.runtime.attention import allowed, dense_attention
 
 AXIS = "context"
 VARIANTS = ("all-gather", "ring")
@@ -91,30 +92,37 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array | None, *,
-              layout: ContextLayout, implementation: str | None = None) -> jax.Array:
+              layout: ContextLayout, implementation: str | None = None, window: Any = 0,
+              scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention over a sequence split by ``layout``.
 
     ``q``, ``k``, ``v``: (B, T, N, H) global arrays; ``positions`` (B, T): each token's place in
     its document; ``segments`` (B, T) or None: its document. A query attends to the keys of its
-    own document at positions up to its own."""
+    own document at positions up to its own, within ``window`` of it where one is given
+    (``shardax.runtime.attention.allowed``). ``scale``: of the scores (default ``H ** -0.5``);
+    ``softcap``: Gemma 2's cap on them (all-gather only)."""
     shards = layout.shards
     if q.shape[1] % shards:
         layout.check_length(q.shape[1])
+    if softcap is not None and layout.variant == "ring":
+        raise UsageError(f"attention soft-capping (this model caps its scores at {softcap}) runs with "
+                         "`context_attention='all-gather'`, not 'ring'; choose all-gather")
     segments = jnp.zeros_like(positions) if segments is None else segments
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    window = jnp.asarray(window, jnp.int32)
 
-    def gathered(q, k, v, positions, segments):
+    def gathered(q, k, v, positions, segments, window):
         # Under --remat none the gathered copies are kept for the backward pass (one gather per
         # layer); a policy that saves only dots, or nothing, gathers them again there (two).
         def everyone(x):
             return jax.lax.all_gather(x, layout.axis, axis=1, tiled=True)
 
         k_all, v_all, pos_all, seg_all = everyone(k), everyone(v), everyone(positions), everyone(segments)
-        mask = _allowed(positions, segments, pos_all, seg_all)[:, None]  # (B, 1, t, T)
-        return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, scale=scale, implementation=implementation)
+        mask = allowed(positions, segments, pos_all, seg_all, window)[:, None]  # (B, 1, t, T)
+        return dense_attention(q, k_all, v_all, mask, scale=scale, softcap=softcap, implementation=implementation)
 
-    def ring(q, k, v, positions, segments):
-        return _ring_attention(layout.axis, shards, scale, q, k, v, positions, segments)
+    def ring(q, k, v, positions, segments, window):
+        return _ring_attention(layout.axis, shards, scale, q, k, v, positions, segments, window)
 
     # Every axis is manual: rows stay on their batch axes and heads on theirs, as around it. (The
     # ring's gradient is its own, and the gather's transpose is a reduce-scatter either way, so
@@ -122,13 +130,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     body = gathered if layout.variant == "all-gather" else ring
     heads = None if not layout.heads_axes else layout.heads_axes[0] if len(layout.heads_axes) == 1 else layout.heads_axes
     split, tokens = PartitionSpec(layout.rows, layout.axis, heads), PartitionSpec(layout.rows, layout.axis)
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=(split, split, split, tokens, tokens), out_specs=split,
-                         check_vma=False)(q, k, v, positions, segments)
-
-
-def _allowed(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
-    """(B, q, k): same document, key not after the query."""
-    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=(split, split, split, tokens, tokens, PartitionSpec()),
+                         out_specs=split, check_vma=False)(q, k, v, positions, segments, window)
 
 
 # The most tokens of one block of queries or keys the ring folds at once: a block's scores are
@@ -158,12 +161,12 @@ def _unstacked(x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring_attention(axis: str, shards: int, scale: float, q: jax.Array, k: jax.Array, v: jax.Array,
-                    positions: jax.Array, segments: jax.Array) -> jax.Array:
+                    positions: jax.Array, segments: jax.Array, window: jax.Array) -> jax.Array:
     """Ring attention of one share (inside ``shard_map`` over ``axis``); see the module docstring."""
-    return _ring_forward(axis, shards, scale, q, k, v, positions, segments)[0]
+    return _ring_forward(axis, shards, scale, q, k, v, positions, segments, window)[0]
 
 
-def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
+def _ring_forward(axis, shards, scale, q, k, v, positions, segments, window):
     """The output of this share's queries and the log of their softmax denominators.
 
     Keys and values travel one hop per step (C - 1 hops, a loop). At each, every block of
@@ -185,8 +188,8 @@ def _ring_forward(axis, shards, scale, q, k, v, positions, segments):
 
             def fold(block_sums, keys):
                 # the mask is made inside the branch from the tokens' places (B, q) and (B, k)
-                tokens = (q_pos, q_seg, keys[2], keys[3])
-                return jax.lax.cond(jnp.any(_allowed(*tokens)), _fold, lambda s, *_: s, block_sums, query,
+                tokens = (q_pos, q_seg, keys[2], keys[3], window)
+                return jax.lax.cond(jnp.any(allowed(*tokens)), _fold, lambda s, *_: s, block_sums, query,
                                     keys[0], keys[1], tokens), None
 
             return None, jax.lax.scan(fold, block_sums, key_blocks)[0]
@@ -228,16 +231,16 @@ def _rows_blocked(x: jax.Array, parts: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1], parts, -1), 2, 0)
 
 
-def _ring_forward_rule(axis, shards, scale, q, k, v, positions, segments):
-    out, log_sum = _ring_forward(axis, shards, scale, q, k, v, positions, segments)
-    return out, (q, k, v, positions, segments, out, log_sum)
+def _ring_forward_rule(axis, shards, scale, q, k, v, positions, segments, window):
+    out, log_sum = _ring_forward(axis, shards, scale, q, k, v, positions, segments, window)
+    return out, (q, k, v, positions, segments, window, out, log_sum)
 
 
 def _ring_backward_rule(axis, shards, scale, saved, d_out):
     """The flash-attention backward pass, round the ring again: keys and values travel with the
     gradients of their own share, which come home on one last hop. Only this share's queries,
     keys, values, output and softmax denominators were kept from the forward pass."""
-    q, k, v, positions, segments, out, log_sum = saved
+    q, k, v, positions, segments, window, out, log_sum = saved
     parts = _parts(q.shape[1])
     hop = [(j, (j + 1) % shards) for j in range(shards)]
     d_out = d_out.astype(jnp.float32)
@@ -253,9 +256,9 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
             query, q_pos, q_seg, d_out, log_sum, delta, d_query = inputs
 
             def unfold(d_query, keys):
-                tokens = (q_pos, q_seg, keys[2], keys[3])
+                tokens = (q_pos, q_seg, keys[2], keys[3], window)
                 d_query, d_keys, d_values = jax.lax.cond(
-                    jnp.any(_allowed(*tokens)), _unfold, lambda g, *_: g, (d_query, keys[4], keys[5]), query,
+                    jnp.any(allowed(*tokens)), _unfold, lambda g, *_: g, (d_query, keys[4], keys[5]), query,
                     keys[0], keys[1], d_out, log_sum, delta, tokens, scale)
                 return d_query, (d_keys, d_values)
 
@@ -278,7 +281,7 @@ def _ring_backward_rule(axis, shards, scale, saved, d_out):
     d_k, d_v = jax.lax.ppermute(share[4:], axis, hop)
     no_grad = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  (integer inputs)
     return (_unstacked(d_queries).astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
-            no_grad(positions), no_grad(segments))
+            no_grad(positions), no_grad(segments), no_grad(window))
 
 
 _ring_attention.defvjp(_ring_forward_rule, _ring_backward_rule)
@@ -287,9 +290,9 @@ _ring_attention.defvjp(_ring_forward_rule, _ring_backward_rule)
 def _unfold(grads, q, k, v, d_out, log_sum, delta, tokens, scale):
     """One block's share of the gradients of the queries, keys and values."""
     d_q, d_k, d_v = grads
-    allowed = _allowed(*tokens)[:, None]  # (B, 1, q, k)
+    seen = allowed(*tokens)[:, None]  # (B, 1, q, k)
     logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32) * scale
-    weights = jnp.where(allowed, jnp.exp(logits - log_sum[..., None]), 0.0)  # (B, N, q, k)
+    weights = jnp.where(seen, jnp.exp(logits - log_sum[..., None]), 0.0)  # (B, N, q, k)
     d_v = d_v + jnp.einsum("bnqk,bqnh->bknh", weights, d_out)
     d_weights = jnp.einsum("bqnh,bknh->bnqk", d_out, v.astype(jnp.float32))
     d_logits = weights * (d_weights - delta[..., None]) * scale
@@ -302,13 +305,13 @@ def _fold(sums: tuple[jax.Array, jax.Array, jax.Array], q: jax.Array, k: jax.Arr
           tokens: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fold one block of keys and values into the running sums of ``q``'s rows."""
     out, top, total = sums
-    allowed = _allowed(*tokens)[:, None]  # (B, 1, q, k)
+    seen = allowed(*tokens)[:, None]  # (B, 1, q, k)
     logits = jnp.einsum("bqnh,bknh->bnqk", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(allowed, logits, -jnp.inf)
+    logits = jnp.where(seen, logits, -jnp.inf)
     # the result does not depend on the running maximum, so its gradient is not followed
     new_top = jax.lax.stop_gradient(jnp.maximum(top, logits.max(-1)))
     shrink = jnp.exp(jnp.where(jnp.isfinite(top), top - new_top, -jnp.inf))
-    weights = jnp.where(allowed, jnp.exp(logits - jnp.where(jnp.isfinite(new_top), new_top, 0.0)[..., None]), 0.0)
+    weights = jnp.where(seen, jnp.exp(logits - jnp.where(jnp.isfinite(new_top), new_top, 0.0)[..., None]), 0.0)
     total = total * shrink + weights.sum(-1)
     update = jnp.einsum("bnqk,bknh->bqnh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out * shrink.transpose(0, 2, 1)[..., None] + update, new_top, total
