@@ -213,7 +213,7 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
     from shardax.models.presets import SEED_NOTEBOOK
 
-    with pytest.raises(UsageError, match=r"only the Llama family .* has a Hugging Face layout to save in \(shardax "
+    with pytest.raises(UsageError, match=r"only the Llama and Gemma families .* have a Hugging Face layout to save in \(shardax "
                                          r"0.1's presets had layer norms and GELU MLPs: a new run of a preset exports\)"):
         hf.save(tmp_path / "preset", loaded.state.params, SEED_NOTEBOOK.config())
     assert not (tmp_path / "preset").exists()

@@ -26,7 +26,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "generate", help="generate text from a checkpoint or a Hugging Face model",
         description="Continue prompts with a model trained by shardax train or a Hugging Face checkpoint of the "
-                    "Llama family, decoding from a key/value cache.")
+                    "Llama or Gemma family, decoding from a key/value cache.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a shardax train run directory, or its --checkpoint-dir")

@@ -170,7 +170,7 @@ def family_of(config: TransformerConfig, base: dict[str, Any] | None = None) -> 
         kind = "gemma3_text" if config.qk_norm else "gemma2" if config.post_norms else "gemma"
     else:
         kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
-        if kind in GEMMA or kind not in FAMILY:
+        if kind in GEMMA or kind not in FAMILY or kind == "llama":
             kind = "mistral" if config.sliding_window and config.sliding_layers is None else "llama"
     return kind
 
@@ -228,6 +228,8 @@ def _check_saved_as_it_is(config: TransformerConfig, kind: str, raw: dict[str, A
     options = {name: getattr(config, name) for name in ("compute_dtype", "remat", "scan_layers", "attention",
                                                         "lora_rank", "lora_alpha", "lora_targets")}
     again = config_of(Path("."), raw, seq_len=config.seq_len, **options)
+    config, again = (dataclasses.replace(c, attention_head_dim=c.head_dim, n_kv_heads=c.kv_heads)
+                     for c in (config, again))
     differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(again, f.name)]
     if differ:
         raise UsageError(f"this model's {differ[0]}={getattr(config, differ[0])!r} has no place in a {kind} "

@@ -30,7 +30,7 @@ class TrainConfig:
     strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp, pp, pp_fsdp, pp_tp
     mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
     preset: str | None = None  # model size, see shardax.models.presets (default tiny)
-    init_from: str | None = None  # a Hugging Face checkpoint (Llama family) to fine-tune: its model and tokenizer
+    init_from: str | None = None  # a Hugging Face checkpoint (Llama or Gemma family) to fine-tune: its model and tokenizer
     lora_rank: int | None = None  # LoRA adapters of this rank, the base weights frozen (0 or None: full training)
     lora_alpha: float | None = None  # the adapters' scale is alpha / rank (default: the rank)
     lora_targets: str | None = None  # e.g. "q,v" (default: every projection the model has)

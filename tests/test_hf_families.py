@@ -1,0 +1,210 @@
+"""Sliding windows and the Gemma family, checked against Hugging Face ``transformers`` (PyTorch on
+CPU) on tiny random checkpoints the tests create: logits under every layout, the loss of compiled
+eval steps under a pipeline and a context axis, save read back by transformers, greedy decoding,
+LoRA read by peft, and one-line refusals of what shardax does not compute."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardax import hf
+from shardax.errors import UsageError
+from shardax.models.transformer import TransformerLM, next_token_loss
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.xdist_group("test_hf_families")
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+GEMMA = dict(COMMON, head_dim=16)
+# windows of 5 tokens on sequences of 16: every query past the fifth sees less than full attention would
+FAMILIES = {
+    # Mistral: every layer slides
+    "mistral-window": lambda: transformers.MistralConfig(**COMMON, sliding_window=5),
+    # Qwen2: layers from max_window_layers on slide (here the second)
+    "qwen2-window": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5,
+                                                     max_window_layers=1),
+    # Gemma: GeGLU, (1 + w) RMSNorm, scaled embeddings, tied head, a head size of its own
+    "gemma": lambda: transformers.GemmaConfig(**GEMMA),
+    # Gemma 2: norms after attention and MLP, local/global layers, soft-capped scores and logits, its query scale
+    "gemma2": lambda: transformers.Gemma2Config(**GEMMA, sliding_window=5, query_pre_attn_scalar=24,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # Gemma 3: q/k norms, a local RoPE base, linear RoPE scaling on the global layers
+    "gemma3": lambda: transformers.Gemma3TextConfig(**GEMMA, sliding_window=5, sliding_window_pattern=2,
+                                                    rope_scaling={"rope_type": "linear", "factor": 4.0}),
+}
+TOKENS = np.random.default_rng(0).integers(0, 96, (8, 17))
+
+
+@pytest.fixture(scope="session")
+def made(tmp_path_factory):
+    """Each family as transformers saves it (random weights moved off their initial values), with
+    its logits on ``TOKENS[:, :-1]``."""
+    out = {}
+    torch.manual_seed(0)
+    for name, config in FAMILIES.items():
+        model = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager").eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+            logits = model(torch.tensor(TOKENS[:, :-1])).logits.numpy()
+        folder = tmp_path_factory.mktemp(f"hf-{name}")
+        model.save_pretrained(folder)
+        out[name] = (folder, logits)
+    return out
+
+
+def logits_of(loaded):
+    return np.asarray(jax.jit(lambda model, tokens: model(tokens))(loaded.model(), TOKENS[:, :-1]))
+
+
+def hf_loss(logits):
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return -np.take_along_axis(log_probs, TOKENS[:, 1:, None], axis=-1).mean()
+
+
+def close(got, expected):
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_computes_what_transformers_computes_under_every_layout(family, made):
+    """Logits under dp, fsdp, tp and fsdp_tp; the compiled eval step's loss under a pipeline
+    (pp_tp) and with the sequence split over a context axis (ring attention; Gemma 2's capped
+    scores all-gather); the windows differ from full attention by far more than the tolerance."""
+    folder, expected = made[family]
+    for strategy, mesh in [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"),
+                           ("fsdp_tp", "data=4,model=2")]:
+        close(logits_of(hf.load(folder, mesh, strategy)), expected)
+    variant = "all-gather" if family == "gemma2" else "ring"
+    for strategy, mesh in [("pp_tp", "stage=2,data=2,model=2"), ("fsdp_tp", "data=2,model=2,context=2")]:
+        loaded = hf.load(folder, mesh, strategy)
+        evaluate = loaded.parallel.eval_step(next_token_loss, context_attention=variant if "context" in mesh
+                                             else "all-gather")
+        loss = float(evaluate(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))["loss"])
+        np.testing.assert_allclose(loss, hf_loss(expected), rtol=1e-5)
+    config = hf.read_config(folder)
+    if config.sliding_window:  # the same weights without the window compute something else
+        unwindowed = TransformerLM(dataclasses.replace(config, sliding_window=0, sliding_layers=None), rngs=nnx.Rngs(0))
+        nnx.update(unwindowed, nnx.state(hf.load(folder, "data=8", "dp").model(), nnx.Param))
+        full = np.asarray(unwindowed(TOKENS[:, :-1]))
+        assert np.abs(full - expected).max() > 100 * 1e-4 * np.abs(expected).max()
+
+
+def test_each_family_reads_its_features_from_config_json(made):
+    windows = {name: hf.read_config(made[name][0]).layer_windows for name in FAMILIES}
+    assert windows == {"mistral-window": (5, 5), "qwen2-window": (0, 5), "gemma": (0, 0), "gemma2": (5, 0),
+                       "gemma3": (5, 0)}
+    gemma2, gemma3 = hf.read_config(made["gemma2"][0]), hf.read_config(made["gemma3"][0])
+    assert (gemma2.norm, gemma2.mlp, gemma2.post_norms, gemma2.scale_embeddings, gemma2.tie_embeddings) == (
+        "rms_plus_one", "geglu", True, True, True)
+    assert (gemma2.attention_softcap, gemma2.logits_softcap, gemma2.attention_scale) == (2.0, 3.0, 24 ** -0.5)
+    assert (gemma3.qk_norm, gemma3.rope_local_theta, gemma3.rope_theta, gemma3.rope_linear_factor,
+            gemma3.attention_scale) == (True, 10000.0, 1e6, 4.0, 256 ** -0.5)  # Gemma 3's default scalar
+    assert hf.read_config(made["gemma"][0]).post_norms is False
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_is_read_back_by_transformers_and_by_shardax_bit_exact(family, made, tmp_path):
+    folder, expected = made[family]
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp")
+    out = loaded.save(tmp_path / "saved")
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        close(again(torch.tensor(TOKENS[:, :-1])).logits.numpy(), expected)
+    assert same(hf.read_config(out), loaded.config)
+    reloaded = hf.load(out, "data=8", "dp")
+    for a, b in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(reloaded.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # saved from a config alone (no config.json to keep fields of), it still loads as itself
+    assert same(hf.read_config(hf.save(tmp_path / "bare", loaded.state.params, loaded.config)), loaded.config)
+
+
+def same(a, b):
+    """Configs equal but for how the head size is given (config.json's ``head_dim`` null or written)."""
+    return dataclasses.replace(a, attention_head_dim=a.head_dim) == dataclasses.replace(b, attention_head_dim=b.head_dim)
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma2", "gemma3"])
+def test_greedy_generation_past_the_window_equals_transformers(family, made):
+    """Decoding from the key/value cache (fsdp_tp) attends within each layer's window as
+    transformers' generate does, well past the window of 5."""
+    import shardax
+
+    folder, _ = made[family]
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", seq_len=48)
+    prompts = [list(TOKENS[0, :7]), list(TOKENS[1, :3])]
+    ours = shardax.generate(loaded.model(), prompts, max_new_tokens=14)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+        assert tokens == theirs[0, len(prompt):].tolist()
+
+
+def test_lora_on_gemma2_trains_and_peft_reads_its_adapters(made, tmp_path):
+    import optax
+
+    from shardax import LoRA
+
+    folder, expected = made["gemma2"]
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=LoRA(4, 8, "q,k,o,gate,down"))
+    close(logits_of(loaded), expected)
+    step = loaded.parallel.train_step(next_token_loss)
+    batch = loaded.parallel.place_batch({"tokens": TOKENS})
+    state, losses = loaded.state, []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < losses[0]
+    ours = np.asarray(jax.jit(lambda model, tokens: model(tokens))(loaded.parallel.merge(state), TOKENS[:, :-1]))
+    adapters = hf.save_adapters(tmp_path / "adapters", state.params, loaded.config, base_model=str(folder))
+    peft = pytest.importorskip("peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        close(peft.PeftModel.from_pretrained(base, adapters).eval()(torch.tensor(TOKENS[:, :-1])).logits.numpy(), ours)
+
+
+def _edited(folder, tmp_path, **changes):
+    target = tmp_path / "model"
+    shutil.copytree(folder, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("family, changes, message", [
+    ("gemma2", {"hidden_activation": "gelu"}, 'hidden_activation="gelu" is not supported (this family\'s MLP is '
+                                              'computed with gelu_pytorch_tanh)'),
+    ("gemma3", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types="),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
+    ("gemma3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only Llama 3's and linear are"),
+    ("gemma3", {"model_type": "gemma3"}, "the text model of gemma3 is gemma3_text"),
+], ids=["activation", "layer-type", "bidirectional", "rope", "multimodal"])
+def test_what_shardax_does_not_compute_is_refused_in_one_line(family, changes, message, made, tmp_path):
+    folder = _edited(made[family][0], tmp_path, **changes)
+    with pytest.raises(UsageError) as error:
+        hf.load(folder, "data=8", "dp")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line(made, tmp_path):
+    folder, _ = made["gemma2"]
+    loaded = hf.load(folder, "data=4,context=2", "dp")
+    with pytest.raises(UsageError, match=r"soft-capping .* runs with `context_attention='all-gather'`, not 'ring'"):
+        loaded.parallel.eval_step(next_token_loss, context_attention="ring")(
+            loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
+    odd = dataclasses.replace(loaded.config, post_norms=False, attention_softcap=None, logits_softcap=None,
+                              attention_scale=None, sliding_window=0, sliding_layers=None, norm="rms")
+    with pytest.raises(UsageError, match=r"this model's mlp='geglu' has no place in a llama config.json"):
+        hf.config_json(odd)
