@@ -31,6 +31,11 @@ FAMILIES = {
     # Qwen2: layers from max_window_layers on slide (here the second)
     "qwen2-window": lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=5,
                                                      max_window_layers=1),
+    # Mixtral: a mixture of 4 experts, 2 per token, their weights renormalised
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # Qwen3-MoE: 6 experts of their own width, 3 per token, weights as the router gives them; q/k norms
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=3,
+                                                     moe_intermediate_size=40, head_dim=16),
     # Gemma: GeGLU, (1 + w) RMSNorm, scaled embeddings, tied head, a head size of its own
     "gemma": lambda: transformers.GemmaConfig(**GEMMA),
     # Gemma 2: norms after attention and MLP, local/global layers, soft-capped scores and logits, its query scale
@@ -102,7 +107,11 @@ def test_each_family_computes_what_transformers_computes_under_every_layout(fami
 def test_each_family_reads_its_features_from_config_json(made):
     windows = {name: hf.read_config(made[name][0]).layer_windows for name in FAMILIES}
     assert windows == {"mistral-window": (5, 5), "qwen2-window": (0, 5), "gemma": (0, 0), "gemma2": (5, 0),
-                       "gemma3": (5, 0)}
+                       "gemma3": (5, 0), "mixtral": (0, 0), "qwen3-moe": (0, 0)}
+    mixtral, qwen3 = hf.read_config(made["mixtral"][0]), hf.read_config(made["qwen3-moe"][0])
+    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.ff_width, mixtral.normalize_top_k) == (4, 2, 96, True)
+    assert (qwen3.n_experts, qwen3.experts_per_token, qwen3.ff_width, qwen3.normalize_top_k, qwen3.qk_norm) == (
+        6, 3, 40, False, True)
     gemma2, gemma3 = hf.read_config(made["gemma2"][0]), hf.read_config(made["gemma3"][0])
     assert (gemma2.norm, gemma2.mlp, gemma2.post_norms, gemma2.scale_embeddings, gemma2.tie_embeddings) == (
         "rms_plus_one", "geglu", True, True, True)
@@ -133,7 +142,7 @@ def same(a, b):
     return dataclasses.replace(a, attention_head_dim=a.head_dim) == dataclasses.replace(b, attention_head_dim=b.head_dim)
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral-window", "gemma2", "gemma3", "mixtral"])
 def test_greedy_generation_past_the_window_equals_transformers(family, made):
     """Decoding from the key/value cache (fsdp_tp) attends within each layer's window as
     transformers' generate does, well past the window of 5."""
@@ -151,13 +160,19 @@ def test_greedy_generation_past_the_window_equals_transformers(family, made):
         assert tokens == theirs[0, len(prompt):].tolist()
 
 
-def test_lora_on_gemma2_trains_and_peft_reads_its_adapters(made, tmp_path):
+@pytest.mark.parametrize("family, targets", [("gemma2", "q,k,o,gate,down"), ("qwen3-moe", None)])
+def test_lora_trains_and_peft_reads_its_adapters(family, targets, made, tmp_path):
+    """On a mixture of experts the default targets are the attention's projections (the experts
+    take none)."""
     import optax
 
     from shardax import LoRA
 
-    folder, expected = made["gemma2"]
-    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=LoRA(4, 8, "q,k,o,gate,down"))
+    folder, expected = made[family]
+    lora = LoRA(4, 8) if targets is None else LoRA(4, 8, targets)
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=lora)
+    if targets is None:
+        assert loaded.config.lora_targets == ("q", "k", "v", "o")
     close(logits_of(loaded), expected)
     step = loaded.parallel.train_step(next_token_loss)
     batch = loaded.parallel.place_batch({"tokens": TOKENS})
@@ -190,7 +205,11 @@ def _edited(folder, tmp_path, **changes):
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
     ("gemma3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only Llama 3's and linear are"),
     ("gemma3", {"model_type": "gemma3"}, "the text model of gemma3 is gemma3_text"),
-], ids=["activation", "layer-type", "bidirectional", "rope", "multimodal"])
+    ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1] is not supported (every layer of a stack is a "
+                                            "mixture of experts here)"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+    ("mixtral", {"num_experts_per_tok": 5}, "experts_per_token=5 must be from 1 to n_experts=4"),
+], ids=["activation", "layer-type", "bidirectional", "rope", "multimodal", "dense-layers", "jitter", "top-k"])
 def test_what_shardax_does_not_compute_is_refused_in_one_line(family, changes, message, made, tmp_path):
     folder = _edited(made[family][0], tmp_path, **changes)
     with pytest.raises(UsageError) as error:

@@ -18,13 +18,19 @@ from shardax.models.transformer import LORA_TARGETS, TransformerConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 FAMILY = tuple(ARCHITECTURES)
 GEMMA = ("gemma", "gemma2", "gemma3_text")
+QWEN = ("qwen2", "qwen3", "qwen3_moe")  # a sliding window only with use_sliding_window
+EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}  # the field that counts the experts
 TANH_GELU = "gelu_pytorch_tanh"
 # what transformers' config classes assume where config.json is silent (those that change the model)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096}, "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "max_window_layers": 28},
     "gemma": {"head_dim": 256},
     "gemma2": {"head_dim": 256, "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
                "final_logit_softcapping": 30.0},
@@ -64,8 +70,13 @@ def _check_supported(path: Path, raw: dict[str, Any]) -> None:
         if raw.get(name) and kind != "qwen2":
             raise refuse(path, name, raw[name], "shardax puts no bias on the output projections")
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if raw.get(name):
-            raise refuse(path, name, raw[name], "mixtures of experts")
+        if raw.get(name) and EXPERTS.get(kind) != name:
+            raise refuse(path, name, raw[name], f"of mixtures of experts only {', '.join(EXPERTS)}'s are")
+    if kind == "qwen3_moe" and (raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers")):
+        field = "mlp_only_layers" if raw.get("mlp_only_layers") else "decoder_sparse_step"
+        raise refuse(path, field, raw[field], "every layer of a stack is a mixture of experts here")
+    if raw.get("router_jitter_noise"):
+        raise refuse(path, "router_jitter_noise", raw["router_jitter_noise"], "the router takes no noise here")
     if raw.get("use_bidirectional_attention"):
         raise refuse(path, "use_bidirectional_attention", True, "shardax's attention is causal")
 
@@ -89,7 +100,7 @@ def _rope(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
 
 def _default_sliding(kind: str, raw: dict[str, Any], layers: int) -> list[bool]:
     """Which layers slide when ``config.json`` has no ``layer_types`` (as transformers decides)."""
-    if kind == "qwen2":
+    if kind in QWEN:
         return [i >= int(raw.get("max_window_layers", 28)) for i in range(layers)]
     if kind == "gemma2":
         return [bool((i + 1) % 2) for i in range(layers)]
@@ -103,10 +114,10 @@ def _windows(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """The sliding window and the layers it applies to (none: ``{}``)."""
     kind, layers = raw.get("model_type"), int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if kind in ("llama", "qwen3", "gemma") or not window or (kind == "qwen2" and not raw.get("use_sliding_window")):
+    if kind in ("llama", "gemma") or not window or (kind in QWEN and not raw.get("use_sliding_window")):
         return {}
     types = raw.get("layer_types")
-    if types is None or kind == "mistral":
+    if types is None or kind in ("mistral", "mixtral"):
         sliding = _default_sliding(kind, raw, layers)
     else:
         unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
@@ -120,10 +131,19 @@ def _windows(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
             "sliding_layers": None if all(sliding) else tuple(i for i, s in enumerate(sliding) if s)}
 
 
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    kind = raw["model_type"]
+    if kind not in EXPERTS:
+        return {}
+    return {"n_experts": int(raw[EXPERTS[kind]]), "experts_per_token": int(raw["num_experts_per_tok"]),
+            "expert_d_ff": int(raw["moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"]),
+            "normalize_top_k": kind == "mixtral" or bool(raw["norm_topk_prob"])}
+
+
 def _gemma(raw: dict[str, Any]) -> dict[str, Any]:
     kind = raw["model_type"]
     if kind not in GEMMA:
-        return {"norm": "rms", "mlp": "swiglu", "qkv_bias": kind == "qwen2", "qk_norm": kind == "qwen3"}
+        return {"norm": "rms", "mlp": "swiglu", "qkv_bias": kind == "qwen2", "qk_norm": kind in ("qwen3", "qwen3_moe")}
     scalar = float(raw["query_pre_attn_scalar"]) if kind != "gemma" else None
     scale = None if scalar is None or scalar == float(raw["head_dim"]) else scalar ** -0.5
     return {"norm": "rms_plus_one", "mlp": "geglu", "scale_embeddings": True, "post_norms": kind != "gemma",
@@ -152,7 +172,7 @@ def config_of(path: Path, raw: dict[str, Any], seq_len: int | None = None, **opt
     raw = {**DEFAULTS.get(raw["model_type"], {}), **raw}
     try:
         heads = int(raw["num_attention_heads"])
-        family = {**_rope(path, raw), **_windows(path, raw), **_gemma(raw)}
+        family = {**_rope(path, raw), **_windows(path, raw), **_gemma(raw), **_experts(raw)}
         return TransformerConfig(
             vocab_size=int(raw["vocab_size"]), seq_len=seq_len or int(raw.get("max_position_embeddings", 2048)),
             d_model=int(raw["hidden_size"]), n_heads=heads, n_layers=int(raw["num_hidden_layers"]),
@@ -168,9 +188,11 @@ def family_of(config: TransformerConfig, base: dict[str, Any] | None = None) -> 
     """The Hugging Face family a model of ``config`` is saved as (``base``'s where it fits)."""
     if config.norm == "rms_plus_one":
         kind = "gemma3_text" if config.qk_norm else "gemma2" if config.post_norms else "gemma"
+    elif config.n_experts:
+        kind = "qwen3_moe" if config.qk_norm else "mixtral"
     else:
         kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
-        if kind in GEMMA or kind not in FAMILY or kind == "llama":
+        if kind in GEMMA or kind in EXPERTS or kind not in FAMILY or kind == "llama":
             kind = "mistral" if config.sliding_window and config.sliding_layers is None else "llama"
     return kind
 
@@ -183,8 +205,15 @@ def _family_fields(kind: str, config: TransformerConfig) -> dict[str, Any]:
     """The fields of ``config.json`` that differ between families."""
     if kind not in GEMMA:
         fields: dict[str, Any] = {"hidden_act": "silu", "sliding_window": config.sliding_window or None}
-        if kind == "qwen2":
+        if kind in QWEN:
             fields.update(use_sliding_window=bool(config.sliding_window), layer_types=_layer_types(config))
+        if kind in EXPERTS:
+            fields.update({EXPERTS[kind]: config.n_experts, "num_experts_per_tok": config.experts_per_token})
+        if kind == "mixtral":
+            fields["intermediate_size"] = config.ff_width
+        if kind == "qwen3_moe":
+            fields.update(moe_intermediate_size=config.ff_width, norm_topk_prob=config.normalize_top_k,
+                          decoder_sparse_step=1, mlp_only_layers=[])
         return fields
     fields = {"hidden_act": TANH_GELU, "hidden_activation": TANH_GELU}
     if kind != "gemma":
@@ -210,8 +239,8 @@ def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -
                hidden_size=config.d_model, intermediate_size=config.d_ff, num_hidden_layers=config.n_layers,
                num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
                rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings,
-               max_position_embeddings=max(config.seq_len, int(raw.get("max_position_embeddings", 0))),
-               **_family_fields(kind, config))
+               max_position_embeddings=max(config.seq_len, int(raw.get("max_position_embeddings", 0))))
+    raw.update(_family_fields(kind, config))
     if config.rope_scaling is not None:
         factor, low, high, context = config.rope_scaling
         raw["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
@@ -228,8 +257,10 @@ def _check_saved_as_it_is(config: TransformerConfig, kind: str, raw: dict[str, A
     options = {name: getattr(config, name) for name in ("compute_dtype", "remat", "scan_layers", "attention",
                                                         "lora_rank", "lora_alpha", "lora_targets")}
     again = config_of(Path("."), raw, seq_len=config.seq_len, **options)
-    config, again = (dataclasses.replace(c, attention_head_dim=c.head_dim, n_kv_heads=c.kv_heads)
-                     for c in (config, again))
+    # the same model however it is spelled: head size and key/value heads given or implied; an
+    # all-experts model's dense width, which it never uses
+    config, again = (dataclasses.replace(c, attention_head_dim=c.head_dim, n_kv_heads=c.kv_heads,
+                                         d_ff=c.ff_width if c.n_experts else c.d_ff) for c in (config, again))
     differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(again, f.name)]
     if differ:
         raise UsageError(f"this model's {differ[0]}={getattr(config, differ[0])!r} has no place in a {kind} "

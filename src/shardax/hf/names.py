@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,22 @@ class Source:
             return self.inputs + self.outputs
         return (math.prod(self.outputs), math.prod(self.inputs))
 
+    def components(self) -> list[tuple[str, Any]]:
+        """Each Hugging Face tensor of this parameter: (its name, the component ``to_hf`` takes)."""
+        return list(zip(self.names, range(len(self.names))))
+
+    def to_hf(self, ours: np.ndarray, component: Any, delta: np.ndarray | None = None) -> np.ndarray:
+        """The Hugging Face tensor of ``component`` from shardax's array (one layer's), plus
+        ``delta`` (a merged LoRA term, in shardax's layout of that component) if given."""
+        one = ours if self.axis is None else np.take(ours, component, axis=self.axis)
+        if delta is not None:
+            one = one.astype(np.float32) + delta
+        if not self.transpose:
+            return one
+        if not self.inputs:
+            return one.reshape(-1)
+        return one.reshape(math.prod(self.inputs), math.prod(self.outputs)).T
+
     def read(self, tensors: SafeTensors, index: tuple[slice, ...]) -> np.ndarray:
         if self.axis is not None:
             components = range(len(self.names))[index[self.axis]]
@@ -78,6 +94,46 @@ class Source:
         return _transposed(block).reshape(in_shape + out_shape)[in_cut + out_cut]
 
 
+@dataclasses.dataclass(frozen=True)
+class Experts(Source):
+    """A parameter of every expert of a layer, stacked on a leading dimension of ``count``: each
+    expert's tensors are ``names`` with ``{e}`` its number, read and written as ``Source`` does."""
+
+    count: int = 1
+
+    def one(self, expert: int) -> Source:
+        return Source(tuple(n.format(e=expert) for n in self.names), self.inputs, self.outputs, self.axis,
+                      self.transpose)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.count, *self.one(0).shape)
+
+    def components(self) -> list[tuple[str, Any]]:
+        return [(name, (e, c)) for e in range(self.count) for name, c in self.one(e).components()]
+
+    def to_hf(self, ours: np.ndarray, component: Any, delta: np.ndarray | None = None) -> np.ndarray:
+        expert, inner = component
+        return self.one(expert).to_hf(ours[expert], inner, delta)
+
+    def read(self, tensors: SafeTensors, index: tuple[slice, ...]) -> np.ndarray:
+        return np.stack([self.one(e).read(tensors, index[1:]) for e in range(self.count)[index[0]]])
+
+
+def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
+    """A mixture of experts' router and experts (Mixtral's names, or Qwen3-MoE's)."""
+    d, e, f = config.d_model, config.n_experts, config.ff_width
+    if config.qk_norm:  # Qwen3-MoE
+        moe, gate, up, down = at + "mlp.", "gate_proj", "up_proj", "down_proj"
+    else:
+        moe, gate, up, down = at + "block_sparse_moe.", "w1", "w3", "w2"
+    expert = moe + "experts.{e}."
+    return {"experts/router": Source((moe + "gate.weight",), (d,), (e,)),
+            "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,), axis=1,
+                                       count=e),
+            "experts/down": Experts((expert + down + ".weight",), (f,), (d,), count=e)}
+
+
 def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     """Each per-layer parameter of ``TransformerLM`` (its path below the layer) and its tensors."""
     d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
@@ -86,9 +142,12 @@ def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     sources = {
         "attn_norm/scale": Source((at + "input_layernorm.weight",), (), (d,)),
         "attn_out": Source((attn + "o_proj.weight",), (n, h), (d,)),
-        "mlp_gate_up": Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,), axis=1),
-        "mlp_out": Source((mlp + "down_proj.weight",), (f,), (d,)),
     }
+    if config.n_experts:
+        sources.update(_expert_sources(config, at))
+    else:
+        sources["mlp_gate_up"] = Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,), axis=1)
+        sources["mlp_out"] = Source((mlp + "down_proj.weight",), (f,), (d,))
     if config.post_norms:  # Gemma 2 and 3: a norm after attention, and one before and one after the MLP
         sources["attn_post_norm/scale"] = Source((at + "post_attention_layernorm.weight",), (), (d,))
         sources["mlp_norm/scale"] = Source((at + "pre_feedforward_layernorm.weight",), (), (d,))
@@ -127,7 +186,7 @@ def _check_names(tensors: SafeTensors, config: TransformerConfig) -> None:
     expected = {}
     for source in [*_global_sources(config).values(),
                    *(s for layer in range(config.n_layers) for s in _sources(config, layer).values())]:
-        for name in source.names:
+        for name, _ in source.components():
             expected[name] = source.hf_shape()
     for name, shape in expected.items():
         if name not in tensors.where:
@@ -173,8 +232,9 @@ def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | No
 
 def hf_names(config: TransformerConfig) -> Sequence[str]:
     """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests)."""
-    names = [n for s in _global_sources(config).values() for n in s.names]
-    return names + [n for layer in range(config.n_layers) for s in _sources(config, layer).values() for n in s.names]
+    sources = [*_global_sources(config).values(),
+               *(s for layer in range(config.n_layers) for s in _sources(config, layer).values())]
+    return [name for source in sources for name, _ in source.components()]
 
 
 

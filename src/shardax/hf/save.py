@@ -30,19 +30,6 @@ def _gather(array: jax.Array, layer: int | None) -> np.ndarray:
     return np.asarray(whole.addressable_data(0))
 
 
-def _hf_tensor(source: Source, component: int, ours: np.ndarray, delta: np.ndarray | None = None) -> np.ndarray:
-    """The Hugging Face tensor ``source.names[component]`` from shardax's array (one layer's),
-    plus ``delta`` (a merged LoRA term, in shardax's layout of that component) if given."""
-    one = ours if source.axis is None else np.take(ours, component, axis=source.axis)
-    if delta is not None:
-        one = one.astype(np.float32) + delta
-    if not source.transpose:
-        return one
-    if not source.inputs:
-        return one.reshape(-1)
-    return one.reshape(math.prod(source.inputs), math.prod(source.outputs)).T
-
-
 def _lora_summary(config: TransformerConfig) -> str:
     return f"rank {config.lora_rank} on {','.join(config.lora_targets)}"
 
@@ -78,7 +65,7 @@ def _entries(arrays: dict[str, jax.Array], adapters: dict[str, jax.Array], confi
         for at in layers:
             one = source or _sources(config, at)[below]
             index = None if source is not None or layer is not None else at
-            for component, tensor in enumerate(one.names):
+            for tensor, component in one.components():
                 merged = (functools.partial(_lora_delta, config, adapters, name, below, component, index)
                           if merge and source is None else None)
                 entries.append((tensor, one.hf_shape(), array, index, one, component, merged))
@@ -110,7 +97,7 @@ def _producer(cache: dict[tuple[int, int | None], np.ndarray], array: jax.Array,
         if key not in cache:  # the components of one fused weight share one gather
             cache.clear()
             cache[key] = _gather(array, index)
-        return _hf_tensor(source, component, cache[key], merged() if merged else None)
+        return source.to_hf(cache[key], component, merged() if merged else None)
     return tensor
 
 

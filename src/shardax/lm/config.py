@@ -230,7 +230,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
     else:
         model = preset.config(**overrides)
     if config.lora_rank:
-        targets = config.lora_targets or ",".join(t for t in LORA_TARGETS if t != "gate" or model.mlp == "swiglu")
+        targets = config.lora_targets or ",".join(model.adaptable)
         model = LoRA(config.lora_rank, config.lora_alpha, targets).applied(model)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps

@@ -56,6 +56,8 @@ class LoRA:
     def applied(self, config: "TransformerConfig") -> "TransformerConfig":
         """``config`` with these adapters (checked there)."""
         targets = self.targets.split(",") if isinstance(self.targets, str) else self.targets
+        if self.targets == LORA_TARGETS:  # the default: every projection this model has
+            targets = config.adaptable
         if self.rank < 1:
             raise UsageError(f"LoRA rank {self.rank} must be at least 1")
         return dataclasses.replace(config, lora_rank=self.rank, lora_alpha=self.alpha,

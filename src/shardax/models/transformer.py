@@ -32,6 +32,7 @@ from shardax.blocks import Attention, LayerSetting, LayerStack, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
+from shardax.models.moe import MixtureOfExperts
 from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
 from shardax.models.transformer_config import (ATTENTION, COMPUTE_DTYPES, MLPS, NORMS,  # noqa: F401 (here too)
                                                TransformerConfig)
@@ -88,7 +89,7 @@ class Block(nnx.Module):
     """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-        d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
+        d, n, k, h = config.d_model, config.n_heads, config.kv_heads, config.head_dim
         self.config = config
         self.inv_freq, self.local_inv_freq = _rope_tables(config)
         if config.sliding_window:  # this layer's window (0: none), set per layer by TransformerLM
@@ -113,14 +114,10 @@ class Block(nnx.Module):
         self.mlp_norm = _norm(config, d)
         if config.post_norms:
             self.attn_post_norm, self.mlp_post_norm = _norm(config, d), _norm(config, d)
-        if config.mlp != "gelu":
-            self.mlp_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"))
+        if config.n_experts:
+            self.experts = MixtureOfExperts(config, rngs)
         else:
-            self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
-            self.mlp_in_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (f,), ("mlp",))
-        self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
-        if config.mlp == "gelu":
-            self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
+            self._dense_mlp(config, rngs)
         self.attention = Attention(implementation=config.attention, scale=config.attention_scale,
                                    softcap=config.attention_softcap)
         for target, (inputs, in_axes, outputs, out_axes) in config.lora_shapes().items():
@@ -130,6 +127,17 @@ class Block(nnx.Module):
                 (*in_axes, None), nnx.LoRAParam))
             setattr(self, f"lora_{target}_b", annotated_param(
                 nnx.initializers.zeros, rngs.params(), (r, *outputs), (None, *out_axes), nnx.LoRAParam))
+
+    def _dense_mlp(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
+        d, f = config.d_model, config.d_ff
+        if config.mlp != "gelu":
+            self.mlp_gate_up = _param(rngs, (d, 2, f), ("embed", None, "mlp"))
+        else:
+            self.mlp_in = _param(rngs, (d, f), ("embed", "mlp"))
+            self.mlp_in_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (f,), ("mlp",))
+        self.mlp_out = _param(rngs, (f, d), ("mlp", "embed"))
+        if config.mlp == "gelu":
+            self.mlp_out_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (d,), ("embed",))
 
     def _adapted(self, target: str, x: jax.Array, base: jax.Array) -> jax.Array:
         """``base`` (x through the projection ``target``) plus its LoRA adapters' term, if any."""
@@ -180,6 +188,8 @@ class Block(nnx.Module):
 
     def _mlp(self, y: jax.Array) -> jax.Array:
         config, dtype = self.config, self.config.dtype
+        if config.n_experts:
+            return self.experts(y)
         if config.mlp != "gelu":  # gated: SwiGLU or GeGLU
             gate_up = jnp.einsum("btd,dcf->btcf", y, for_compute(self.mlp_gate_up, dtype))
             glu = ops.swiglu if config.mlp == "swiglu" else ops.geglu

@@ -81,6 +81,15 @@ class TransformerConfig:
     attention_scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
     attention_softcap: float | None = None  # scores capped as cap * tanh(score / cap) (Gemma 2)
     logits_softcap: float | None = None  # the output logits capped the same way (Gemma 2)
+    # A mixture of experts in every layer's place of the MLP (0: a dense MLP): each token through the
+    # ``experts_per_token`` of ``n_experts`` gated MLPs (``mlp``: swiglu or geglu) of ``expert_d_ff``
+    # hidden units (None: d_ff) its router weighs highest, their weights renormalised to sum to 1 with
+    # ``normalize_top_k`` (Mixtral; Qwen3-MoE's norm_topk_prob); dropless unless ``capacity_factor``.
+    n_experts: int = 0
+    experts_per_token: int = 2
+    expert_d_ff: int | None = None
+    normalize_top_k: bool = True
+    capacity_factor: float | None = None
     # LoRA: adapters of this rank on ``lora_targets`` (0: none), scaled by lora_alpha / lora_rank
     lora_rank: int = 0
     lora_alpha: float | None = None  # None: the rank (a scale of 1)
@@ -111,7 +120,7 @@ class TransformerConfig:
             raise UsageError(f"lora_targets={','.join(self.lora_targets)!r}: name each projection once, from "
                              f"{','.join(LORA_TARGETS)}")
         self._check_windows_and_caps()
-        if self.lora_rank and self.mlp == "gelu" and "gate" in self.lora_targets:
+        if self.lora_rank and self.mlp == "gelu" and "gate" in self.lora_targets and not self.n_experts:
             raise UsageError(f"lora_targets includes 'gate' but this model's {self.mlp} MLP has no gate projection; "
                              "drop gate from the targets")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
@@ -129,8 +138,35 @@ class TransformerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise UsageError(f"{name}={value} must be positive (None: none)")
+        if self.n_experts:
+            self._check_experts()
         if not self.rope_linear_factor > 0:
             raise UsageError(f"rope_linear_factor={self.rope_linear_factor} must be positive (1: unscaled)")
+
+    def _check_experts(self) -> None:
+        if self.n_experts < 0 or not 1 <= self.experts_per_token <= self.n_experts:
+            raise UsageError(f"experts_per_token={self.experts_per_token} must be from 1 to n_experts="
+                             f"{self.n_experts}: each token goes through that many of the experts")
+        if self.mlp == "gelu":
+            raise UsageError("a mixture of experts is of gated MLPs; use mlp='swiglu' or mlp='geglu'")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise UsageError(f"capacity_factor={self.capacity_factor} must be positive (None: dropless routing)")
+        adapted = [t for t in ("gate", "up", "down") if t in self.lora_targets]
+        if self.lora_rank and adapted:
+            raise UsageError(f"lora_targets includes {','.join(adapted)} but this model's MLPs are experts, which "
+                             "take no adapters here; adapt q,k,v,o")
+
+    @property
+    def adaptable(self) -> tuple[str, ...]:
+        """The LoRA targets this model has: every projection but a plain GELU MLP's gate and a
+        mixture of experts' MLP."""
+        if self.n_experts:
+            return ("q", "k", "v", "o")
+        return tuple(t for t in LORA_TARGETS if t != "gate" or self.mlp != "gelu")
+
+    @property
+    def ff_width(self) -> int:
+        return self.expert_d_ff or self.d_ff
 
     @property
     def layer_windows(self) -> tuple[int, ...]:

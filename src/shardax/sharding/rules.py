@@ -20,7 +20,7 @@ from shardax.sharding.place import spec_axes
 
 BATCH = "batch"
 # Logical names used by shardax's layers and models.
-LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers", "expert")
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = tuple[tuple[str, MeshAxes], ...]
