@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.models.moe import MixtureOfExperts
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
@@ -369,6 +370,10 @@ def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
     axis = layout.strategy.pipeline_axis
     if axis is None:
         return
+    if any(moe.config.capacity_factor is None for _, moe in blocks_of(model, MixtureOfExperts)):
+        raise UsageError(f"strategy {layout.strategy.name!r} runs the layers as a pipeline, where dropless experts' "
+                         "grouped matmul (jax.lax.ragged_dot) cannot run batched over the stages; give the model a "
+                         "capacity_factor (n_experts / experts_per_token drops no token) or use a strategy without stages")
     stacks = blocks_of(model, LayerStack)
     if any(stack.scan for _, stack in stacks):
         return

@@ -77,7 +77,8 @@ def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig
                          f"makes the checkpoint's); got {type(model).__name__}")
     expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype, remat=config.remat,
                            scan_layers=config.scan_layers, attention=config.attention, lora_rank=config.lora_rank,
-                           lora_alpha=config.lora_alpha, lora_targets=config.lora_targets)
+                           lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
+                           capacity_factor=config.capacity_factor)
     if expected != config:
         differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
         raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
@@ -163,13 +164,15 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
 def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
          tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
          compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True,
-         lora: LoRA | None = None, seed: int = 0) -> Loaded:
+         lora: LoRA | None = None, seed: int = 0, capacity_factor: float | None = None) -> Loaded:
     """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
     slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
     ``"data=4,model=2"``, default every device on ``data`` plus what the strategy needs). ``tx`` (default: none) sets up the
-    optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train."""
+    optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train;
+    ``capacity_factor`` routes a mixture of experts with that capacity (None: dropless)."""
     path = Path(path)
-    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers,
+                         capacity_factor=capacity_factor)
     config = config if lora is None else lora.applied(config)
     SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
