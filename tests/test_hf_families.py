@@ -232,3 +232,18 @@ def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line
     with pytest.raises(UsageError, match=r"strategy 'pp' runs the layers as a pipeline, where dropless experts' .* "
                                          r"give the model a capacity_factor"):
         hf.load(made["mixtral"][0], "stage=2,data=4", "pp")
+
+
+def test_router_losses_are_transformers_aux_loss(made, tmp_path):
+    """With output_router_logits, transformers adds router_aux_loss_coef times its load-balancing
+    loss to the loss: shardax reads the weight from config.json and computes the same loss and
+    the same balance term (under ep, the experts split over two devices)."""
+    folder = _edited(made["mixtral"][0], tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor(TOKENS), labels=torch.tensor(TOKENS))
+    loaded = hf.load(folder, "data=4,expert=2", "ep")
+    assert loaded.config.router_aux_loss == 0.5
+    metrics = loaded.parallel.eval_step(next_token_loss)(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
+    np.testing.assert_allclose(float(metrics["router_balance"]), float(out.aux_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss"]), float(out.loss), rtol=1e-5)

@@ -51,7 +51,8 @@ def test_wrong_number_of_names():
 
 
 def test_strategies_are_values_and_unknown_names_fail():
-    assert set(STRATEGIES) == {"dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp"}
+    assert set(STRATEGIES) == {"dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp",
+                               "ep", "fsdp_ep", "ep_tp"}
     assert all(isinstance(s, Strategy) for s in STRATEGIES.values())
     with pytest.raises(ValueError, match="unknown strategy 'fsdq'; choose one of dp, zero1, zero2, fsdp, tp"):
         get_strategy("fsdq")

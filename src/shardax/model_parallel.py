@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.models.moe import MixtureOfExperts
+from shardax.models.moe import ExpertLayout, MixtureOfExperts
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
@@ -219,6 +219,10 @@ class ParallelModel:
             sequence = ContextLayout.create(self.mesh, context, self.strategy.batch_axes,
                                             tuple(spec_axes(heads)) if heads else ())
         split_sequences(model, sequence)
+        expert_axis = dict(self.strategy.param_rules).get("expert")
+        for _, moe in blocks_of(model, MixtureOfExperts):
+            moe.split = ExpertLayout(self.mesh, expert_axis, self.strategy.batch_axes, sequence and sequence.axis) if (
+                expert_axis and self.mesh.shape.get(expert_axis, 1) > 1) else None
         for path, stack in blocks_of(model, LayerStack):
             prefix = f"{path}/layers/"
             specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,

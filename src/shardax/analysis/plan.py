@@ -335,7 +335,8 @@ def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape:
     skipped. ``layout_for``: a platform (``gpu``) whose default layout of the blocks each strategy
     takes, as ``shardax train`` lays them there (``blocks_in_a_loop``); else the model's."""
     plans, skipped = [], []
-    for name in strategies or list(STRATEGIES):
+    # the expert-parallel strategies are data-parallel for a model without experts: listed for one with them
+    for name in strategies or [n for n in STRATEGIES if model.n_experts or "expert" not in STRATEGIES[n].required_axes]:
         laid = model if layout_for is None else dataclasses.replace(
             model, scan_layers=not blocks_in_a_loop(layout_for, name))
         try:

@@ -137,7 +137,9 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {"n_experts": int(raw[EXPERTS[kind]]), "experts_per_token": int(raw["num_experts_per_tok"]),
             "expert_d_ff": int(raw["moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"]),
-            "normalize_top_k": kind == "mixtral" or bool(raw["norm_topk_prob"])}
+            "normalize_top_k": kind == "mixtral" or bool(raw["norm_topk_prob"]),
+            # transformers adds the load-balancing loss to its loss only when it outputs the router's logits
+            "router_aux_loss": float(raw.get("router_aux_loss_coef", 0.001)) if raw.get("output_router_logits") else 0.0}
 
 
 def _gemma(raw: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +211,10 @@ def _family_fields(kind: str, config: TransformerConfig) -> dict[str, Any]:
         if kind in QWEN:
             fields.update(use_sliding_window=bool(config.sliding_window), layer_types=_layer_types(config))
         if kind in EXPERTS:
-            fields.update({EXPERTS[kind]: config.n_experts, "num_experts_per_tok": config.experts_per_token})
+            fields.update({EXPERTS[kind]: config.n_experts, "num_experts_per_tok": config.experts_per_token,
+                           "output_router_logits": bool(config.router_aux_loss)})
+            if config.router_aux_loss:
+                fields["router_aux_loss_coef"] = config.router_aux_loss
         if kind == "mixtral":
             fields["intermediate_size"] = config.ff_width
         if kind == "qwen3_moe":
@@ -256,7 +261,8 @@ def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -
 def _check_saved_as_it_is(config: TransformerConfig, kind: str, raw: dict[str, Any]) -> None:
     """Refuse a model that ``raw`` would load as another (a feature no family of that name has)."""
     options = {name: getattr(config, name) for name in ("compute_dtype", "remat", "scan_layers", "attention",
-                                                        "lora_rank", "lora_alpha", "lora_targets", "capacity_factor")}
+                                                        "lora_rank", "lora_alpha", "lora_targets", "capacity_factor",
+                                                        "router_z_loss")}
     again = config_of(Path("."), raw, seq_len=config.seq_len, **options)
     # the same model however it is spelled: head size and key/value heads given or implied; an
     # all-experts model's dense width, which it never uses

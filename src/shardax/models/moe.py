@@ -7,8 +7,8 @@ dropped and no expert computes padding. With a ``capacity_factor`` each expert t
 ``capacity_factor * tokens * top_k / n_experts`` tokens (the earliest; the rest pass through the
 layer unchanged, as Switch and GShard do), computed as dense per-expert batches.
 
-The router's auxiliary terms are kept on the layer (``router_losses``, an ``nnx.Intermediate``
-per layer) for the loss to read: the load-balancing loss (Switch Transformer's ``E * sum_e f_e
+What the router did is kept on the layer (``router_stats``, an ``nnx.Intermediate`` per layer)
+for the loss to read; ``router_losses`` makes the auxiliary terms of them: the load-balancing loss (Switch Transformer's ``E * sum_e f_e
 P_e``, f the token copies routed to e per token and P its mean router probability, as transformers
 computes it) and the
 router z-loss (ST-MoE's mean squared log-sum-exp of the router logits).
@@ -16,19 +16,25 @@ router z-loss (ST-MoE's mean squared log-sum-exp of the router logits).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from shardax.errors import UsageError
 
 from shardax.layers import annotated_param
 from shardax.models import ops
 from shardax.sharding.compute import for_compute
 
 
-class RouterLosses(nnx.Intermediate):
-    """(load-balancing loss, z-loss) of the last call of one MoE layer."""
+class RouterStats(nnx.Intermediate):
+    """What the last call of one MoE layer's router did, over all its tokens: the share of token
+    copies each expert got (E), each expert's mean router probability (E) and the mean squared
+    log-sum-exp of the logits (1); ``router_losses`` makes the auxiliary losses of them."""
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], fan_in: int) -> nnx.Param:
@@ -44,12 +50,14 @@ class MixtureOfExperts(nnx.Module):
         self.router = _param(rngs, (d, e), ("embed", None), d)
         self.gate_up = _param(rngs, (e, d, 2, f), ("expert", "embed", None, "mlp"), d)
         self.down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), f)
-        self.router_losses = RouterLosses(jnp.zeros((2,), jnp.float32))
+        self.router_stats = RouterStats(jnp.zeros((2 * e + 1,), jnp.float32))
+        self.split: ExpertLayout | None = None  # set by parallelize under an expert axis
 
-    def route(self, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def route(self, y: jax.Array, router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Each token's experts (N, k), their weights (N, k) and the router's logits (N, E)."""
         config = self.config
-        logits = (y @ for_compute(self.router, y.dtype)).astype(jnp.float32)
+        router = for_compute(self.router, y.dtype) if router is None else router
+        logits = (y @ router).astype(jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         weights, chosen = jax.lax.top_k(probs, config.experts_per_token)
         if config.normalize_top_k:
@@ -58,10 +66,13 @@ class MixtureOfExperts(nnx.Module):
 
     def __call__(self, y: jax.Array) -> jax.Array:
         config = self.config
+        if self.split is not None:
+            out, self.router_stats[...] = _across_devices(self, y)
+            return out
         batch, length, width = y.shape
         tokens = y.reshape(batch * length, width)
         chosen, weights, logits = self.route(tokens)
-        self.router_losses[...] = router_losses(logits, chosen, config.n_experts)
+        self.router_stats[...] = router_stats(logits, chosen, config.n_experts)
         if config.capacity_factor is None:
             out = self._dropless(tokens, chosen, weights.astype(y.dtype))
         else:
@@ -71,13 +82,17 @@ class MixtureOfExperts(nnx.Module):
     def _experts(self, x: jax.Array, group_sizes: jax.Array | None) -> jax.Array:
         """Rows of ``x`` through their experts: sorted rows with ``group_sizes`` (ragged), or
         (E, C, D) batches, one per expert."""
-        config, dtype = self.config, x.dtype
-        gate_up = for_compute(self.gate_up, dtype)
-        down = for_compute(self.down, dtype)
-        glu = ops.swiglu if config.mlp == "swiglu" else ops.geglu
+        gate_up, down = for_compute(self.gate_up, x.dtype), for_compute(self.down, x.dtype)
         if group_sizes is None:
+            glu = ops.swiglu if self.config.mlp == "swiglu" else ops.geglu
             h = jnp.einsum("ecd,edgf->ecgf", x, gate_up)
             return jnp.einsum("ecf,efd->ecd", glu(h[..., 0, :], h[..., 1, :]), down)
+        return self.expert_rows(x, group_sizes, gate_up, down)
+
+    def expert_rows(self, x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+        """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (any rows after
+        those come out as zeros), through their experts' ``gate_up`` and ``down``."""
+        glu = ops.swiglu if self.config.mlp == "swiglu" else ops.geglu
         e, d, _, f = gate_up.shape
         h = jax.lax.ragged_dot(x, gate_up.reshape(e, d, 2 * f), group_sizes).reshape(-1, 2, f)
         return jax.lax.ragged_dot(glu(h[:, 0], h[:, 1]), down, group_sizes)
@@ -108,10 +123,104 @@ class MixtureOfExperts(nnx.Module):
         return jnp.einsum("nkec,nk,ecd->nd", dispatch, weights, out)
 
 
-def router_losses(logits: jax.Array, chosen: jax.Array, experts: int) -> jax.Array:
-    """(load-balancing loss, z-loss) of one layer's routing: logits (N, E), chosen (N, k)."""
-    probs = jax.nn.softmax(logits, axis=-1)
+def router_stats(logits: jax.Array, chosen: jax.Array, experts: int, axes: tuple[str, ...] = ()) -> jax.Array:
+    """``RouterStats`` of one layer's routing: logits (N, E), chosen (N, k); with ``axes``, over
+    the tokens of every device on them (inside ``shard_map``, equal shares)."""
     routed = jax.nn.one_hot(chosen, experts, dtype=jnp.float32).sum(1)  # (N, E): copies per expert
-    balance = experts * jnp.sum(routed.mean(0) * probs.mean(0))  # as transformers' load_balancing_loss_func
-    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return jnp.stack([balance, z])
+    stats = jnp.concatenate([routed.mean(0), jax.nn.softmax(logits, axis=-1).mean(0),
+                             jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)[None]])
+    return jax.lax.pmean(stats, axes) if axes else stats
+
+
+def router_losses(stats: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, z-loss) of ``RouterStats`` of any number of layers (leading
+    dimensions), over all of them: ``E * sum_e f_e P_e`` with f and P averaged over the layers
+    first, as transformers' ``load_balancing_loss_func`` does, and the mean z-loss."""
+    stats = stats.reshape(-1, stats.shape[-1]).mean(0)
+    experts = (stats.shape[0] - 1) // 2
+    return experts * jnp.sum(stats[:experts] * stats[experts:2 * experts]), stats[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """How the step being traced splits a mixture of experts (set by ``parallelize``): the experts
+    over ``axis`` of ``mesh`` (each device a group of them), the tokens' rows over ``batch_axes``
+    (``axis`` among them) and their sequence over ``sequence_axis`` (a context axis) or whole."""
+
+    mesh: Mesh
+    axis: str
+    batch_axes: tuple[str, ...]
+    sequence_axis: str | None = None
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Every mesh axis the tokens are split over."""
+        return tuple(a for a in (*self.batch_axes, self.sequence_axis) if a and self.mesh.shape.get(a, 1) > 1)
+
+    def check(self, experts: int, capacity_factor: float | None) -> None:
+        if experts % self.shards:
+            raise UsageError(f"{experts} experts do not split over {self.axis}={self.shards} devices; use an "
+                             f"{self.axis} axis that divides {experts}")
+        if capacity_factor is not None:
+            raise UsageError(f"capacity_factor={capacity_factor} with the experts split over {self.axis!r}: routing "
+                             "across devices here is dropless; drop capacity_factor")
+
+
+def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``moe`` on ``y`` (B, T, D) with its experts split over ``moe.split.axis``: each device routes its
+    own tokens, sends each copy to the device of its expert (an all-to-all), computes its experts'
+    rows in grouped matmuls and sends the results back (a second all-to-all). Returns the output
+    and the router losses over every token."""
+    layout, config = moe.split, moe.config
+    layout.check(config.n_experts, config.capacity_factor)
+    rows = tuple(a for a in layout.batch_axes if layout.mesh.shape.get(a, 1) > 1)
+    tokens_spec = PartitionSpec(rows or None, layout.sequence_axis, None)
+    dtype = y.dtype
+    weights = (for_compute(moe.router, dtype), for_compute(moe.gate_up, dtype), for_compute(moe.down, dtype))
+
+    def local(y: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array) -> tuple[jax.Array, jax.Array]:
+        batch, length, width = y.shape
+        tokens = y.reshape(batch * length, width)
+        chosen, gates, logits = moe.route(tokens, router)
+        stats = router_stats(logits, chosen, config.n_experts, layout.token_axes)
+        out = _exchange(moe, tokens, chosen, gates.astype(dtype), gate_up, down, layout)
+        return out.reshape(batch, length, width), stats
+
+    experts = PartitionSpec(layout.axis)
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(tokens_spec, PartitionSpec(), experts, experts),
+                         out_specs=(tokens_spec, PartitionSpec()))(y, *weights)
+
+
+def _exchange(moe: "MixtureOfExperts", tokens: jax.Array, chosen: jax.Array, gates: jax.Array,
+              gate_up: jax.Array, down: jax.Array, layout: ExpertLayout) -> jax.Array:
+    """One device's part of ``_across_devices``: its tokens' copies there and back.
+
+    Copies go out in fixed-size slots, ``tokens x min(top_k, local experts)`` per destination
+    (the most one device's tokens can send to one device), because XLA:CPU has no
+    ``ragged_all_to_all``; each device then sorts what it received by its own experts."""
+    shards, (n, k) = layout.shards, chosen.shape
+    local_experts = moe.config.n_experts // shards
+    slots = n * min(k, local_experts)
+    experts = chosen.reshape(-1)
+    order = jnp.argsort(experts, stable=True)
+    destination = experts[order] // local_experts
+    counts = jnp.bincount(experts, length=moe.config.n_experts).astype(jnp.int32).reshape(shards, local_experts)
+    sent = counts.sum(1)
+    slot = jnp.arange(n * k) - (jnp.cumsum(sent) - sent)[destination]
+    outbox = jnp.zeros((shards, slots, tokens.shape[1]), tokens.dtype).at[destination, slot].set(tokens[order // k])
+    inbox = jax.lax.all_to_all(outbox, layout.axis, 0, 0)  # (source, slot, D)
+    received = jax.lax.all_to_all(counts, layout.axis, 0, 0)  # (source, local expert): copies sent
+    # each source's rows are sorted by expert: number them by (local expert, source); padding last
+    ends = jnp.cumsum(received, axis=1)
+    expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(slots), side="right"))(ends)  # (source, slot)
+    key = (expert_of * shards + jnp.arange(shards)[:, None]).reshape(-1)
+    mine = jnp.argsort(key, stable=True)
+    done = moe.expert_rows(inbox.reshape(shards * slots, -1)[mine], received.sum(0), gate_up, down)
+    done = jnp.where((key[mine] < local_experts * shards)[:, None], done, 0)  # padding rows: nothing
+    outbox = jnp.zeros_like(done).at[mine].set(done).reshape(shards, slots, -1)
+    back = jax.lax.all_to_all(outbox, layout.axis, 0, 0)[destination, slot]  # each copy's result, sorted
+    return jnp.zeros_like(tokens).at[order // k].add(back * gates.reshape(-1)[order][:, None])

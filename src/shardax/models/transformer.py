@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardax.blocks import Attention, LayerSetting, LayerStack, sequence_split
+from shardax.blocks import Attention, LayerSetting, LayerStack, blocks_of, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
-from shardax.models.moe import MixtureOfExperts
+from shardax.models.moe import MixtureOfExperts, router_losses
 from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
 from shardax.models.transformer_config import (ATTENTION, COMPUTE_DTYPES, MLPS, NORMS,  # noqa: F401 (here too)
                                                TransformerConfig)
@@ -302,12 +303,26 @@ def _zigzag_token_losses(model: TransformerLM, tokens: jax.Array, segments: jax.
     return losses[:, np.argsort(order)], weights
 
 
-def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy of the predictions that count (see ``token_losses``)."""
+def with_router_losses(model: TransformerLM, loss: jax.Array, metrics: dict[str, jax.Array]) -> Any:
+    """``loss`` plus a mixture of experts' router terms (their weights ``router_aux_loss`` and
+    ``router_z_loss``), with ``router_balance`` and ``router_z`` among the metrics; a model without
+    experts: ``loss`` alone where there are no metrics."""
+    stats = [moe.router_stats[...] for _, moe in blocks_of(model, MixtureOfExperts)]
+    if not stats:
+        return (loss, metrics) if metrics else loss
+    balance, z = router_losses(jnp.concatenate([s.reshape(-1, s.shape[-1]) for s in stats]))
+    config = model.config
+    loss = loss + config.router_aux_loss * balance + config.router_z_loss * z
+    return loss, {**metrics, "router_balance": balance, "router_z": z}
+
+
+def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> Any:
+    """Mean cross-entropy of the predictions that count (see ``token_losses``), plus the router's
+    terms of a mixture of experts (then with them as metrics: ``with_router_losses``)."""
     losses, weights = token_losses(model, batch)
     if "segments" not in batch:
-        return losses.mean()
-    return (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+        return with_router_losses(model, losses.mean(), {})
+    return with_router_losses(model, (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0), {})
 
 
 # how these losses feed a model whose sequences are split over a context axis (Trainer.describe says so)
@@ -320,9 +335,9 @@ def weighted_next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) 
     different numbers of tokens, accumulate to the whole batch's update."""
     losses, weights = token_losses(model, batch)
     if "segments" not in batch:
-        return losses.mean(), {"weight": jnp.asarray(losses.size, jnp.float32)}
+        return with_router_losses(model, losses.mean(), {"weight": jnp.asarray(losses.size, jnp.float32)})
     count = weights.sum()
-    return (losses * weights).sum() / jnp.maximum(count, 1.0), {"weight": count}
+    return with_router_losses(model, (losses * weights).sum() / jnp.maximum(count, 1.0), {"weight": count})
 
 
 weighted_next_token_loss.sequence_order = "zig-zag"  # type: ignore[attr-defined]

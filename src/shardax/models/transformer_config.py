@@ -90,6 +90,8 @@ class TransformerConfig:
     expert_d_ff: int | None = None
     normalize_top_k: bool = True
     capacity_factor: float | None = None
+    router_aux_loss: float = 0.0  # the load-balancing loss's weight in the training loss (Mixtral: 0.001)
+    router_z_loss: float = 0.0  # the router z-loss's weight (ST-MoE: 0.001)
     # LoRA: adapters of this rank on ``lora_targets`` (0: none), scaled by lora_alpha / lora_rank
     lora_rank: int = 0
     lora_alpha: float | None = None  # None: the rank (a scale of 1)
@@ -149,6 +151,9 @@ class TransformerConfig:
                              f"{self.n_experts}: each token goes through that many of the experts")
         if self.mlp == "gelu":
             raise UsageError("a mixture of experts is of gated MLPs; use mlp='swiglu' or mlp='geglu'")
+        if self.router_aux_loss < 0 or self.router_z_loss < 0:
+            raise UsageError(f"router_aux_loss={self.router_aux_loss} and router_z_loss={self.router_z_loss} are "
+                             "weights of the router's losses; give 0 or more")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise UsageError(f"capacity_factor={self.capacity_factor} must be positive (None: dropless routing)")
         adapted = [t for t in ("gate", "up", "down") if t in self.lora_targets]

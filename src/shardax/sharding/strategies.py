@@ -151,6 +151,15 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("hsdp", _rules(embed="data"), batch_axes=("replica", "data"), fsdp_axis="data",
                  gather_axes=("data",), required_axes=("replica", "data"),
                  description="FSDP within groups over data, replicated across groups over replica"),
+        Strategy("ep", _rules(expert="expert"), batch_axes=("data", "expert"), required_axes=("expert",),
+                 description="expert parallelism: each group of experts on its devices over expert, tokens "
+                             "exchanged by all-to-all, the rest data-parallel over data and expert"),
+        Strategy("fsdp_ep", _rules(embed="data", expert="expert"), batch_axes=("data", "expert"), fsdp_axis="data",
+                 gather_axes=("data",), required_axes=("data", "expert"),
+                 description="expert parallelism over expert x FSDP over data"),
+        Strategy("ep_tp", _rules(expert="expert", mlp="model", heads="model", vocab="model"),
+                 batch_axes=("data", "expert"), required_axes=("expert", "model"),
+                 description="expert parallelism over expert x tensor parallelism over model"),
         Strategy("pp", _rules(layers="stage"), required_axes=("stage",), pipeline_axis="stage",
                  description="pipeline: layers split into stages over stage, microbatches flow through"),
         Strategy("pp_fsdp", _rules(layers="stage", embed="data"), fsdp_axis="data", gather_axes=("data",),
@@ -163,7 +172,8 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-_DEFAULT_MESH = {"tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1",
+_DEFAULT_MESH = {"ep": "data=-1,expert=2", "fsdp_ep": "data=-1,expert=2", "ep_tp": "data=-1,expert=2,model=2",
+                 "tp": "data=-1,model=2", "fsdp_tp": "data=-1,model=2", "hsdp": "replica=2,data=-1",
                  "pp": "stage=2,data=-1", "pp_fsdp": "stage=2,data=-1", "pp_tp": "stage=2,data=-1,model=2"}
 
 
