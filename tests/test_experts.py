@@ -15,8 +15,6 @@ from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.sharding.paths import path_to_str
 from small_models import tiny_transformer_config
 
-pytestmark = pytest.mark.xdist_group("test_experts")
-
 # 4 experts of 24 hidden units, 3 per token (more than one device's share of experts under expert=4)
 CONFIG = tiny_transformer_config(positions="rotary", norm="rms", mlp="swiglu", n_experts=4, experts_per_token=3,
                                  expert_d_ff=24, router_aux_loss=0.01, router_z_loss=0.001)
@@ -26,7 +24,8 @@ TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17))
 def one_device():
     """Loss, metrics and per-tensor gradients of the model on one device."""
     model = TransformerLM(CONFIG, rngs=nnx.Rngs(0))
-    (loss, metrics), grads = nnx.value_and_grad(next_token_loss, has_aux=True)(model, {"tokens": jnp.asarray(TOKENS)})
+    grad_fn = nnx.jit(nnx.value_and_grad(next_token_loss, has_aux=True))
+    (loss, metrics), grads = grad_fn(model, {"tokens": jnp.asarray(TOKENS)})
     return float(loss), metrics, {path_to_str(p): np.asarray(g) for p, g in
                                   jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))}
 
@@ -36,8 +35,8 @@ def reference():
     return one_device()
 
 
-@pytest.mark.parametrize("strategy, mesh", [("ep", "data=4,expert=2"), ("fsdp_ep", "data=2,expert=4"),
-                                            ("ep_tp", "data=2,expert=2,model=2"), ("ep", "data=2,expert=2,context=2")])
+@pytest.mark.parametrize("strategy, mesh", [("fsdp_ep", "data=2,expert=4"), ("ep_tp", "data=2,expert=2,model=2"),
+                                            ("ep", "data=2,expert=2,context=2")])
 def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh, reference):
     """SGD with rate 1: each parameter moves by minus its gradient, which equals one device's per
     tensor (1e-5 of the tensor's largest), router losses included; each device holds E / X
@@ -84,3 +83,26 @@ def test_bad_expert_settings_are_one_line(config, strategy, mesh, message):
         parallel = parallelize(lambda rngs: TransformerLM(settings, rngs=rngs), optax.sgd(0.1), mesh, strategy)
         parallel.train_step(next_token_loss)(parallel.init(0), parallel.place_batch({"tokens": TOKENS}))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("strategy, mesh, remat", [("fsdp_ep", "data=2,expert=4", "none"),
+                                                   ("ep", "data=4,expert=2", "full")])
+def test_plan_counts_the_all_to_alls_and_the_experts_bytes_per_device(strategy, mesh, remat):
+    """The compiled step's all-to-all bytes equal theory's (within 5%; a remat policy runs the
+    forward pair again), and each device holds 1 / X of the experts' bytes (ep) or 1 / (X * data)
+    (fsdp_ep), which the plan's notes state."""
+    import dataclasses
+
+    from shardax.analysis.plan import plan_strategy, transformer_for
+    from shardax.analysis.theory import expert_exchange_bytes, experts_bytes
+
+    config = dataclasses.replace(CONFIG, remat=remat)
+    plan = plan_strategy(config, strategy, mesh, batch_size=16)
+    layout = transformer_for(config, strategy, mesh).layout
+    theory = expert_exchange_bytes(layout, config, 16)
+    assert theory > 0
+    np.testing.assert_allclose(plan.collectives["all-to-all"]["wire_bytes"], theory, rtol=0.05)
+    whole, held = experts_bytes(layout)
+    shards = layout.mesh.shape["expert"] * (layout.mesh.shape["data"] if strategy == "fsdp_ep" else 1)
+    assert whole == 2 * (4 * 32 * 2 * 24 + 4 * 24 * 32) * 4 and held * shards == whole  # 2 layers' gate_up, down
+    assert any(note.startswith("experts: ") and f"{held / whole:.3g} of them" in note for note in plan.lint)

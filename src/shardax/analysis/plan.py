@@ -22,7 +22,7 @@ from shardax.analysis.heap import compile_with_heap, hbm_heap, on_chip_heap
 from shardax.analysis.lint import lint
 from shardax.analysis.targets import Target, roofline
 from shardax.analysis.memory import predict_memory
-from shardax.analysis.theory import theoretical_collective_bytes
+from shardax.analysis.theory import experts_bytes, theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh, parse_mesh_shape
@@ -179,7 +179,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
             parallel.layout, model, batch_size, schedule, context or "all-gather", compiler=compiler),
         fits=None if device_memory is None else device_bytes(measured) <= device_memory,
         lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel, target) + _bfloat16_note(model, target)
-              + _swiglu_note(model) + _deviceless_attention_note(model, target) + _bubble_note(schedule)
+              + _swiglu_note(model) + _experts_note(model, parallel) + _deviceless_attention_note(model, target)
+              + _bubble_note(schedule)
               + _collective_matmul_note(measured, device_memory)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
         target=None if target is None else target.name,
@@ -311,6 +312,14 @@ def _bfloat16_note(model: TransformerConfig, target: Target | None = None) -> li
     return ["bfloat16 compute on fake CPU devices: XLA:CPU computes bfloat16 in float32 and keeps both widths, "
             "so its compiled peak overstates an accelerator's (the small preset under dp needs 730 MB in bfloat16 "
             "and 715 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
+
+
+def _experts_note(model: TransformerConfig, parallel: Any) -> list[str]:
+    if not model.n_experts:
+        return []
+    whole, held = experts_bytes(parallel.layout)
+    return [f"experts: {format_bytes(held)} of their {format_bytes(whole)} per device ({held / whole:.3g} of them; "
+            f"{model.n_experts} experts, {model.experts_per_token} per token)"]
 
 
 def _swiglu_note(model: TransformerConfig) -> list[str]:

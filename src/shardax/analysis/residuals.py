@@ -80,9 +80,9 @@ def traced_residuals(model: Any, layers: int = STAND_IN["layers"]) -> tuple[Resi
                                    n_layers=layers, d_ff=size["mlp"])
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
-    params = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), params)
+    params, rest = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), (params, rest))
     tokens = jnp.zeros((size["rows"], size["seq"] + 1), jnp.int32)
-    loss = lambda p: next_token_loss(nnx.merge(graphdef, p, rest), {"tokens": tokens})  # noqa: E731
+    loss = lambda p: next_token_loss(nnx.merge(graphdef, p, rest, copy=True), {"tokens": tokens})  # noqa: E731
     linear = jax.make_jaxpr(jax.linearize(loss, params)[1])(params)
     # a constant shaped like an argument not yet matched is taken to be that argument
     arguments = [(tuple(leaf.shape), leaf.dtype) for leaf in jax.tree.leaves((params, tokens))]

@@ -178,6 +178,38 @@ def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule
     return (4 * layers * activation + 2 * ends) * 2 * (model_size - 1) / model_size
 
 
+def expert_exchange_bytes(layout: Layout, model: Any, batch_size: int) -> float:
+    """What a mixture of experts split over an ``expert`` axis of X devices sends per device per
+    step (0 without one): in each layer two all-to-alls forward (the token copies out to their
+    experts' devices, the results back) and their two transposes backward, each of X slots of
+    ``tokens x min(top_k, E / X)`` rows of ``d_model`` in the compute dtype, of which (X-1)/X
+    leave the device; a remat policy other than ``none`` runs the forward pair again. Plus the
+    copies' counts, one int32 per expert, out once per layer."""
+    axis = dict(layout.strategy.param_rules).get("expert")
+    shards = layout.mesh.shape.get(axis, 1) if axis else 1
+    if shards <= 1 or not getattr(model, "n_experts", 0):
+        return 0.0
+    token_axes = [a for a in layout.strategy.batch_axes if a in layout.mesh.shape] + [
+        a for a in ("context",) if a in layout.mesh.shape]
+    tokens = batch_size * model.seq_len // _axes_size(dict(layout.mesh.shape), token_axes)
+    slots = tokens * min(model.experts_per_token, model.n_experts // shards)
+    share = (shards - 1) / shards
+    exchange = shards * slots * model.d_model * jnp.dtype(model.dtype).itemsize * share
+    passes = 4 + (2 if model.remat != "none" else 0)
+    return model.n_layers * (passes * exchange + model.n_experts * 4 * share)
+
+
+def experts_bytes(layout: Layout) -> tuple[int, int]:
+    """(the bytes of every expert's weights, of those one device stores) in ``layout``."""
+    whole = held = 0
+    for leaf in layout.leaves.values():
+        if leaf.logical and "expert" in leaf.logical:
+            size = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+            split = int(np.prod([layout.mesh.shape[a] for entry in leaf.spec for a in spec_axes(entry)]))
+            whole, held = whole + size, held + size // split
+    return whole, held
+
+
 def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any = None,
                                  context_attention: str = "all-gather",
                                  compiler: str = "cpu") -> float:
@@ -197,4 +229,4 @@ def theoretical_collective_bytes(layout: Layout, model: Any, batch_size: int, sc
     compute = getattr(model, "compute_dtype", None)
     total += _parameter_bytes(layout, schedule, compute, compiler)
     total += _tensor_parallel_bytes(layout, model, batch_size, schedule, compiler)
-    return total
+    return total + expert_exchange_bytes(layout, model, batch_size)
