@@ -24,7 +24,7 @@ def test_data_parallel_rules_split_the_batch(mesh8):
     rules = dict(data_parallel_rules("data"))
     assert rules["batch"] == "data"
     assert {name: axis for name, axis in rules.items() if name != "batch"} == {
-        name: None for name in ("length", "embed", "mlp", "heads", "kv", "vocab", "layers")
+        name: None for name in ("length", "embed", "mlp", "heads", "kv", "vocab", "layers", "expert")
     }
     assert dict(data_parallel_rules("replica"))["batch"] == "replica"
 

@@ -236,7 +236,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array 
     if sequence is None:
         if window is None and softcap is None:
             mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale, implementation=kernel)
+            scaled = {} if scale is None else {"scale": scale}
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=kernel, **scaled)
         positions = jnp.broadcast_to(jnp.arange(q.shape[1]) if positions is None else positions, q.shape[:2])
         tokens = jnp.zeros_like(positions) if segments is None else segments
         mask = allowed(positions, tokens, positions, tokens, 0 if window is None else window)[:, None]

@@ -219,10 +219,12 @@ class ParallelModel:
             sequence = ContextLayout.create(self.mesh, context, self.strategy.batch_axes,
                                             tuple(spec_axes(heads)) if heads else ())
         split_sequences(model, sequence)
-        expert_axis = dict(self.strategy.param_rules).get("expert")
-        for _, moe in blocks_of(model, MixtureOfExperts):
-            moe.split = ExpertLayout(self.mesh, expert_axis, self.strategy.batch_axes, sequence and sequence.axis) if (
-                expert_axis and self.mesh.shape.get(expert_axis, 1) > 1) else None
+        axis = dict(self.strategy.param_rules).get("expert")
+        axis = axis if axis and self.mesh.shape.get(axis, 1) > 1 else None
+        for _, moe in blocks_of(model, MixtureOfExperts):  # dropless routing runs per device (capacity: as a whole)
+            local = moe.config.capacity_factor is None and schedule is None
+            moe.split = ExpertLayout(self.mesh, axis, self.strategy.batch_axes, sequence and sequence.axis) if (
+                local or axis) else None
         for path, stack in blocks_of(model, LayerStack):
             prefix = f"{path}/layers/"
             specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,

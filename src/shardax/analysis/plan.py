@@ -148,8 +148,7 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
     the default ``device_memory``."""
     parallel = transformer_for(model, strategy, mesh_shape, tx, target)
-    resolved, mesh = parallel.strategy, parallel.mesh
-    # the pipeline's schedule applies to the pipeline strategies only (the others of a plan ignore it)
+    resolved, mesh = parallel.strategy, parallel.mesh  # a pipeline's schedule: for pipeline strategies only
     pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
     schedule = parallel.schedule(**pipeline)
     context = parallel.context_attention(context_attention) if "context" in mesh.shape else None

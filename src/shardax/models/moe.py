@@ -74,7 +74,7 @@ class MixtureOfExperts(nnx.Module):
         chosen, weights, logits = self.route(tokens)
         self.router_stats[...] = router_stats(logits, chosen, config.n_experts)
         if config.capacity_factor is None:
-            out = self._dropless(tokens, chosen, weights.astype(y.dtype))
+            out = self.dropless(tokens, chosen, weights.astype(y.dtype))
         else:
             out = self._with_capacity(tokens, chosen, weights.astype(y.dtype))
         return out.reshape(batch, length, width)
@@ -97,14 +97,18 @@ class MixtureOfExperts(nnx.Module):
         h = jax.lax.ragged_dot(x, gate_up.reshape(e, d, 2 * f), group_sizes).reshape(-1, 2, f)
         return jax.lax.ragged_dot(glu(h[:, 0], h[:, 1]), down, group_sizes)
 
-    def _dropless(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array) -> jax.Array:
-        """Every token copy, sorted by expert, through one grouped matmul per weight."""
+    def dropless(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array, gate_up: jax.Array | None = None,
+                 down: jax.Array | None = None) -> jax.Array:
+        """Every token copy, sorted by expert, through one grouped matmul per weight (the layer's
+        own weights, or ``gate_up`` and ``down`` as given)."""
         k = chosen.shape[1]
         experts = chosen.reshape(-1)
         order = jnp.argsort(experts, stable=True)
         source = order // k  # the token each sorted copy is of
         sizes = jnp.bincount(experts, length=self.config.n_experts).astype(jnp.int32)
-        out = self._experts(tokens[source], sizes) * weights.reshape(-1)[order][:, None]
+        rows = tokens[source]
+        done = self._experts(rows, sizes) if gate_up is None else self.expert_rows(rows, sizes, gate_up, down)
+        out = done * weights.reshape(-1)[order][:, None]
         return jnp.zeros_like(tokens).at[source].add(out)
 
     def _with_capacity(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array) -> jax.Array:
@@ -144,17 +148,18 @@ def router_losses(stats: jax.Array) -> tuple[jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     """How the step being traced splits a mixture of experts (set by ``parallelize``): the experts
-    over ``axis`` of ``mesh`` (each device a group of them), the tokens' rows over ``batch_axes``
-    (``axis`` among them) and their sequence over ``sequence_axis`` (a context axis) or whole."""
+    over ``axis`` of ``mesh`` (each device a group of them; None: every device holds them all),
+    the tokens' rows over ``batch_axes`` (``axis`` among them) and their sequence over
+    ``sequence_axis`` (a context axis) or whole. Each device routes its own tokens."""
 
     mesh: Mesh
-    axis: str
+    axis: str | None
     batch_axes: tuple[str, ...]
     sequence_axis: str | None = None
 
     @property
     def shards(self) -> int:
-        return self.mesh.shape[self.axis]
+        return self.mesh.shape[self.axis] if self.axis else 1
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -162,6 +167,8 @@ class ExpertLayout:
         return tuple(a for a in (*self.batch_axes, self.sequence_axis) if a and self.mesh.shape.get(a, 1) > 1)
 
     def check(self, experts: int, capacity_factor: float | None) -> None:
+        if self.shards == 1:
+            return
         if experts % self.shards:
             raise UsageError(f"{experts} experts do not split over {self.axis}={self.shards} devices; use an "
                              f"{self.axis} axis that divides {experts}")
@@ -171,10 +178,11 @@ class ExpertLayout:
 
 
 def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``moe`` on ``y`` (B, T, D) with its experts split over ``moe.split.axis``: each device routes its
-    own tokens, sends each copy to the device of its expert (an all-to-all), computes its experts'
-    rows in grouped matmuls and sends the results back (a second all-to-all). Returns the output
-    and the router losses over every token."""
+    """``moe`` on ``y`` (B, T, D) laid out by ``moe.split``: each device routes its own tokens (not
+    the whole batch's, as the compiler would make of a sort over tokens split over devices).
+    With the experts split over an axis it sends each copy to the device of its expert (an
+    all-to-all), computes its experts' rows in grouped matmuls and sends the results back (a
+    second all-to-all). Returns the output and the router statistics over every token."""
     layout, config = moe.split, moe.config
     layout.check(config.n_experts, config.capacity_factor)
     rows = tuple(a for a in layout.batch_axes if layout.mesh.shape.get(a, 1) > 1)
@@ -187,10 +195,13 @@ def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, j
         tokens = y.reshape(batch * length, width)
         chosen, gates, logits = moe.route(tokens, router)
         stats = router_stats(logits, chosen, config.n_experts, layout.token_axes)
-        out = _exchange(moe, tokens, chosen, gates.astype(dtype), gate_up, down, layout)
+        if layout.shards == 1:
+            out = moe.dropless(tokens, chosen, gates.astype(dtype), gate_up, down)
+        else:
+            out = _exchange(moe, tokens, chosen, gates.astype(dtype), gate_up, down, layout)
         return out.reshape(batch, length, width), stats
 
-    experts = PartitionSpec(layout.axis)
+    experts = PartitionSpec(layout.axis if layout.shards > 1 else None)
     return jax.shard_map(local, mesh=layout.mesh, in_specs=(tokens_spec, PartitionSpec(), experts, experts),
                          out_specs=(tokens_spec, PartitionSpec()))(y, *weights)
 
