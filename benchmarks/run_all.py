@@ -69,6 +69,21 @@ def _aborts(stress: dict) -> str:
     return "; ".join(f"{command}: {' vs '.join(counts)}" for command, counts in by_command.items())
 
 
+def experts_rows(experts: dict | None) -> list[str]:
+    if not experts:
+        return []
+    model, rows = experts["model"], experts["strategies"]
+    cells = "; ".join(f"{name} on {row['mesh']}: {row['experts_held_per_device']:g} experts' bytes a device, "
+                      f"all-to-all {mb(row['all_to_all_bytes_compiled'])} ("
+                      + (f"{row['all_to_all_vs_theory']:.3f}x theory" if row["all_to_all_vs_theory"] else "none")
+                      + f"), step {row['step_s']:.2f} s ({row['step_time_vs_dp']:.2f}x dp's)"
+                      for name, row in rows.items())
+    return [f"| 27. a mixture of {model['n_experts']} experts ({model['experts_per_token']} per token), Mixtral-style "
+            f"{model['d_model']}-wide, {model['n_layers']} layers, batch {experts['batch']} x {model['seq_len']}, "
+            f"{experts['machine']}: experts held per device, compiled all-to-all bytes per device and step / "
+            f"theory, step time (median of interleaved steps) | {cells} | E / X experts a device; 1.000x theory |"]
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -300,6 +315,7 @@ def table() -> str:
                      f"{ema_gpu['model']['seq_len']}, bfloat16 compute, dp | {row['ema_bytes_ratio']:.3f}x the "
                      f"parameters' bytes, step {row['step_time_ratio']:.3f}x ({row['step_s_with'] * 1e3:.1f} vs "
                      f"{row['step_s_without'] * 1e3:.1f} ms) | the average's read and write, about 1% a step |")
+    lines += experts_rows(load("experts"))
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -398,6 +414,7 @@ if __name__ == "__main__":
     run(["benchmarks/checkpoint_integrity.py"])
     run(["benchmarks/lora.py"])
     run(["benchmarks/ema.py"])
+    run(["benchmarks/experts.py"])
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])
