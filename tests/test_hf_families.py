@@ -36,6 +36,10 @@ FAMILIES = {
     # Qwen3-MoE: 6 experts of their own width, 3 per token, weights as the router gives them; q/k norms
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=3,
                                                      moe_intermediate_size=40, head_dim=16),
+    # Qwen2-MoE: q/k/v biases, a shared expert gated by a sigmoid beside 6 experts, 2 per token, renormalised
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=2,
+                                                     moe_intermediate_size=40, shared_expert_intermediate_size=56,
+                                                     norm_topk_prob=True),
     # Gemma: GeGLU, (1 + w) RMSNorm, scaled embeddings, tied head, a head size of its own
     "gemma": lambda: transformers.GemmaConfig(**GEMMA),
     # Gemma 2: norms after attention and MLP, local/global layers, soft-capped scores and logits, its query scale
@@ -109,11 +113,13 @@ def test_each_family_computes_what_transformers_computes_under_every_layout(fami
 def test_each_family_reads_its_features_from_config_json(made):
     windows = {name: hf.read_config(made[name][0]).layer_windows for name in FAMILIES}
     assert windows == {"mistral-window": (5, 5), "qwen2-window": (0, 5), "gemma": (0, 0), "gemma2": (5, 0),
-                       "gemma3": (5, 0), "mixtral": (0, 0), "qwen3-moe": (0, 0)}
+                       "gemma3": (5, 0), "mixtral": (0, 0), "qwen3-moe": (0, 0), "qwen2-moe": (0, 0)}
     mixtral, qwen3 = hf.read_config(made["mixtral"][0]), hf.read_config(made["qwen3-moe"][0])
     assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.ff_width, mixtral.normalize_top_k) == (4, 2, 96, True)
     assert (qwen3.n_experts, qwen3.experts_per_token, qwen3.ff_width, qwen3.normalize_top_k, qwen3.qk_norm) == (
         6, 3, 40, False, True)
+    qwen2 = hf.read_config(made["qwen2-moe"][0])
+    assert (qwen2.shared_expert_d_ff, qwen2.qkv_bias, qwen2.normalize_top_k) == (56, True, True)
     gemma2, gemma3 = hf.read_config(made["gemma2"][0]), hf.read_config(made["gemma3"][0])
     assert (gemma2.norm, gemma2.mlp, gemma2.post_norms, gemma2.scale_embeddings, gemma2.tie_embeddings) == (
         "rms_plus_one", "geglu", True, True, True)

@@ -19,16 +19,18 @@ from shardax.models.transformer import LORA_TARGETS, TransformerConfig
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                  "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 FAMILY = tuple(ARCHITECTURES)
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-QWEN = ("qwen2", "qwen3", "qwen3_moe")  # a sliding window only with use_sliding_window
-EXPERTS = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}  # the field that counts the experts
+QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # a sliding window only with use_sliding_window
+EXPERTS = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}  # the field that counts the experts
 TANH_GELU = "gelu_pytorch_tanh"
 # what transformers' config classes assume where config.json is silent (those that change the model)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 4096}, "qwen2": {"sliding_window": 4096, "max_window_layers": 28},
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "qkv_bias": True,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "max_window_layers": 28},
     "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "max_window_layers": 28},
     "gemma": {"head_dim": 256},
@@ -72,7 +74,7 @@ def _check_supported(path: Path, raw: dict[str, Any]) -> None:
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         if raw.get(name) and EXPERTS.get(kind) != name:
             raise refuse(path, name, raw[name], f"of mixtures of experts only {', '.join(EXPERTS)}'s are")
-    if kind == "qwen3_moe" and (raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers")):
+    if kind in ("qwen2_moe", "qwen3_moe") and (raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers")):
         field = "mlp_only_layers" if raw.get("mlp_only_layers") else "decoder_sparse_step"
         raise refuse(path, field, raw[field], "every layer of a stack is a mixture of experts here")
     if raw.get("router_jitter_noise"):
@@ -136,7 +138,8 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
     if kind not in EXPERTS:
         return {}
     return {"n_experts": int(raw[EXPERTS[kind]]), "experts_per_token": int(raw["num_experts_per_tok"]),
-            "expert_d_ff": int(raw["moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"]),
+            "expert_d_ff": int(raw["intermediate_size" if kind == "mixtral" else "moe_intermediate_size"]),
+            "shared_expert_d_ff": int(raw.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0,
             "normalize_top_k": kind == "mixtral" or bool(raw["norm_topk_prob"]),
             # transformers adds the load-balancing loss to its loss only when it outputs the router's logits
             "router_aux_loss": float(raw.get("router_aux_loss_coef", 0.001)) if raw.get("output_router_logits") else 0.0}
@@ -145,7 +148,8 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
 def _gemma(raw: dict[str, Any]) -> dict[str, Any]:
     kind = raw["model_type"]
     if kind not in GEMMA:
-        return {"norm": "rms", "mlp": "swiglu", "qkv_bias": kind == "qwen2", "qk_norm": kind in ("qwen3", "qwen3_moe")}
+        biases = kind == "qwen2" or (kind == "qwen2_moe" and bool(raw["qkv_bias"]))
+        return {"norm": "rms", "mlp": "swiglu", "qkv_bias": biases, "qk_norm": kind in ("qwen3", "qwen3_moe")}
     scalar = float(raw["query_pre_attn_scalar"]) if kind != "gemma" else None
     scale = None if scalar is None or scalar == float(raw["head_dim"]) else scalar ** -0.5
     return {"norm": "rms_plus_one", "mlp": "geglu", "scale_embeddings": True, "post_norms": kind != "gemma",
@@ -192,7 +196,8 @@ def family_of(config: TransformerConfig, base: dict[str, Any] | None = None) -> 
     if config.norm == "rms_plus_one":
         kind = "gemma3_text" if config.qk_norm else "gemma2" if config.post_norms else "gemma"
     elif config.n_experts:
-        kind = "qwen3_moe" if config.qk_norm else "mixtral"
+        kind = "qwen3_moe" if config.qk_norm else "qwen2_moe" if config.qkv_bias or config.shared_expert_d_ff else (
+            "mixtral")
     else:
         kind = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else (base or {}).get("model_type", "llama")
         if kind in GEMMA or kind in EXPERTS or kind not in FAMILY or kind == "llama":
@@ -217,9 +222,11 @@ def _family_fields(kind: str, config: TransformerConfig) -> dict[str, Any]:
                 fields["router_aux_loss_coef"] = config.router_aux_loss
         if kind == "mixtral":
             fields["intermediate_size"] = config.ff_width
-        if kind == "qwen3_moe":
+        if kind in ("qwen2_moe", "qwen3_moe"):
             fields.update(moe_intermediate_size=config.ff_width, norm_topk_prob=config.normalize_top_k,
                           decoder_sparse_step=1, mlp_only_layers=[])
+        if kind == "qwen2_moe":
+            fields.update(qkv_bias=config.qkv_bias, shared_expert_intermediate_size=config.shared_expert_d_ff)
         return fields
     fields = {"hidden_act": TANH_GELU, "hidden_activation": TANH_GELU}
     if kind != "gemma":

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.errors import UsageError
+from shardax.hf.families import family_of
 from shardax.models.transformer import TransformerConfig
 
 if TYPE_CHECKING:
@@ -122,16 +123,24 @@ class Experts(Source):
 
 def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
     """A mixture of experts' router and experts (Mixtral's names, or Qwen3-MoE's)."""
-    d, e, f = config.d_model, config.n_experts, config.ff_width
-    if config.qk_norm:  # Qwen3-MoE
-        moe, gate, up, down = at + "mlp.", "gate_proj", "up_proj", "down_proj"
-    else:
+    d, e, f, s = config.d_model, config.n_experts, config.ff_width, config.shared_expert_d_ff
+    if family_of(config) == "mixtral":
         moe, gate, up, down = at + "block_sparse_moe.", "w1", "w3", "w2"
+    else:  # Qwen2-MoE and Qwen3-MoE
+        moe, gate, up, down = at + "mlp.", "gate_proj", "up_proj", "down_proj"
     expert = moe + "experts.{e}."
-    return {"experts/router": Source((moe + "gate.weight",), (d,), (e,)),
-            "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,), axis=1,
-                                       count=e),
-            "experts/down": Experts((expert + down + ".weight",), (f,), (d,), count=e)}
+    sources = {"experts/router": Source((moe + "gate.weight",), (d,), (e,)),
+               "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,), axis=1,
+                                          count=e),
+               "experts/down": Experts((expert + down + ".weight",), (f,), (d,), count=e)}
+    if s:
+        shared = moe + "shared_expert."
+        sources.update({
+            "experts/shared_gate_up": Source((shared + "gate_proj.weight", shared + "up_proj.weight"), (d,), (s,),
+                                             axis=1),
+            "experts/shared_down": Source((shared + "down_proj.weight",), (s,), (d,)),
+            "experts/shared_gate": Source((moe + "shared_expert_gate.weight",), (d,), (1,))})
+    return sources
 
 
 def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:

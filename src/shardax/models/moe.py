@@ -51,6 +51,11 @@ class MixtureOfExperts(nnx.Module):
         self.gate_up = _param(rngs, (e, d, 2, f), ("expert", "embed", None, "mlp"), d)
         self.down = _param(rngs, (e, f, d), ("expert", "mlp", "embed"), f)
         self.router_stats = RouterStats(jnp.zeros((2 * e + 1,), jnp.float32))
+        if config.shared_expert_d_ff:  # Qwen2-MoE: one more MLP for every token, its output gated
+            s = config.shared_expert_d_ff
+            self.shared_gate_up = _param(rngs, (d, 2, s), ("embed", None, "mlp"), d)
+            self.shared_down = _param(rngs, (s, d), ("mlp", "embed"), s)
+            self.shared_gate = _param(rngs, (d, 1), ("embed", None), d)
         self.split: ExpertLayout | None = None  # set by parallelize under an expert axis
 
     def route(self, y: jax.Array, router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -65,6 +70,16 @@ class MixtureOfExperts(nnx.Module):
         return chosen, weights, logits
 
     def __call__(self, y: jax.Array) -> jax.Array:
+        return self._routed(y) + self._shared(y) if self.config.shared_expert_d_ff else self._routed(y)
+
+    def _shared(self, y: jax.Array) -> jax.Array:
+        """The shared expert's output, gated per token by a sigmoid."""
+        dtype, glu = y.dtype, ops.swiglu if self.config.mlp == "swiglu" else ops.geglu
+        h = jnp.einsum("btd,dcf->btcf", y, for_compute(self.shared_gate_up, dtype))
+        out = glu(h[:, :, 0], h[:, :, 1]) @ for_compute(self.shared_down, dtype)
+        return jax.nn.sigmoid(y @ for_compute(self.shared_gate, dtype)) * out
+
+    def _routed(self, y: jax.Array) -> jax.Array:
         config = self.config
         if self.split is not None:
             out, self.router_stats[...] = _across_devices(self, y)

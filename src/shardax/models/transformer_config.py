@@ -90,6 +90,7 @@ class TransformerConfig:
     expert_d_ff: int | None = None
     normalize_top_k: bool = True
     capacity_factor: float | None = None
+    shared_expert_d_ff: int = 0  # a shared expert every token goes through, gated by sigmoid(x w) (Qwen2-MoE)
     router_aux_loss: float = 0.0  # the load-balancing loss's weight in the training loss (Mixtral: 0.001)
     router_z_loss: float = 0.0  # the router z-loss's weight (ST-MoE: 0.001)
     # LoRA: adapters of this rank on ``lora_targets`` (0: none), scaled by lora_alpha / lora_rank
