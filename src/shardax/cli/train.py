@@ -27,7 +27,8 @@ def _add_model_flags(group: Any) -> None:
                          "exports with shardax export --hf)")
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
-             "mixtral, qwen2_moe, qwen3_moe; a run's own export too): its model, weights (read straight into shards) and tokenizer.json")
+             "mixtral, qwen2_moe, qwen3_moe; a run's own export too): its model, weights (read straight into "
+             "shards) and tokenizer.json")
     add("--lora-rank", type=int, metavar="R",
         help="fine-tune with LoRA adapters of rank R on the projections of --lora-targets, the other weights frozen "
              "(no optimizer state); 0: full fine-tuning (default)")
