@@ -18,7 +18,8 @@ from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
 from shardax.errors import Stopped
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp")
+STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp", "ep", "fsdp_ep",
+                  "ep_tp")
 
 
 def _add_model_flags(group: Any) -> None:
