@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_checkpoints import make_checkpoints
 from shardax import hf
 from shardax.errors import UsageError
 from shardax.models.transformer import next_token_loss
@@ -41,18 +42,7 @@ TOKENS = np.random.default_rng(0).integers(0, 96, (8, 17))
 def checkpoints(tmp_path_factory):
     """Each architecture as ``transformers`` saves it (random weights, norms and biases moved off
     their initial values), with its logits on ``TOKENS[:, :-1]``."""
-    made = {}
-    torch.manual_seed(0)
-    for name, config in ARCHITECTURES.items():
-        model = transformers.AutoModelForCausalLM.from_config(config()).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.05)
-            logits = model(torch.tensor(TOKENS[:, :-1])).logits.numpy()
-        folder = tmp_path_factory.mktemp(f"hf-{name}")
-        model.save_pretrained(folder)
-        made[name] = (folder, logits)
-    return made
+    return make_checkpoints(ARCHITECTURES, tmp_path_factory, TOKENS)
 
 
 def hf_loss(logits):
@@ -152,7 +142,7 @@ def _edit_config(folder, **changes):
     (lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling="),
     (lambda f: _edit_config(f, hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
     (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),
-    (lambda f: _edit_config(f, num_local_experts=8), "num_local_experts=8 is not supported (mixtures of experts)"),
+    (lambda f: _edit_config(f, num_local_experts=8), "num_local_experts=8 is not supported (of mixtures of experts only mixtral"),
 ], ids=["no-weights", "corrupt", "no-config", "shape", "unknown-tensor", "missing-tensor", "model-type",
         "rope-scaling", "activation", "output-bias", "experts"])
 def test_bad_checkpoints_are_one_line(damage, message, checkpoints, tmp_path):

@@ -1,5 +1,5 @@
-"""Sliding windows and the Gemma family, checked against Hugging Face ``transformers`` (PyTorch on
-CPU) on tiny random checkpoints the tests create: logits under every layout, the loss of compiled
+"""Sliding windows, the Gemma family and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), checked
+against Hugging Face ``transformers`` (PyTorch on CPU) on tiny random checkpoints the tests create: logits under every layout, the loss of compiled
 eval steps under a pipeline and a context axis, save read back by transformers, greedy decoding,
 LoRA read by peft, and one-line refusals of what shardax does not compute."""
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hf_checkpoints import make_checkpoints
 from shardax import hf
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM, next_token_loss
@@ -56,18 +57,7 @@ TOKENS = np.random.default_rng(0).integers(0, 96, (8, 17))
 def made(tmp_path_factory):
     """Each family as transformers saves it (random weights moved off their initial values), with
     its logits on ``TOKENS[:, :-1]``."""
-    out = {}
-    torch.manual_seed(0)
-    for name, config in FAMILIES.items():
-        model = transformers.AutoModelForCausalLM.from_config(config(), attn_implementation="eager").eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.05)
-            logits = model(torch.tensor(TOKENS[:, :-1])).logits.numpy()
-        folder = tmp_path_factory.mktemp(f"hf-{name}")
-        model.save_pretrained(folder)
-        out[name] = (folder, logits)
-    return out
+    return make_checkpoints(FAMILIES, tmp_path_factory, TOKENS, attn_implementation="eager")
 
 
 def logits_of(loaded):

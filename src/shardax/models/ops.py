@@ -156,45 +156,26 @@ def _gelu_backward(x: jax.Array, cotangent: jax.Array) -> tuple[jax.Array]:
 gelu.defvjp(_gelu_forward, _gelu_backward)
 
 
-def _plain_swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
+def _gated(activation: Any, name: str, doc: str) -> Any:
+    """``activation(gate) * up`` whose backward pass keeps only its two inputs (autodiff keeps
+    the activation and the product too, each as wide as the MLP's hidden layer)."""
+    def plain(gate: jax.Array, up: jax.Array) -> jax.Array:
+        return activation(gate) * up
+
+    @jax.custom_vjp
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        return plain(gate, up)
+
+    def backward(saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.vjp(plain, *saved)[1](cotangent)
+
+    glu.defvjp(lambda gate, up: (plain(gate, up), (gate, up)), backward)
+    glu.__name__, glu.__doc__ = name, doc
+    return glu
 
 
-@jax.custom_vjp
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU's ``silu(gate) * up`` whose backward pass keeps only its two inputs (autodiff keeps
-    the sigmoid and the product too, each as wide as the MLP's hidden layer)."""
-    return _plain_swiglu(gate, up)
-
-
-def _swiglu_forward(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _plain_swiglu(gate, up), (gate, up)
-
-
-def _swiglu_backward(saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.vjp(_plain_swiglu, *saved)[1](cotangent)
-
-
-swiglu.defvjp(_swiglu_forward, _swiglu_backward)
-
-
-def _plain_geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.gelu(gate, approximate=True) * up
-
-
-@jax.custom_vjp
-def geglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the
-    backward pass (as ``swiglu``)."""
-    return _plain_geglu(gate, up)
-
-
-def _geglu_forward(gate: jax.Array, up: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _plain_geglu(gate, up), (gate, up)
-
-
-def _geglu_backward(saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.vjp(_plain_geglu, *saved)[1](cotangent)
-
-
-geglu.defvjp(_geglu_forward, _geglu_backward)
+swiglu = _gated(jax.nn.silu, "swiglu", "SwiGLU's ``silu(gate) * up`` (the Llama family's MLP), keeping only its "
+                "two inputs for the backward pass.")
+geglu = _gated(functools.partial(jax.nn.gelu, approximate=True), "geglu",
+               "GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the backward "
+               "pass.")
