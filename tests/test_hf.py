@@ -142,7 +142,8 @@ def _edit_config(folder, **changes):
     (lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling="),
     (lambda f: _edit_config(f, hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
     (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),
-    (lambda f: _edit_config(f, num_local_experts=8), "num_local_experts=8 is not supported (of mixtures of experts only mixtral"),
+    (lambda f: _edit_config(f, num_local_experts=8),
+     "num_local_experts=8 is not supported (of mixtures of experts only mixtral"),
 ], ids=["no-weights", "corrupt", "no-config", "shape", "unknown-tensor", "missing-tensor", "model-type",
         "rope-scaling", "activation", "output-bias", "experts"])
 def test_bad_checkpoints_are_one_line(damage, message, checkpoints, tmp_path):
