@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -30,12 +29,11 @@ from shardax.errors import UsageError
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
-from shardax.sharding.checks import check_tensor_axis
+from shardax.sharding.checks import check_split_axes
 from shardax.sharding.compute import layer_specs
-from shardax.sharding.derive import Derived, derive_tensor_parallel
+from shardax.sharding.derive import Derived, derive_split
 from shardax.sharding.grouped_conv import route_grouped_convs
 from shardax.sharding.layout import Layout
-from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
@@ -301,7 +299,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     mapping = parse_axis_names(axis_names)
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
     warn_if_starved(mesh)
-    tensor = strategy.tensor_axis(mesh)
+    tensor, expert = strategy.tensor_axis(mesh), strategy.expert_axis(mesh)
     if tensor is not None:  # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
         factory = _routing_grouped_convs(factory)
     with nnx.use_eager_sharding(False):
@@ -309,11 +307,12 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     trainable = _trainable(params, trainable)
     abstract = jax.eval_shape(functools.partial(build_state, factory, tx, 0, mesh, trainable))
     derived = None
-    if tensor is not None and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
-        derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, tensor)
+    if (tensor or expert) and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
+        sizes = (mesh.shape[tensor] if tensor else 1, mesh.shape[expert] if expert else 1)
+        derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, sizes)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
     if check_tensor:
-        check_tensor_axis(layout, tensor, derived is not None)
+        check_split_axes([layout], derived is not None)
     _check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
@@ -352,23 +351,17 @@ def _all_annotated(params: Any) -> bool:
 
 
 def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any, mesh: Mesh,
-            tensor: str) -> Derived:
-    """Megatron's split of the model's unannotated weights over ``tensor``, read off ``loss_fn``'s
-    program on ``example_batch`` (traced on shapes only, in training mode, under the mesh)."""
-    leaves = jax.tree_util.tree_leaves_with_path(abstract.params)
-    paths = [path_to_str(keypath) for keypath, _ in leaves]
-    treedef = jax.tree.structure(abstract.params)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
-        x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)), example_batch)
-
-    def loss(params: dict[str, Any], rest: Any, batch: Any) -> Any:
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(params.values())), rest, copy=True)
+            sizes: tuple[int, int]) -> Derived:
+    """The split of the model's unannotated weights over the strategy's tensor and expert axes,
+    read off ``loss_fn``'s program on ``example_batch`` (traced on shapes only, in training mode,
+    under the mesh); ``sizes``: the tensor and expert axes' devices."""
+    def loss(params: Any, rest: Any, batch: Any) -> Any:
+        model = nnx.merge(graphdef, params, rest, copy=True)
         model.train()
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return split_loss(loss_fn(model, batch))[0]
 
-    return derive_tensor_parallel(loss, dict(zip(paths, (leaf for _, leaf in leaves))), abstract.rest, batch,
-                                  mesh.shape[tensor])
+    return derive_split(loss, abstract.params, abstract.rest, example_batch, *sizes)
 
 
 def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:

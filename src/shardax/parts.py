@@ -28,9 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.errors import UsageError
 from shardax.model_parallel import ModelFactory, ParallelModel, build_state, trained_part
 from shardax.sharding.axis_names import AxisNames
-from shardax.sharding.checks import check_tensor_axis
+from shardax.sharding.checks import check_split_axes
 from shardax.sharding.layout import Layout
-from shardax.sharding.place import spec_axes
 from shardax.sharding.strategies import Strategy
 from shardax.step.ema import averaged, keeps_average
 from shardax.step.parts import PartPlan, StepFn, build_parts_eval_step, build_parts_step
@@ -94,19 +93,14 @@ def _as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.Module,
     return loss
 
 
-def _check_tensor_axis(parts: dict[str, Part], models: dict[str, ParallelModel], example_batch: Any) -> None:
-    """Refuse a tensor axis that splits no weight of any part (one part left whole is listed in
-    ``describe`` with its reason, as a lone model's whole weights are)."""
-    first = next(iter(models.values()))
-    tensor = first.strategy.tensor_axis(first.mesh)
-    if tensor is None or any(tensor in spec_axes(entry) for model in models.values()
-                             for leaf in model.layout.leaves.values() for entry in leaf.spec):
-        return
+def _check_split_axes(parts: dict[str, Part], models: dict[str, ParallelModel], example_batch: Any) -> None:
+    """Refuse a tensor or expert axis that splits no weight of any part (one part left whole is
+    listed in ``describe`` with its reason, as a lone model's whole weights are)."""
     name = next(iter(models))
     read_off = parts[name].forward is not None and example_batch is not None
-    check_tensor_axis(models[name].layout, tensor, read_off,
-                      hint="give each part forward=lambda model, batch: model(...) and the Trainer example_batch, "
-                           "so shardax reads the split off their calls")
+    check_split_axes([model.layout for model in models.values()], read_off,
+                     hint="give each part forward=lambda model, batch: model(...) and the Trainer example_batch, "
+                          "so shardax reads the split off their calls")
 
 
 def _described(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -145,7 +139,7 @@ class ParallelParts:
                 part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
                 loss_fn=_as_loss(part.forward) if derive else None, example_batch=example_batch if derive else None,
                 trainable=part.trainable, check_tensor=False)
-        _check_tensor_axis(parts, models, example_batch)
+        _check_split_axes(parts, models, example_batch)
         trained = [name for name, part in parts.items() if part.optimizer is not None]
         mesh = next(iter(models.values())).mesh
         scalar = NamedSharding(mesh, PartitionSpec())

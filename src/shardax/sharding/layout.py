@@ -98,9 +98,9 @@ def _why_whole(path: str, annotated: Any, logical: Any, derived: Derived | None,
         return f"annotated {tuple(annotated)}: none of these names is split over {tensor} here"
     if derived is None:
         return "no logical names, and no example batch to read its split from (parallelize(..., loss_fn, example_batch))"
-    if derived.logical.get(path) is not None:
-        return "its split did not divide"
-    return derived.whole.get(path, "not used by the loss")
+    if path in derived.whole:
+        return derived.whole[path]
+    return "its split did not divide" if derived.logical.get(path) is not None else "not used by the loss"
 
 
 def _shardings(tree: Any, mesh: Mesh, spec_of: Any) -> Any:

@@ -70,11 +70,16 @@ class Strategy:
     def tensor_axis(self, mesh: Mesh) -> str | None:
         """The mesh axis this strategy splits weights' hidden dimensions over (Megatron's ``model``),
         if the mesh has it with more than one device."""
-        for name, target in self.param_rules:
-            if name == "mlp":
-                axes = [a for a in spec_axes(target) if mesh.shape.get(a, 1) > 1]
-                return axes[0] if axes else None
-        return None
+        return self._axis_of("mlp", mesh)
+
+    def expert_axis(self, mesh: Mesh) -> str | None:
+        """The mesh axis this strategy splits a mixture's experts over, if the mesh has it with more
+        than one device."""
+        return self._axis_of("expert", mesh)
+
+    def _axis_of(self, logical: str, mesh: Mesh) -> str | None:
+        axes = [a for a in spec_axes(dict(self.param_rules).get(logical)) if mesh.shape.get(a, 1) > 1]
+        return axes[0] if axes else None
 
     def param_spec(
         self, logical: tuple[str | None, ...] | None, shape: tuple[int, ...], mesh: Mesh, where: str

@@ -18,8 +18,16 @@ dimension, the largest classes first; every other weight stays whole, with the r
 Grouped-query attention repeats each key/value head for several query heads; when the kv
 heads do not divide over ``model`` the keys and values stay whole (each device computes all
 of them) while the query heads and the output projection split.
+
+A mixture of experts written with stacked weights (``einsum("ebcd,edf->ebcf", tokens, w)``, as
+GShard, Switch and MaxText's dense path write it) applies each expert's slice of a weight to its
+own tokens: the experts' dimension is a *batch* dimension of that product, and no later weight
+reads across it (the router's weights combine the experts' outputs). That class is the
+``expert`` dimension, split over the strategy's expert axis (``ep``, ``fsdp_ep``, ``ep_tp``);
+each expert's hidden dimension is still a Megatron pair for ``model``. A model that slices its
+stacked weights one expert at a time keeps them whole, with the reason.
 """
 
-from shardax.sharding.derive.decide import Derived, derive_tensor_parallel
+from shardax.sharding.derive.decide import Derived, derive_split
 
-__all__ = ["Derived", "derive_tensor_parallel"]
+__all__ = ["Derived", "derive_split"]

@@ -10,31 +10,37 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from shardax.sharding.derive.dimensions import DimensionClasses, Node, rank, shape_of
 from shardax.errors import UsageError
+from shardax.sharding.derive.dimensions import DimensionClasses, Node, rank, shape_of
 from shardax.sharding.derive.walk import Walker
+from shardax.sharding.paths import path_to_str
 
 
 @dataclasses.dataclass(frozen=True)
 class Derived:
-    """What tensor parallelism read off the program: per parameter path, a logical name for the
-    dimension that splits over ``model`` (``"heads"``, ``"mlp"`` or ``"vocab"``) and ``None`` for
-    the others; and, for every parameter that stays whole, why."""
+    """What was read off the program: per parameter path, logical names for the dimensions that
+    split (``"heads"``, ``"mlp"`` or ``"vocab"`` over ``model``; ``"expert"`` for a stack of
+    experts' weights) and ``None`` for the others; and, for every parameter that ``model``
+    leaves whole, why."""
 
     logical: dict[str, tuple[str | None, ...]]
     whole: dict[str, str]
 
 
-def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], params: dict[str, Any], rest: Any,
-                           batch: Any, model_size: int) -> Derived:
-    """Megatron's split of ``params`` (``{path: abstract array}``) over a ``model`` axis of
-    ``model_size`` devices, from ``jax.make_jaxpr(loss_of_params)(params, rest, batch)``."""
-    closed = jax.make_jaxpr(loss_of_params)(params, rest, batch)
-    jaxpr = closed.jaxpr
+def derive_split(loss_of_params: Callable[[Any, Any, Any], Any], params: Any, rest: Any, batch: Any,
+                 model_size: int, expert_size: int = 1) -> Derived:
+    """Megatron's split of ``params`` (a tree of abstract arrays) over a ``model`` axis of
+    ``model_size`` devices, and the experts' dimension of stacked expert weights (split over an
+    axis of ``expert_size``), from ``jax.make_jaxpr(loss_of_params)(params, rest, batch)``."""
+    paths = [path_to_str(keypath) for keypath, _ in jax.tree_util.tree_leaves_with_path(params)]
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
+        x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)), batch)
+    jaxpr = jax.make_jaxpr(loss_of_params)(params, rest, batch).jaxpr
     classes = DimensionClasses()
     walker = Walker(classes)
-    count_params = len(jax.tree.leaves(params))
+    count_params = len(paths)
     count_rest = len(jax.tree.leaves(rest))
     param_vars = jaxpr.invars[:count_params]
     for var in param_vars:
@@ -49,7 +55,7 @@ def derive_tensor_parallel(loss_of_params: Callable[[Any, Any, Any], Any], param
             "parallelism XLA's partitioner multiplies its kernel gradient by the devices the batch repeats over, so "
             "call shardax.grouped_conv in place of jax.lax.conv_general_dilated there (the same arguments), or "
             "train with a strategy without a model axis")
-    return _decide(classes, dict(zip(params, param_vars)), model_size)
+    return _decide(classes, dict(zip(paths, param_vars)), model_size, expert_size)
 
 
 # what each primitive that cuts a dimension does to it, in a reason's words
@@ -65,7 +71,7 @@ def _cut_reason(marks: set[str]) -> str:
     return f"it is {', '.join(words) or 'sliced'}"
 
 
-def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
+def _verdicts(classes: DimensionClasses, model_size: int, expert_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
     """Per class root: the logical name it splits as, or why it cannot."""
     for whole, major in classes.soft:  # tie merged dimensions to their major part where it divides
         if whole is None or major is None:
@@ -84,7 +90,14 @@ def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, st
     for root, marks in flags.items():
         bad = sorted(size for size in sizes[root] if size % model_size)
         unknown = sorted(m.split(":", 1)[1] for m in marks if m.startswith("unknown:"))
-        if "input" in marks:
+        if _experts(marks) and unknown:
+            reasons[root] = (f"the experts' dimension, passing through {', '.join(unknown)}, which shardax does "
+                             "not follow")
+        elif _experts(marks) and (uneven := sorted(size for size in sizes[root] if size % expert_size)):
+            reasons[root] = f"the experts' dimension: sizes {uneven} do not divide over expert={expert_size}"
+        elif _experts(marks):
+            names[root] = "expert"
+        elif "input" in marks:
             reasons[root] = "it is a dimension of the batch's inputs or targets"
         elif unknown:
             reasons[root] = f"it passes through {', '.join(unknown)}, which shardax does not follow"
@@ -107,8 +120,16 @@ def _verdicts(classes: DimensionClasses, model_size: int) -> tuple[dict[Node, st
     return names, reasons
 
 
-def _decide(classes: DimensionClasses, param_vars: dict[str, Any], model_size: int) -> Derived:
-    names, reasons = _verdicts(classes, model_size)
+def _experts(marks: set[str]) -> bool:
+    """A dimension of a stack of weights, each applied to its own activations, whose results no
+    later weight reads across (a mixture's experts: the router's weights combine them): each
+    device computes its own experts' part."""
+    return "batched" in marks and "consumed" not in marks and not marks & {"input", "stacked", "cut"}
+
+
+def _decide(classes: DimensionClasses, param_vars: dict[str, Any], model_size: int,
+            expert_size: int) -> Derived:
+    names, reasons = _verdicts(classes, model_size, expert_size)
     dims_of: dict[str, list[Node | None]] = {
         path: [classes.find(n) if (n := classes.node(var, d)) is not None else None for d in range(rank(var))]
         for path, var in param_vars.items()
@@ -122,9 +143,34 @@ def _decide(classes: DimensionClasses, param_vars: dict[str, Any], model_size: i
     def weight_bytes(root: Node) -> int:
         return sum(math.prod(shape_of(param_vars[path])) for path, _ in members[root])
 
+    experts = _choose([r for r in members if names[r] == "expert"], members, weight_bytes, reasons)
+    split = _choose([r for r in members if names[r] != "expert"], members, weight_bytes, reasons)
+    logical, whole = {}, {}
+    for path, roots in dims_of.items():
+        taken = {dim: names[roots[dim]] for dim in (experts.get(path), split.get(path)) if dim is not None}
+        if taken:
+            logical[path] = tuple(taken.get(d) for d in range(len(roots)))
+        if path in split:
+            continue
+        why = []
+        for dim, root in enumerate(roots):
+            size = shape_of(param_vars[path])[dim]
+            if root is None:
+                why.append(f"{size}: size 1")
+            elif taken.get(dim) == "expert":
+                why.append(f"{size}: the experts' dimension (split over an expert axis, not over model)")
+            else:
+                why.append(f"{size}: {reasons.get(root) or 'taken by a larger weight'}")
+        whole[path] = "; ".join(why) if why else "a scalar"
+    return Derived(logical, whole)
+
+
+def _choose(roots: list[Node], members: dict[Node, list[tuple[str, int]]],
+            weight_bytes: Callable[[Node], int], reasons: dict[Node, str]) -> dict[str, int]:
+    """The classes that split, largest weights first, each weight on at most one dimension:
+    ``{path: dimension}``; every class passed over gets its reason."""
     taken: dict[str, int] = {}
-    chosen: list[Node] = []
-    for root in sorted(members, key=weight_bytes, reverse=True):
+    for root in sorted(roots, key=weight_bytes, reverse=True):
         paths = [path for path, _ in members[root]]
         if len(set(paths)) < len(paths):
             reasons[root] = "two dimensions of one weight are this same dimension"
@@ -132,20 +178,5 @@ def _decide(classes: DimensionClasses, param_vars: dict[str, Any], model_size: i
             other = next(path for path in paths if path in taken)
             reasons[root] = f"{other} shares it and already splits on another dimension"
         else:
-            chosen.append(root)
             taken.update({path: dim for path, dim in members[root]})
-    logical, whole = {}, {}
-    for path, roots in dims_of.items():
-        if path in taken:
-            root = roots[taken[path]]
-            logical[path] = tuple(names[root] if d == taken[path] else None for d in range(len(roots)))
-            continue
-        why = []
-        for dim, root in enumerate(roots):
-            size = shape_of(param_vars[path])[dim]
-            if root is None:
-                why.append(f"{size}: size 1")
-            else:
-                why.append(f"{size}: {reasons.get(root) or 'taken by a larger weight'}")
-        whole[path] = "; ".join(why) if why else "a scalar"
-    return Derived(logical, whole)
+    return taken

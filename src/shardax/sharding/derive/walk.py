@@ -201,6 +201,8 @@ class Walker:
                 self.classes.mark(weight, dim, "consumed")
             for dim in free:
                 self.classes.mark(weight, dim, "produced")
+            for dim in batch:  # a stack of weights, each applied to its own activations (a mixture's experts)
+                self.classes.mark(weight, dim, "batched")
         elif self.kind_of(weight) == "act" and self.kind_of(other) == "act":
             for dim in contract:
                 self.classes.mark(weight, dim, "reduced")  # e.g. queries . keys over head_dim
@@ -243,6 +245,14 @@ class Walker:
         lookup = self.kind_of(operand) == "weight" and self.kind_of(indices) == "act"
         for dim in numbers.start_index_map:
             self.classes.mark(operand, dim, "lookup" if lookup else "reduced")
+
+    def _top_k(self, ins: list[Any], outs: list[Any], params: dict) -> None:
+        axis = params.get("axis", rank(ins[0]) - 1)
+        for out in outs:
+            for dim in range(rank(out)):
+                if dim != axis:
+                    self.classes.tie(ins[0], dim, out, dim)
+        self.classes.mark(ins[0], axis, "reduced")
 
     def _slice(self, ins: list[Any], outs: list[Any], params: dict) -> None:
         strides = params.get("strides") or (1,) * rank(ins[0])
