@@ -1,10 +1,11 @@
 """Models written the ways open model zoos write them train under every strategy like one device.
 
 Llama/Qwen-style (separate projections, grouped-query attention), Gemma-style (einsum weights,
-a tied embedding) and a model annotated with its own mesh names (``("fsdp", "tp")`` on weights,
-``P("fsdp", None, "tp")`` on activations): none carries shardax's logical names. Under ``tp`` and
-``fsdp_tp`` the Megatron split is read off what they compute; the mesh-named one runs under
-``axis_names``.
+a tied embedding), a Switch-style mixture of experts (stacked expert weights, one-hot dispatch) and a
+model annotated with its own mesh names (``("fsdp", "tp")`` on weights, ``P("fsdp", None, "tp")`` on
+activations): none carries shardax's logical names. Under ``tp`` and ``fsdp_tp`` the Megatron split is
+read off what they compute, and under ``ep``, ``fsdp_ep`` and ``ep_tp`` the experts' dimension; the
+mesh-named one runs under ``axis_names``.
 """
 
 import jax
@@ -22,6 +23,7 @@ from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
 from shardax.step.ema import averaged
 from user_models import generative_batch, plain_nnx_run
+import zoo_models
 from zoo_models import LAYERS, MESH_NAMES, ZOO, lm_batches, lm_loss
 
 pytestmark = pytest.mark.xdist_group("test_zoo_models")
@@ -31,6 +33,8 @@ STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("
               ("hsdp", "replica=2,data=4")]
 CASES = [(model, strategy, mesh) for model in ("llama", "gemma", "mesh-annotated") for strategy, mesh in STRATEGIES]
 CASES += [("qwen", "tp", "data=4,model=2"), ("qwen", "fsdp_tp", "data=4,model=2")]
+CASES += [("switch", strategy, mesh) for strategy, mesh in (("ep", "data=4,expert=2"), ("fsdp_ep", "data=2,expert=4"),
+                                                           ("ep_tp", "data=2,expert=2,model=2"), ("tp", "data=4,model=2"))]
 # SGD, not AdamW: AdamW's update is nearly the same for a gradient wrong by a constant factor
 TX = optax.sgd(0.5, momentum=0.9)
 _REFERENCE = {}
@@ -145,6 +149,55 @@ def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
         Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1),
                 lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean(), mesh=mesh, strategy="tp",
                 example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})  # widths: the data's
+
+
+@pytest.mark.parametrize("strategy, mesh_shape, shards", [("ep", "data=4,expert=2", 2),
+                                                         ("ep_tp", "data=2,expert=2,model=2", 4)])
+def test_a_switch_style_model_holds_its_experts_split_over_expert_and_hidden_over_model(strategy, mesh_shape,
+                                                                                         shards):
+    """The stacked expert weights split on their experts' dimension (each device holds 1 / X of the
+    experts) and, under ep_tp, each expert's hidden dimension over model, read off the program;
+    the router stays whole on expert."""
+    parallel = build("switch", strategy, mesh_shape)
+    state = parallel.init(seed=0)
+    tensor = "model" if "model" in mesh_shape else None
+    for name, spec in (("wi", ("expert", None, tensor)), ("wo", ("expert", tensor, None))):
+        assert tuple(parallel.layout.leaves[f"blocks/0/{name}"].spec) == spec
+        array = state.params["blocks"][0][name]
+        assert {shard.data.shape[0] for shard in array.addressable_shards} == {zoo_models.EXPERTS // 2}
+        assert {shard.data.size for shard in array.addressable_shards} == {array.size // shards}
+    assert "expert" not in tuple(parallel.layout.leaves["blocks/0/router"].spec)
+
+
+class SlicedExperts(nnx.Module):
+    """Stacked expert weights applied one expert at a time (``w[i]``), as tunix's Qwen3-MoE does on CPU."""
+
+    def __init__(self, rngs):
+        self.router = nnx.Linear(8, 4, rngs=rngs)
+        self.wi = nnx.Param(jax.random.normal(rngs.params(), (4, 8, 16)) / 8)
+        self.wo = nnx.Param(jax.random.normal(rngs.params(), (4, 16, 8)) / 16)
+
+    def __call__(self, x):
+        gates = jax.nn.softmax(self.router(x))
+        return sum(gates[:, i:i + 1] * (nnx.relu(x @ self.wi[i]) @ self.wo[i]) for i in range(4))
+
+
+@pytest.mark.parametrize("factory, read, found", [
+    (ZOO["llama"], True, "no stack of experts' weights was found"),
+    (SlicedExperts, True, "no stack of experts' weights was found"),
+    (ZOO["switch"], False, "annotate the experts' dimension 'expert', or give loss_fn and example_batch")])
+def test_an_expert_axis_that_would_split_no_weight_is_refused_in_one_line(factory, read, found):
+    """A dense model, a mixture that slices its stacked weights expert by expert, and one whose
+    program shardax was not given to read: the expert axis would be data parallelism under
+    another name."""
+    mesh = DeviceMeshManager().create_device_mesh("data=4,expert=2")
+    batch = next(lm_batches(1)) if factory is not SlicedExperts else {"x": np.ones((8, 8), np.float32)}
+    loss = lm_loss if factory is not SlicedExperts else lambda model, batch: (model(batch["x"]) ** 2).mean()
+    with pytest.raises(UsageError) as error:
+        parallelize(factory, optax.sgd(0.1), mesh, "ep", loss_fn=loss if read else None,
+                    example_batch=batch if read else None)
+    assert "strategy 'ep' splits no weight of this model over expert=2" in str(error.value)
+    assert found in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("name, strategy, mesh_shape", [

@@ -6,6 +6,9 @@
 - ``GemmaStyle``: einsum weights (``[heads, d_model, head_dim]`` queries, ``[2, kv_heads, d_model,
   head_dim]`` keys and values in one array, ``[2, d_model, hidden]`` gate and up), one embedding
   table used for the lookup and for the logits (tied), no annotations.
+- ``SwitchStyle``: attention from one ``[3, d_model, heads, head_dim]`` einsum weight, then a mixture
+  of experts as GShard and Switch write it: a router, one-hot dispatch and combine tensors with a
+  capacity per expert, and stacked expert weights ``[experts, d_model, hidden]`` applied by einsum.
 - ``MeshAnnotated``: weights declared with mesh-style names (``("fsdp", "tp")``) and activations
   constrained to ``P("fsdp", None, "tp")``, as models written for one mesh do.
 """
@@ -18,6 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 VOCAB, LENGTH, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 64, 16, 32, 4, 2, 8, 64, 2
+EXPERTS, TOP_K = 4, 2
 
 
 def rms_norm(x, scale, eps=1e-6):
@@ -148,6 +152,49 @@ class GemmaStyle(nnx.Module):
         return self.final_norm(x) @ table.T  # tied: the lookup's table gives the logits
 
 
+class SwitchBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attention_norm = RMSNorm(D_MODEL)
+        self.qkv = _normal(rngs, (3, D_MODEL, HEADS, HEAD_DIM), D_MODEL)
+        self.out = _normal(rngs, (HEADS, HEAD_DIM, D_MODEL), HEADS * HEAD_DIM)
+        self.moe_norm = RMSNorm(D_MODEL)
+        self.router = _normal(rngs, (D_MODEL, EXPERTS), D_MODEL)
+        self.wi = _normal(rngs, (EXPERTS, D_MODEL, HIDDEN), D_MODEL)
+        self.wo = _normal(rngs, (EXPERTS, HIDDEN, D_MODEL), HIDDEN)
+
+    def experts(self, x):  # each row of the batch is one group; an expert takes up to `capacity` of its tokens
+        capacity = x.shape[1] * TOP_K // EXPERTS
+        probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, self.router[...]))
+        gates, chosen = jax.lax.top_k(probs, TOP_K)
+        picked = jax.nn.one_hot(chosen, EXPERTS)  # (B, T, K, E)
+        routed = picked.sum(2)
+        slot = ((jnp.cumsum(routed, axis=1) - 1) * routed).astype(jnp.int32)  # a token's place in its expert
+        dispatch = jax.nn.one_hot(slot, capacity) * routed[..., None]  # (B, T, E, capacity): the rest dropped
+        combine = dispatch * jnp.einsum("btk,btke->bte", gates, picked)[..., None]
+        tokens = jnp.einsum("btd,btec->ebcd", x, dispatch)
+        hidden = nnx.gelu(jnp.einsum("ebcd,edf->ebcf", tokens, self.wi[...]))
+        return jnp.einsum("ebcd,btec->btd", jnp.einsum("ebcf,efd->ebcd", hidden, self.wo[...]), combine)
+
+    def __call__(self, x):
+        q, k, v = jnp.einsum("btd,cdnh->cbtnh", self.attention_norm(x), self.qkv[...])
+        x = x + jnp.einsum("btnh,nhd->btd", causal_attention(rope(q), rope(k), v), self.out[...])
+        return x + self.experts(self.moe_norm(x))
+
+
+class SwitchStyle(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, D_MODEL, rngs=rngs)
+        self.blocks = nnx.List([SwitchBlock(rngs) for _ in range(LAYERS)])
+        self.norm = RMSNorm(D_MODEL)
+        self.head = nnx.Linear(D_MODEL, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def _annotated(rngs, shape, names, fan_in):
     init = nnx.with_partitioning(nnx.initializers.normal(fan_in ** -0.5), names)
     return nnx.Param(init(rngs.params(), shape))
@@ -201,4 +248,5 @@ def lm_batches(steps, batch_size=16, seed=0):
         yield {"tokens": base[rng.integers(0, 4, size=batch_size)].astype(np.int32)}
 
 
-ZOO = {"llama": LlamaStyle, "qwen": QwenStyle, "gemma": GemmaStyle, "mesh-annotated": MeshAnnotated}
+ZOO = {"llama": LlamaStyle, "qwen": QwenStyle, "gemma": GemmaStyle, "mesh-annotated": MeshAnnotated,
+       "switch": SwitchStyle}
