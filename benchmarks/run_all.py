@@ -84,6 +84,21 @@ def experts_rows(experts: dict | None) -> list[str]:
             f"theory, step time (median of interleaved steps) | {cells} | E / X experts a device; 1.000x theory |"]
 
 
+def user_experts_rows(found: dict | None) -> list[str]:
+    if not found:
+        return []
+    model = found["model"]
+    cells = "; ".join(f"{row['strategy']} on {row['mesh']}: experts {mb(row['experts_bytes_per_chip'])} of "
+                      f"{mb(row['experts_bytes_total'])} a chip, peak {row['peak_bytes_per_chip'] / 1e9:.3f} GB, "
+                      f"all-to-all {mb(row['all_to_all_bytes'])}, expert weights gathered "
+                      f"{mb(row['expert_weight_gather_bytes'])}" for row in found["rows"])
+    return [f"| 28. a user's own Switch-style mixture (stacked expert weights, one-hot dispatch, no annotations), "
+            f"{model['EXPERTS']} experts ({model['TOP_K']} per token), {model['D_MODEL']}-wide, {model['LAYERS']} "
+            f"layers, batch {found['batch']} x {found['length']}, compiled by XLA:TPU for {found['target']}: the "
+            f"experts' dimension read off the program | {cells} | 1 / X of the experts a chip; tokens travel "
+            f"(all-to-all), weights do not |"]
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -316,6 +331,7 @@ def table() -> str:
                      f"parameters' bytes, step {row['step_time_ratio']:.3f}x ({row['step_s_with'] * 1e3:.1f} vs "
                      f"{row['step_s_without'] * 1e3:.1f} ms) | the average's read and write, about 1% a step |")
     lines += experts_rows(load("experts"))
+    lines += user_experts_rows(load("user_experts"))
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -424,6 +440,7 @@ if __name__ == "__main__":
     if importlib.util.find_spec("libtpu"):  # the tpu-plan extra: XLA:TPU compiles here, no TPU needed
         run(["benchmarks/tpu_plan.py", "--preset", "tiny", "--preset", "small"])
         run(["benchmarks/tpu_decisions.py"])
+        run(["benchmarks/user_experts.py"])
         run(["benchmarks/suite.py", "pipeline_held_out_tpu"])
     if has_gpu():
         run(["benchmarks/mfu.py"])
