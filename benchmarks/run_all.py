@@ -99,6 +99,18 @@ def user_experts_rows(found: dict | None) -> list[str]:
             f"(all-to-all), weights do not |"]
 
 
+def plan_init_from_rows(found: dict | None) -> list[str]:
+    if not found:
+        return []
+    cells = "; ".join(f"{row['target']} {'LoRA ' + str(row['lora_rank']) if row['lora_rank'] else 'full'}: "
+                      f"{row['compiled_bytes_per_device'] / 2**30:.2f} GiB a device "
+                      f"({'fits' if row['fits'] else 'does not fit'}), analytic {row['predicted_vs_compiled']:.3f}x, "
+                      f"roofline {row['step_ms']:.0f} ms, MFU {100 * row['mfu']:.1f}%" for row in found["rows"])
+    return [f"| 29. `shardax plan --init-from` a {found['model']} (no weights), fsdp, {' '.join(found['flags'][2:-1])}: "
+            f"compiled memory per device, shardax's analytic peak / the compiled one, roofline step and MFU | "
+            f"{cells} | analytic within 5% |"]
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -332,6 +344,7 @@ def table() -> str:
                      f"{row['step_s_without'] * 1e3:.1f} ms) | the average's read and write, about 1% a step |")
     lines += experts_rows(load("experts"))
     lines += user_experts_rows(load("user_experts"))
+    lines += plan_init_from_rows(load("plan_init_from"))
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -441,6 +454,7 @@ if __name__ == "__main__":
         run(["benchmarks/tpu_plan.py", "--preset", "tiny", "--preset", "small"])
         run(["benchmarks/tpu_decisions.py"])
         run(["benchmarks/user_experts.py"])
+        run(["benchmarks/plan_init_from.py"])
         run(["benchmarks/suite.py", "pipeline_held_out_tpu"])
     if has_gpu():
         run(["benchmarks/mfu.py"])

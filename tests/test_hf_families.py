@@ -5,17 +5,20 @@ LoRA read by peft, and one-line refusals of what shardax does not compute."""
 
 import dataclasses
 import json
+import math
 import shutil
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file
 
 from hf_checkpoints import make_checkpoints
 from shardax import hf
 from shardax.errors import UsageError
-from shardax.models.transformer import TransformerLM, next_token_loss
+from shardax.models.presets import parameter_count
+from shardax.models.transformer import LoRA, TransformerLM, next_token_loss
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -117,6 +120,48 @@ def test_each_family_reads_its_features_from_config_json(made):
     assert (gemma3.qk_norm, gemma3.rope_local_theta, gemma3.rope_theta, gemma3.rope_linear_factor,
             gemma3.attention_scale) == (True, 10000.0, 1e6, 4.0, 256 ** -0.5)  # Gemma 3's default scalar
     assert hf.read_config(made["gemma"][0]).post_norms is False
+    for name in FAMILIES:  # the parameters counted from the config are those transformers saved
+        saved = sum(math.prod(t.shape) for t in load_file(made[name][0] / "model.safetensors").values())
+        assert parameter_count(hf.read_config(made[name][0])) == saved, name
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma2"])
+def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
+    """``shardax plan --init-from`` (config.json only) plans what ``hf.load`` builds, full and with
+    LoRA adapters (their optimizer state a small part of the full one's)."""
+    from cli_helpers import shardax
+
+    from shardax.analysis.plan import plan_strategy
+
+    folder = made[family][0]
+    config = dataclasses.replace(hf.load(folder, "data=8", "fsdp").config, seq_len=16)
+    flags = ("--init-from", folder, "--strategy", "fsdp", "--mesh", "data=8", "--batch-size", 8, "--seq-len", 16)
+    for lora in ((), ("--lora-rank", 4)):
+        (planned,) = json.loads(shardax("plan", *flags, *lora, "--json").stdout)
+        model = LoRA(4, None, ",".join(config.adaptable)).applied(config) if lora else config
+        expected = plan_strategy(model, "fsdp", "data=8", batch_size=8).to_json()
+        for key in ("predicted", "compiled", "collective_bytes", "theoretical_collective_bytes"):
+            assert planned[key] == expected[key], (lora, key)
+        if lora:
+            assert planned["predicted"]["optimizer"] < 0.2 * full["predicted"]["optimizer"]
+        full = planned
+    table = shardax("plan", *flags, "--lora-rank", 4).stdout
+    assert f"shardax plan: {folder} (config.json) (" in table and "LoRA rank 4 on q,k,v,o" in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--init-from", "{empty}"), "has no config.json; give a Hugging Face model directory"),
+    (("--init-from", "{mixtral}", "--preset", "small"), "--preset small and --init-from"),
+    (("--init-from", "{mixtral}", "--lora-alpha", 8), "--lora-alpha shapes LoRA adapters, and there are none"),
+    (("--init-from", "{edited}"), "router_jitter_noise=0.1 is not supported")])
+def test_plan_init_from_refuses_bad_input_in_one_line(flags, message, made, tmp_path):
+    from cli_helpers import shardax
+
+    places = {"empty": tmp_path, "mixtral": made["mixtral"][0],
+              "edited": _edited(made["mixtral"][0], tmp_path, router_jitter_noise=0.1)}
+    result = shardax("plan", *(str(f).format(**places) for f in flags), check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert any(message in line for line in result.stderr.splitlines()), result.stderr  # said in one line
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -18,7 +18,13 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
                     "XLA:TPU itself (no accelerator needed either way), and compare XLA's bytes per device "
                     "and collectives with shardax's predictions.")
     add = parser.add_argument
-    add("--preset", default="tiny", help="model size (default tiny)")
+    add("--preset", help="model size (default tiny)")
+    add("--init-from", metavar="DIR", help="plan a Hugging Face checkpoint's model, as shardax train --init-from builds "
+                                           "it: only DIR/config.json is read, no weights")
+    add("--lora-rank", type=int, metavar="R", help="plan fine-tuning with LoRA adapters of rank R (the other weights "
+                                                   "frozen), as shardax train --lora-rank")
+    add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R)")
+    add("--lora-targets", metavar="LIST", help="projections that get adapters (default: the model's own)")
     add("--mesh", help="target mesh, e.g. data=64 or data=8,model=8 (default: each strategy's own)")
     add("--strategy", choices=strategies, action="append", help="strategy to plan (repeatable; default: all)")
     add("--devices", type=int, help="fake devices (default: the mesh's size, or 8)")
@@ -190,18 +196,11 @@ def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) 
 
 def run_plan(args: argparse.Namespace) -> int:
     from shardax.analysis.plan import parse_bytes, plan_all, recommend
-    from shardax.models.presets import blocks_in_a_loop, get_preset, parameter_count
+    from shardax.models.presets import blocks_in_a_loop, get_preset
 
     target = _target(args)
-    preset = get_preset(args.preset)
-    overrides: dict[str, Any] = {"compute_dtype": args.precision}
-    if args.seq_len:
-        overrides["seq_len"] = args.seq_len
-    if args.remat:
-        overrides["remat"] = args.remat
-    if args.scan_layers is not None:
-        overrides["scan_layers"] = args.scan_layers
-    model = preset.config(**overrides)
+    model = _model(args)
+    preset = get_preset(args.preset or "tiny")
     # no --scan-layers: each strategy's blocks as shardax train lays them on the target's platform
     layout_for = "gpu" if args.scan_layers is None and target is not None and target.chip.platform == "cuda" else None
     memory = parse_bytes(args.device_memory) if args.device_memory else None
@@ -218,13 +217,41 @@ def run_plan(args: argparse.Namespace) -> int:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    description = f"{args.preset} ({parameter_count(model) / 1e6:.1f}M parameters), batch {batch_size}" + _looped(plans)
+    description = f"{_described(args, model)}, batch {batch_size}" + _looped(plans)
     if target is not None:
         print_target_plans(plans, skipped, target, description)
         print(recommend(plans, memory or int(target.per_device()["hbm_bytes"]), model))
         return 0
     print_plans(plans, skipped, recommend(plans, memory, model), description)
     return 0
+
+
+def _model(args: argparse.Namespace) -> Any:
+    """The model to plan: the preset's, or ``--init-from``'s as ``shardax train`` builds it."""
+    from shardax.errors import UsageError
+    from shardax.lm.config import check_model_choice, model_config
+
+    check_model_choice(args.preset, args.init_from, args.lora_rank, args.lora_alpha, args.lora_targets)
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise UsageError(f"--lora-rank {args.lora_rank} must be at least 1")
+    overrides: dict[str, Any] = {"compute_dtype": args.precision}
+    for name in ("seq_len", "remat", "scan_layers"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return model_config(args.preset or "tiny", args.init_from, overrides, args.lora_rank, args.lora_alpha,
+                        args.lora_targets)
+
+
+def _described(args: argparse.Namespace, model: Any) -> str:
+    """The title's model: its name, parameters, and what LoRA trains of them."""
+    from shardax.models.presets import parameter_count
+
+    name = f"{args.init_from} (config.json)" if args.init_from else args.preset or "tiny"
+    described = f"{name} ({parameter_count(model) / 1e9:.2f}B parameters" if parameter_count(model) >= 1e9 else (
+        f"{name} ({parameter_count(model) / 1e6:.1f}M parameters")
+    if model.lora_rank:
+        described += f", LoRA rank {model.lora_rank} on {','.join(model.lora_targets)}"
+    return described + ")"
 
 
 def _looped(plans: list[Any]) -> str:

@@ -148,24 +148,48 @@ def check_values(config: TrainConfig) -> None:
         raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
     if config.resume and not (config.checkpoint_dir or config.run_dir):
         raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its --checkpoint-dir)")
-    if not config.lora_rank and (config.lora_alpha is not None or config.lora_targets is not None):
-        given = "--lora-alpha" if config.lora_alpha is not None else "--lora-targets"
-        raise UsageError(f"{given} shapes LoRA adapters, and there are none without --lora-rank; add --lora-rank R "
-                         "(e.g. 16)")
-    if config.lora_alpha is not None and not config.lora_alpha > 0:
-        raise UsageError(f"--lora-alpha {config.lora_alpha} must be positive (the adapters' scale is alpha / rank)")
-    if config.lora_targets is not None:
-        targets = [t.strip() for t in config.lora_targets.split(",")]
-        wrong = [t for t in targets if t not in LORA_TARGETS]
-        if wrong or len(set(targets)) != len(targets):
-            raise UsageError(f"--lora-targets {config.lora_targets}: name each projection once, from "
-                             f"{','.join(LORA_TARGETS)}")
+    check_model_choice(config.preset, config.init_from, config.lora_rank, config.lora_alpha,
+                       config.lora_targets)
     if config.ema is not None and not 0 < config.ema < 1:
         raise UsageError(f"--ema {config.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an average over "
                          "about the last 1,000 steps")
-    if config.init_from is not None and config.preset is not None:
-        raise UsageError(f"--preset {config.preset} and --init-from {config.init_from} both say what the model is; "
-                         "drop --preset to fine-tune the checkpoint, or --init-from to train a preset from scratch")
+
+
+def check_model_choice(preset: str | None, init_from: str | None, lora_rank: int | None,
+                       lora_alpha: float | None, lora_targets: str | None) -> None:
+    """What ``--preset``, ``--init-from`` and the ``--lora-*`` flags refuse together (train and plan)."""
+    if init_from is not None and preset is not None:
+        raise UsageError(f"--preset {preset} and --init-from {init_from} both say what the model is; drop "
+                         "--preset to use the checkpoint's model, or --init-from to train a preset from scratch")
+    if not lora_rank and (lora_alpha is not None or lora_targets is not None):
+        given = "--lora-alpha" if lora_alpha is not None else "--lora-targets"
+        raise UsageError(f"{given} shapes LoRA adapters, and there are none without --lora-rank; add "
+                         "--lora-rank R (e.g. 16)")
+    if lora_alpha is not None and not lora_alpha > 0:
+        raise UsageError(f"--lora-alpha {lora_alpha} must be positive (the adapters' scale is alpha / rank)")
+    if lora_targets is not None:
+        targets = [t.strip() for t in lora_targets.split(",")]
+        wrong = [t for t in targets if t not in LORA_TARGETS]
+        if wrong or len(set(targets)) != len(targets):
+            raise UsageError(f"--lora-targets {lora_targets}: name each projection once, from "
+                             f"{','.join(LORA_TARGETS)}")
+
+
+def model_config(preset: str, init_from: str | None, overrides: dict[str, Any], lora_rank: int | None = None,
+                 lora_alpha: float | None = None, lora_targets: str | None = None) -> TransformerConfig:
+    """The model ``shardax train`` builds, and ``shardax plan`` plans: ``preset``'s, or the Hugging
+    Face checkpoint's in ``init_from`` (its ``config.json`` only; sequences as long as the preset's
+    unless ``overrides`` say ``seq_len``), with LoRA adapters of ``lora_rank`` on ``lora_targets``
+    (default: the model's own) where a rank is given."""
+    if init_from is not None:
+        from shardax.hf import read_config
+
+        model = read_config(init_from, **{"seq_len": get_preset(preset).model["seq_len"], **overrides})
+    else:
+        model = get_preset(preset).config(**overrides)
+    if lora_rank:
+        model = LoRA(lora_rank, lora_alpha, lora_targets or ",".join(model.adaptable)).applied(model)
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,16 +246,8 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
         if getattr(config, name) is not None:
             overrides[name] = getattr(config, name)
     overrides.setdefault("scan_layers", not blocks_in_a_loop(platform, config.strategy))
-    if config.init_from is not None:  # the checkpoint's model; sequences as long as the preset's unless --seq-len
-        from shardax.hf import read_config
-
-        overrides.setdefault("seq_len", preset.model["seq_len"])
-        model = read_config(config.init_from, **overrides)
-    else:
-        model = preset.config(**overrides)
-    if config.lora_rank:
-        targets = config.lora_targets or ",".join(model.adaptable)
-        model = LoRA(config.lora_rank, config.lora_alpha, targets).applied(model)
+    model = model_config(config.preset or "tiny", config.init_from, overrides, config.lora_rank,
+                         config.lora_alpha, config.lora_targets)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps
     return Run(preset=None if config.init_from else config.preset or "tiny", model=model, seed=config.seed or 0,

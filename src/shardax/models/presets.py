@@ -80,8 +80,11 @@ def parameter_count(config: TransformerConfig) -> int:
     norm = 2 * d if config.norm == "layer" else d
     attention = d * (n + 2 * k) * h + n * h * d + ((n + 2 * k) * h if config.qkv_bias else 0)
     attention += 2 * h if config.qk_norm else 0
-    mlp = 3 * d * f if config.mlp == "swiglu" else 2 * d * f + f + d  # GELU's with its biases
-    per_layer = attention + mlp + 2 * norm
+    mlp = 3 * d * f if config.mlp in ("swiglu", "geglu") else 2 * d * f + f + d  # GELU's with its biases
+    if config.n_experts:  # router, each expert's gated MLP, and a gated shared expert
+        e, shared = config.n_experts, config.shared_expert_d_ff or 0
+        mlp = d * e + e * 3 * d * config.ff_width + (3 * d * shared + d if shared else 0)
+    per_layer = attention + mlp + (4 if config.post_norms else 2) * norm
     tables = v * d * (1 if config.tie_embeddings else 2)
     positions = config.seq_len * d if config.positions == "learned" else 0
     return config.n_layers * per_layer + tables + positions + norm
