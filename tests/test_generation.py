@@ -57,6 +57,12 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     model = model_on(name, strategy, mesh)
     greedy = shardax.generate(model, PROMPTS, max_new_tokens=NEW)
     assert greedy == [full_forward_greedy(model, prompt, NEW) for prompt in PROMPTS]
+    stats = greedy.stats  # how fast: every row's tokens counted, one decode step per token after the first
+    assert (stats.rows, stats.new_tokens, stats.prompt_tokens) == (len(PROMPTS), NEW * len(PROMPTS),
+                                                                   sum(map(len, PROMPTS)))
+    assert stats.decode_steps == NEW - 1 and 0 < stats.decode_step_s and stats.tokens_per_s > 0
+    assert 0 < stats.time_to_first_token_s < stats.total_s
+    assert stats.describe().startswith(f"{NEW * len(PROMPTS)} new tokens for {len(PROMPTS)} prompts")
     assert [shardax.generate(model, [prompt], max_new_tokens=NEW)[0] for prompt in PROMPTS] == greedy
     sampled = shardax.generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9, seed=5)
     assert _SEEN.setdefault((name, "sampled"), sampled) == sampled  # the same draws on every mesh

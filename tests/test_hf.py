@@ -3,6 +3,7 @@
 
 import json
 import math
+import re
 import shutil
 
 import jax
@@ -432,6 +433,8 @@ def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_
     said = shardax("generate", "--checkpoint", tmp_path / "ckpt", "--prompt", "import json", "--max-new-tokens", 6,
                    "--temperature", 0)
     assert said.stdout.startswith("import json") and len(said.stdout) > len("import json\n")
+    assert re.search(r"\d new tokens for 1 prompt \(\d+ tokens\) in [\d.]+ s: first token after [\d.]+ s"
+                     r"(, then [\d.]+ tokens/s)?$", said.stderr.strip()), said.stderr
     both = shardax("generate", "--hf", with_tokenizer, "--prompt", "def", "--prompt", "class", "--max-new-tokens", 4)
     assert both.stdout.startswith("def") and "\nclass" in both.stdout
     long = shardax("generate", "--hf", with_tokenizer, "--prompt", "x", "--max-new-tokens", 1000, check=False)

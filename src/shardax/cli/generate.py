@@ -9,6 +9,7 @@ cache. With one prompt the text is printed as it comes; with several (``--prompt
 than once, or ``--prompt-file`` with one prompt per line) each is printed whole, in order. The
 tokenizer is the run's (its ``tokenizer.json``, the one ``shardax prepare`` trained, or bytes)
 or the Hugging Face directory's ``tokenizer.json``; generation ends at its end-of-document token.
+How fast it went (time to the first token, tokens a second while decoding) is one line on stderr.
 """
 
 from __future__ import annotations
@@ -133,4 +134,5 @@ def generate_command(args: argparse.Namespace) -> int:
             for text, tokens in zip(prompts, out):
                 print(text + tokenizer.decode(tokens))
                 print()
+        print(out.stats.describe(), file=sys.stderr)  # beside the text, not in it
     return 0
