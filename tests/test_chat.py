@@ -86,3 +86,66 @@ def test_bad_conversations_are_one_line(messages, message):
 def test_a_directory_without_a_template_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="has no chat template"):
         ChatTemplate.from_tokenizer_config(tmp_path)
+
+
+def _chatml_bpe():
+    """A byte-level BPE trained here on the ChatML rendering, its turn markers special tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from shardax.data.tokenizer import BPETokenizer
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<eod>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([ChatTemplate(CHATML, TOKENS).render(CONVERSATION)] * 20, trainer)
+    return BPETokenizer(tokenizer, "test", "<eod>")
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_the_tokens_an_example_trains_on_are_the_assistants_or_the_completions(tokenizer, tmp_path):
+    """Conversations: exactly the assistant's turns and their end-of-turn tokens are marked (byte-level
+    BPE and bytes alike); prompt/completion as text: the completion's; as messages: the completion's
+    assistant turn only, not the prompt's."""
+    from shardax.data.conversations import supervised_examples
+    from shardax.data.tokenizer import ByteTokenizer
+
+    tokens = _chatml_bpe() if tokenizer == "bpe" else ByteTokenizer()
+    lines = [{"messages": CONVERSATION}, {"prompt": "2 + 2 =", "completion": " 4"},
+             {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(line, ensure_ascii=False) for line in lines) + "\n\n")
+    examples = list(supervised_examples(path, tokens, ChatTemplate(CHATML, TOKENS)))
+    def decode(ids):  # special tokens kept
+        ids = [int(i) for i in ids]
+        return tokens.decode(ids) if tokenizer == "bytes" else tokens.tokenizer.decode(ids, skip_special_tokens=False)
+
+    marked = [decode([i for i, m in zip(ids, mask) if m]) for ids, mask in examples]
+    assert marked == ["Seven.<|im_end|>\nΔύο (two).<|im_end|>\n", " 4", "Δύο (two).<|im_end|>\n"]
+    whole = decode(examples[0][0])
+    assert whole == ChatTemplate(CHATML, TOKENS).render(CONVERSATION)  # nothing added to what the template wrote
+
+
+@pytest.mark.parametrize("record, message", [
+    ("not json", "line 2 is not JSON"),
+    ({"text": "hello"}, "line 2 holds text; give 'messages'"),
+    ({"prompt": "Hi", "chosen": "a", "rejected": "b"}, "line 2 is a preference pair (chosen, rejected)"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "line 2: the conversation has no assistant turn"),
+    ({"messages": [{"role": "bot", "content": "Hi"}]}, "line 2: message 0 has role 'bot'; use one of"),
+    ({"prompt": "Hi", "completion": "  "}, "line 2: the completion is empty"),
+    ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": ""}]},
+     "line 2: the completion has no assistant turn with text"),
+    ({"messages": [{"role": "assistant", "content": "Hi"}]}, "line 2: the chat template of the test failed to "
+                                                             "render this conversation (turns must alternate"),
+], ids=["json", "neither-form", "preference", "no-assistant", "role", "empty-completion", "empty-reply", "render"])
+def test_examples_that_cannot_train_are_one_line_naming_file_and_line(record, message, tmp_path):
+    from shardax.data.conversations import supervised_examples
+    from shardax.data.tokenizer import ByteTokenizer
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + (
+        record if isinstance(record, str) else json.dumps(record)) + "\n")
+    template = ChatTemplate(INST, TOKENS, "the chat template of the test")
+    with pytest.raises(UsageError) as error:
+        list(supervised_examples(path, ByteTokenizer(), template))
+    assert f"{path} {message}" in str(error.value) and "\n" not in str(error.value)

@@ -41,6 +41,13 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text``'s ids as written (nothing added) and each token's ``[start, end)`` characters."""
+        ids = self.encode_batch([text])[0]
+        widths = [len(character.encode("utf-8")) for character in text]
+        starts = np.repeat(np.arange(len(text)), widths)
+        return ids, np.stack([starts, starts + 1], axis=-1).reshape(-1, 2)
+
     def token_bytes(self) -> np.ndarray:
         """Bytes of text per token id (the end-of-document token counts as one, like a separator)."""
         return np.ones(self.vocab_size, np.int32)
@@ -98,6 +105,13 @@ class BPETokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids if i != self.eod_id])
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text``'s ids as written (no special tokens added: a chat template writes its own) and
+        each token's ``[start, end)`` characters."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        return np.asarray(encoding.ids, dtype), np.asarray(encoding.offsets, np.int64).reshape(-1, 2)
 
     def token_bytes(self) -> np.ndarray:
         """Bytes of text per token id: exact for byte-level BPE (one character per byte), from the

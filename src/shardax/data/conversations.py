@@ -1,0 +1,114 @@
+"""Examples for supervised fine-tuning: token ids and which of them the loss is computed on.
+
+One JSON object per line, in either form TRL reads:
+
+- ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the checkpoint's chat
+  template; the loss is on what the assistant wrote (its turns' content and end-of-turn tokens).
+- ``{"prompt": ..., "completion": ...}``: two strings are joined as they are and the loss is on
+  the completion; two lists of messages are rendered with the template (the prompt's turns, then
+  the completion's) and the loss is on the completion's assistant turns.
+
+    examples = supervised_examples("chats.jsonl", tokenizer, ChatTemplate.from_tokenizer_config(folder))
+    for ids, mask in examples: ...
+
+What cannot train is refused in one line naming the file and line: a line that is not JSON, a
+record of neither form (a preference pair among them), an unknown role, a conversation with no
+assistant turn, an empty completion, a template that fails to render it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardax.data.chat import ChatTemplate, check_messages
+from shardax.errors import UsageError
+
+FORMATS = ("messages", "prompt/completion")
+
+
+def format_of(record: Any, where: str) -> str:
+    """Which form ``record`` is in (one of ``FORMATS``), or a one-line error saying what it holds."""
+    if isinstance(record, Mapping) and "messages" in record:
+        return "messages"
+    if isinstance(record, Mapping) and "prompt" in record and "completion" in record:
+        return "prompt/completion"
+    if isinstance(record, Mapping) and {"chosen", "rejected"} <= set(record):
+        raise UsageError(f"{where} is a preference pair (chosen, rejected): supervised fine-tuning reads "
+                         "'messages' or 'prompt' and 'completion'; train preference pairs with DPO")
+    held = ", ".join(map(str, record)) if isinstance(record, Mapping) else type(record).__name__
+    raise UsageError(f"{where} holds {held or 'nothing'}; give 'messages' (a list of {{'role', 'content'}}) "
+                     "or 'prompt' and 'completion'")
+
+
+def assistant_text(record: Mapping[str, Any], template: ChatTemplate | None,
+                   where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The text one example trains on and the ``[start, end)`` character spans its loss covers."""
+    if format_of(record, where) == "messages":
+        messages = record["messages"]
+        check_messages(messages, where)
+        if not any(message["role"] == "assistant" for message in messages):
+            raise UsageError(f"{where}: the conversation has no assistant turn, so nothing in it would be "
+                             "learned; add the reply the model should give, or leave the line out")
+        return _rendered(template, messages, 0, where)
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            raise UsageError(f"{where}: the completion is empty, so nothing in it would be learned; give the "
+                             "text the model should write after the prompt")
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))]
+    if not isinstance(prompt, Sequence) or not isinstance(completion, Sequence) or isinstance(
+            prompt, str) or isinstance(completion, str):
+        raise UsageError(f"{where}: 'prompt' is {type(prompt).__name__} and 'completion' "
+                         f"{type(completion).__name__}; give two strings or two lists of messages")
+    check_messages(list(prompt) + list(completion), where)
+    if not any(message["role"] == "assistant" and str(message["content"]).strip() for message in completion):
+        raise UsageError(f"{where}: the completion has no assistant turn with text, so nothing in it would "
+                         "be learned; give the reply as {'role': 'assistant', 'content': ...}")
+    return _rendered(template, list(prompt) + list(completion), len(prompt), where)
+
+
+def _rendered(template: ChatTemplate | None, messages: list[Any], first: int,
+              where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered, and the spans of the assistant turns from message ``first`` on."""
+    if template is None:
+        raise UsageError(f"{where} is a conversation, and there is no chat template to render it with; "
+                         "give a tokenizer_config.json with a chat_template, or text prompts and completions")
+    try:
+        text, spans = template.assistant_spans(messages)
+        before = len(template.render(messages[:first])) if first else 0  # the prompt's turns: a prefix
+    except UsageError as error:
+        raise UsageError(f"{where}: {error}") from None
+    return text, [(start, end) for start, end in spans if start >= before]
+
+
+def supervised_tokens(tokenizer: Any, text: str,
+                      spans: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``text``'s token ids (as written: a template writes its own special tokens) and, for each,
+    whether any of its characters lies in ``spans``: the tokens the loss is computed on."""
+    ids, offsets = tokenizer.encode_offsets(text)
+    mask = np.zeros(len(ids), bool)
+    for start, end in spans:
+        mask |= (offsets[:, 0] < end) & (start < offsets[:, 1])
+    return ids, mask
+
+
+def supervised_examples(path: str | Path, tokenizer: Any,
+                        template: ChatTemplate | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Each line of the JSON-lines file ``path`` as ``(token ids, loss mask)``; blank lines skipped."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UsageError(f"{where} is not JSON ({error.msg}); give one JSON object per line"
+                                 ) from None
+            yield supervised_tokens(tokenizer, *assistant_text(record, template, where))
