@@ -41,7 +41,7 @@ def has_cuda_plugin() -> bool:
 
 def plan(folder: Path, target: str, lora: list[str]) -> dict:
     began = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "shardax", "plan", "--init-from", str(folder), "--target", target,
+    done = subprocess.run([sys.executable, "-m", "shardax.cli", "plan", "--init-from", str(folder), "--target", target,
                            *FLAGS, *lora], capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     if done.returncode:
         raise SystemExit(f"shardax plan --target {target} failed:\n{done.stderr[-2000:]}")
