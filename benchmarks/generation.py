@@ -1,17 +1,23 @@
-"""Benchmark 19: generating with the key/value cache against recomputing the prefix.
+"""Benchmark 19: decoding with the key/value cache, against recomputing the prefix and by length.
 
     python benchmarks/generation.py
 
-The ``small`` preset with rotary positions and a context of 2,304 (random weights; greedy, so
-both ways must give the same tokens, which is checked), one prompt of 16 tokens on one CPU
-device: tokens per second of ``shardax.generate`` (prefill, then one decode step per token from
-the cache) and of the way without a cache (the whole sequence so far run again for every new
-token, in windows of 128 so that a window's shape compiles once), at 128, 512 and 2,048 new
-tokens; each timed on a second run, after its compiles. Then the cache's bytes per device as
-they are while decoding (the live arrays of the cache's shape, device 0's shards), 8 prompts on
-``data=4,model=2``, against 2 L B T kv_heads head_dim bytes / devices.
-Writes ``benchmarks/results/generation.json`` (``--cache-only`` measures the cache again and
-keeps the speed rows already there).
+Three models of the ``small`` preset's shape (6 layers of width 384, rotary positions, a
+context of 2,304; random weights, float32, greedy): its own 6 key/value heads, 2 (grouped-query
+attention as Llama 3 and Mistral have) and 6 with a sliding window of 256 on every layer (whose
+cache is a ring of 256 positions). One prompt of 16 tokens on one CPU device.
+
+1. Tokens per second of ``shardax.generate`` (prefill, then one decode step per token from the
+   cache) against recomputing (the whole sequence so far run again for every new token, in
+   windows of 128 so that a window's shape compiles once), at 128 and 512 new tokens, the two
+   interleaved, each timed on a second run after its compiles; the tokens must be equal.
+2. The per-token time as the cache fills: the median decode step over the last 64 tokens of a
+   run of 128, 512 and 2,048 new tokens, against what a memory-bound step predicts: the bytes a
+   step reads (every weight once, and the keys and values of each layer at the cache's length
+   then) in the same ratio.
+3. The cache's bytes per device while decoding, 8 prompts on ``data=4,model=2``, against
+   2 L B T kv_heads head_dim bytes / devices at the cache's length then.
+Writes ``benchmarks/results/generation.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -40,9 +45,10 @@ from shardax.models.transformer import TransformerLM  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LENGTHS = (128, 512, 2048)
-WINDOW = 128
-
-
+RECOMPUTED = (128, 512)
+WINDOW = 128  # the recomputing baseline's shape bucket
+TAIL = 64  # decode steps whose median is a length's per-token time
+MODELS = {"6 kv heads": {}, "2 kv heads": {"n_kv_heads": 2}, "window 256": {"sliding_window": 256}}
 FORWARD = jax.jit(lambda model, tokens: model(tokens))
 
 
@@ -52,60 +58,88 @@ def compile_windows(model: TransformerLM, longest: int) -> None:
 
 
 def recompute(model: TransformerLM, prompt: list[int], new: int) -> list[int]:
-    forward = FORWARD
     tokens = list(prompt)
     for _ in range(new):
         width = -(-len(tokens) // WINDOW) * WINDOW
         window = np.zeros((1, width), np.int32)
         window[0, :len(tokens)] = tokens
-        tokens.append(int(jnp.argmax(forward(model, window)[0, len(tokens) - 1])))
+        tokens.append(int(jnp.argmax(FORWARD(model, window)[0, len(tokens) - 1])))
     return tokens[len(prompt):]
 
 
-def timed(run, warm=None) -> tuple[float, list[int]]:
-    (warm or run)()  # compiles
+def cached(model: TransformerLM, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
+    """(seconds, the median step of the last TAIL tokens, tokens) of a second run."""
+    generate(model, [prompt], max_new_tokens=new)  # compiles every cache length on the way
+    stamps = []
     began = time.perf_counter()
-    out = run()
-    return time.perf_counter() - began, out
+    out = generate(model, [prompt], max_new_tokens=new, on_token=lambda *_: stamps.append(time.perf_counter()))
+    return time.perf_counter() - began, float(np.median(np.diff(stamps)[-TAIL:])), out[0]
 
 
-def main() -> None:
-    config = get_preset("small").config(positions="rotary", seq_len=2304)
-    with jax.default_device(jax.devices()[0]):
-        model = TransformerLM(config, rngs=nnx.Rngs(0))
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, 16)]
+def step_bytes(model: TransformerLM, new: int) -> int:
+    """Bytes a decode step reads at the end of a run of ``new`` tokens: the weights, and the
+    keys and values at the cache's length then."""
+    config = model.config
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    length = cache_layout(model, 1, 16, new).length_for(16 + new)
+    return weights + 2 * config.n_layers * length * config.kv_heads * config.head_dim * 4
+
+
+def speed_rows(name: str, model: TransformerLM, prompt: list[int]) -> list[dict]:
     rows = []
-    if "--cache-only" in sys.argv:  # keep the speed rows of the last full run (minutes of recomputing)
-        rows = json.loads((RESULTS / "generation.json").read_text())["rows"]
-    for new in LENGTHS if not rows else ():
-        cached_s, cached = timed(lambda: generate(model, [prompt], max_new_tokens=new)[0])
-        again_s, again = timed(lambda: recompute(model, prompt, new),
-                               lambda: compile_windows(model, len(prompt) + new))
-        assert cached == again, f"the cache and the full forward disagree at {new} new tokens"
-        rows.append({"new_tokens": new, "cache_tokens_per_s": new / cached_s, "recompute_tokens_per_s": new / again_s,
-                     "speedup": again_s / cached_s})
-        print(rows[-1], flush=True)
+    for new in LENGTHS:
+        seconds, step, tokens = cached(model, prompt, new)
+        row = {"model": name, "new_tokens": new, "cache_tokens_per_s": new / seconds, "step_ms": 1e3 * step,
+               "step_bytes": step_bytes(model, new)}
+        if name == "6 kv heads" and new in RECOMPUTED:
+            compile_windows(model, len(prompt) + new)
+            began = time.perf_counter()
+            again = recompute(model, prompt, new)
+            row["recompute_tokens_per_s"] = new / (time.perf_counter() - began)
+            assert again == tokens, f"the cache and the full forward disagree at {new} new tokens"
+            row["speedup"] = row["cache_tokens_per_s"] / row["recompute_tokens_per_s"]
+        rows.append(row)
+        print(row, flush=True)
+    first, last = rows[0], rows[-1]
+    last["step_vs_128"] = last["step_ms"] / first["step_ms"]
+    last["bytes_vs_128"] = last["step_bytes"] / first["step_bytes"]
+    return rows
+
+
+def cache_bytes(config) -> dict:
     mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(), mesh, "fsdp_tp")
     sharded = parallel.merge(parallel.init(0))
-    prompts = [prompt] * 8
-    seen = []
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, 16)]
     layout = cache_layout(sharded, 8, 16, 64)
-    cache_shape = (config.n_layers, layout.batch, layout.length, config.kv_heads, config.head_dim)
+    seen = []
 
     def measure(step: int, _: list[int]) -> None:
-        if step == 1:
-            live = [a for a in jax.live_arrays() if a.shape == cache_shape]
+        if step == 62:  # the last decode step's cache: its last length
+            live = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[0] == config.n_layers
+                    and a.shape[1] == layout.batch and a.shape[3:] == (config.kv_heads, config.head_dim)]
             assert len(live) == 2, [a.shape for a in live]  # keys and values
-            seen.append(sum(shard.data.nbytes for a in live for shard in a.addressable_shards
-                            if shard.device == jax.devices()[0]))
+            seen.append((live[0].shape[2], sum(shard.data.nbytes for a in live for shard in a.addressable_shards
+                                               if shard.device == jax.devices()[0])))
 
-    generate(sharded, prompts, max_new_tokens=64, on_token=measure)
-    theory = 2 * config.n_layers * layout.batch * layout.length * config.kv_heads * config.head_dim * 4 // 8
+    generate(sharded, [prompt] * 8, max_new_tokens=64, on_token=measure)
+    length, measured = seen[0]
+    theory = 2 * config.n_layers * layout.batch * length * config.kv_heads * config.head_dim * 4 // 8
+    return {"mesh": "data=4,model=2", "batch": layout.batch, "length": length, "lengths": layout.lengths,
+            "bytes_per_device": measured, "theory_bytes_per_device": theory, "ratio": measured / theory}
+
+
+def main() -> None:
+    rows = []
+    for name, extra in MODELS.items():
+        config = get_preset("small").config(positions="rotary", seq_len=2304, **extra)
+        with jax.default_device(jax.devices()[0]):
+            model = TransformerLM(config, rngs=nnx.Rngs(0))
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, 16)]
+        rows += speed_rows(name, model, prompt)
     result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}",
-              "model": "small, rotary, seq_len 2304", "rows": rows,
-              "cache": {"mesh": "data=4,model=2", "batch": layout.batch, "length": layout.length,
-                        "bytes_per_device": seen[0], "theory_bytes_per_device": theory, "ratio": seen[0] / theory}}
+              "model": "small (6 layers, width 384), rotary, seq_len 2304, float32", "rows": rows,
+              "cache": cache_bytes(get_preset("small").config(positions="rotary", seq_len=2304))}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "generation.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -289,13 +289,17 @@ def table() -> str:
     generation = load("generation")
     if generation:
         speed = "; ".join(f"{row['new_tokens']}: {row['cache_tokens_per_s']:.0f} vs {row['recompute_tokens_per_s']:.1f} "
-                          f"tok/s ({row['speedup']:.1f}x)" for row in generation["rows"])
+                          f"tok/s ({row['speedup']:.1f}x)" for row in generation["rows"] if "speedup" in row)
+        flat = ", ".join(f"{row['model']} {row['step_vs_128']:.2f}x ({row['step_ms']:.1f} ms; bytes "
+                         f"{row['bytes_vs_128']:.2f}x)" for row in generation["rows"] if "step_vs_128" in row)
         cache = generation["cache"]
-        lines.append(f"| 19. generation with the key/value cache vs recomputing the prefix, {generation['model']}, one "
-                     f"prompt on one CPU device ({generation['machine']}), greedy (same tokens both ways), by new "
-                     f"tokens; the cache's bytes per device while decoding, {cache['batch']} rows x {cache['length']} "
-                     f"positions on {cache['mesh']}, / 2 L B T kv_heads head_dim bytes / devices | {speed}; "
-                     f"{cache['ratio']:.3f} ({mb(cache['bytes_per_device'])}) | faster; 1 |")
+        lines.append(f"| 19. decoding with the key/value cache, {generation['model']}, one prompt on one CPU device "
+                     f"({generation['machine']}), greedy: tokens/s with the cache vs recomputing the prefix (same "
+                     f"tokens), by new tokens; the decode step's time (median of the last 64) at 2,048 new tokens / "
+                     f"at 128, beside the ratio of the bytes a step reads (weights, keys and values); the cache's "
+                     f"bytes per device while decoding, {cache['batch']} rows x {cache['length']} positions on "
+                     f"{cache['mesh']}, / 2 L B T kv_heads head_dim bytes / devices | {speed}; {flat}; "
+                     f"{cache['ratio']:.3f} ({mb(cache['bytes_per_device'])}) | >= 10x at 512; <= 1.5x; 1 |")
     sample = {row["label"]: row for row in load("default_sample") or []}
     if "before" in sample and "after" in sample:
         before, after = sample["before"], sample["after"]

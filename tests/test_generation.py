@@ -24,9 +24,12 @@ CONFIGS = {
     "llama": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
                                      tie_embeddings=False, d_ff=48),
     "gpt": tiny_transformer_config(seq_len=64),
+    # every layer windowed (Mistral's way): the cache is a ring of 32 positions (the prompts' bucket)
+    "mistral": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
+                                       sliding_window=8, d_ff=40),
 }
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17]]
-NEW = 10
+NEW = 30  # the cache grows once: 32 positions (the prompts' bucket), then 64
 STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2")]
 _SEEN: dict = {}
 
@@ -69,6 +72,7 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     assert sampled != greedy and all(len(row) == NEW for row in sampled)
     layout = cache_layout(model, len(PROMPTS), max(map(len, PROMPTS)), NEW)
     data = 4 if "model" in mesh else 8
+    assert layout.lengths == ((32,) if name == "mistral" else (32, 64)) and layout.prompt_length == 32
     assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None, None)
     if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes, split
         assert layout.bytes_per_device(model.config) == 2 * 2 * data * 64 * 2 * 8 * 4 // 8

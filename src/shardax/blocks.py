@@ -89,6 +89,13 @@ class StackPlan:
         return NamedSharding(self.mesh, compute), NamedSharding(self.mesh, gradient)
 
 
+class CacheLayer(nnx.Cache):
+    """Which layer of a scanned stack an ``Attention`` is at while decoding: its cache holds
+    every layer's keys and values (carried through the scan, so one token is written in place
+    rather than each layer's slice copied in and out); each call reads and writes its own
+    layer, then counts one on."""
+
+
 class LayerSetting(nnx.Variable):
     """A constant of each layer that may differ from layer to layer (a sliding window): never
     trained, kept in the model's state beside its weights, so that inside a ``LayerStack`` it is
@@ -175,7 +182,13 @@ class LayerStack(nnx.Module):
                                  or self.plan.sequence is not None or remat_plain_loop(platform)):
             apply_layer = nnx.remat(apply_layer, policy=remat_policy(policy))
         if self.scan:
-            return nnx.scan(apply_layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+            layer_axes: Any = 0
+            counters = [block.cache_layer for _, block in blocks_of(layers, Attention) if hasattr(block, "cache_layer")]
+            if counters:  # decoding: the caches travel through the scan whole (see CacheLayer)
+                for counter in counters:
+                    counter[...] = jnp.zeros_like(counter[...])
+                layer_axes = nnx.StateAxes({nnx.Cache: nnx.Carry, ...: 0})
+            return nnx.scan(apply_layer, in_axes=(nnx.Carry, layer_axes), out_axes=nnx.Carry,
                             transform_metadata={nnx.PARTITION_NAME: "layers"})(x, layers)
         for layer in layers:
             x = apply_layer(x, layer)
@@ -259,7 +272,8 @@ class Attention(nnx.Module):
     With a key/value cache (``init_cache``), each call writes its keys and values into the
     cache at their positions (``positions``, contiguous in each row) and its queries attend to
     every cached token at or before their own position (within the window): a prompt, then one
-    token at a time."""
+    token at a time. Position p goes to slot p modulo the cache's length, so a cache at least
+    as long as a sliding window (and as a prompt written at once) serves any length as a ring."""
 
     def __init__(self, *, implementation: str = "auto", scale: float | None = None,
                  softcap: float | None = None) -> None:
@@ -280,25 +294,38 @@ class Attention(nnx.Module):
         if positions is None:
             raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
 
-        def write(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), start, axis=0)
-
-        keys = jax.vmap(write)(self.cached_keys[...], k, positions[:, 0])
-        values = jax.vmap(write)(self.cached_values[...], v, positions[:, 0])
-        self.cached_keys[...], self.cached_values[...] = keys, values
-        slots = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-        visible = allowed(positions, jnp.zeros_like(positions), slots, jnp.zeros_like(slots),
-                          0 if window is None else window)  # (B, T, cache length)
+        keys, values = self._write(self.cached_keys, k, positions), self._write(self.cached_values, v, positions)
+        if hasattr(self, "cache_layer"):
+            self.cache_layer[...] += 1
+        # slot s holds the latest position p <= q with p = s (mod length): a ring once positions pass the length
+        ahead = positions[:, :, None]
+        held = ahead - (ahead - jnp.arange(keys.shape[1])) % keys.shape[1]  # (B, T, cache length)
+        visible = held >= 0
+        if window is not None:
+            visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
         return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None], scale=self.scale,
                                softcap=self.softcap)
+
+    def _write(self, cache: nnx.Cache, new: jax.Array, positions: jax.Array) -> jax.Array:
+        """Write ``new`` (B, T, K, H) into ``cache`` at its positions (B, T) (in place) and
+        return this layer's cache (B, length, K, H)."""
+        new, rows = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None]
+        positions = positions % cache.shape[-3]  # a window's ring (see _from_cache)
+        if not hasattr(self, "cache_layer"):
+            cache[...] = cache[...].at[rows, positions].set(new, mode="promise_in_bounds")
+            return cache[...]
+        layer = self.cache_layer[...]  # the cache is (layers, B, length, K, H)
+        cache[...] = cache[...].at[layer, rows, positions].set(new, mode="promise_in_bounds")
+        return jax.lax.dynamic_index_in_dim(cache[...], layer, 0, keepdims=False)
 
 
 def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
                sharding: Callable[[tuple[int, ...]], Any] | None = None) -> None:
     """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
     positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
-    layers dimension inside a scanned ``LayerStack``. ``sharding(shape)``: where each cache
-    array is made (straight into its shards; default: JAX's default device)."""
+    layers dimension inside a scanned ``LayerStack`` (and a ``CacheLayer`` count there).
+    ``sharding(shape)``: where each cache array is made (straight into its shards; default:
+    JAX's default device)."""
 
     def zeros(shape: tuple[int, ...]) -> nnx.Cache:
         return nnx.Cache(jnp.zeros(shape, dtype, device=None if sharding is None else sharding(shape)))
@@ -309,6 +336,9 @@ def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int
             leading = (stack.count,) if stack.scan else ()
             block.cached_keys = zeros((*leading, batch, length, kv_heads, head_dim))
             block.cached_values = zeros((*leading, batch, length, kv_heads, head_dim))
+            if stack.scan:
+                block.cache_layer = CacheLayer(jnp.zeros((), jnp.int32, device=None if sharding is None
+                                                         else sharding(())))
             done.add(id(block))
     for _, block in blocks_of(model, Attention):
         if id(block) not in done:

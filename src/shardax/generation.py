@@ -7,8 +7,13 @@ The prompts are run through the model once (prefill), their keys and values writ
 cache of every layer; then each new token is one call of a compiled decode step that attends
 to the cache through ``shardax.blocks.Attention``. Prompts of different lengths share a batch:
 each row has its own positions, and what follows a row's prompt is never attended before it is
-written. Shapes come in buckets (prompt length to a multiple of 16, the cache to a multiple of
-64), so a new prompt compiles nothing when its bucket has been seen.
+written. Shapes come in buckets (prompt length to a multiple of 16), so a new prompt compiles
+nothing when its bucket has been seen. The cache grows as it fills, doubling from 16 positions
+(16, 32, 64, ...: one compiled step per length), so each step attends over at most twice the
+tokens so far, not the longest length asked for: a token's cost does not depend on how many
+more are to come. A model whose every layer has the same sliding window keeps a ring of the
+window (and at least the prompt): its cache stops growing there, however long the text. Inside a scanned stack of layers the cache travels through the scan whole
+and each layer writes its one new token in place (``shardax.blocks.CacheLayer``).
 
 On a mesh (the model's parameters placed by ``parallelize``) the cache is split like the
 attention it serves: rows over the data axes, key/value heads over ``model`` where they divide.
@@ -19,6 +24,7 @@ the same prompts give the same tokens on every mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +40,7 @@ from shardax.blocks import init_cache
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM
 
-PROMPT_BUCKET, CACHE_BUCKET = 16, 64
+PROMPT_BUCKET = 16  # prompts are padded to a multiple of this; the cache grows from it by doubling
 
 
 def _round_up(value: int, step: int) -> int:
@@ -102,18 +108,29 @@ def _draw(logits: jax.Array, key: jax.Array, rows: jax.Array, temperature: float
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
     """The cache ``generate`` makes: ``batch`` rows (the prompts, padded to a multiple of the
-    data axes' size) of ``length`` positions, prompts run ``prompt_length`` at a time; each
+    data axes' size) of ``lengths[0]`` positions, grown to each of ``lengths`` in turn as the
+    tokens fill it (``length``: the last), prompts run ``prompt_length`` at a time; each
     layer's keys and values ``(batch, length, kv_heads, head_dim)`` split by ``spec`` on ``mesh``."""
 
     mesh: Mesh | None
     batch: int
-    length: int
+    lengths: tuple[int, ...]
     prompt_length: int
     spec: tuple[Any, ...]
 
-    def bytes_per_device(self, config: Any) -> int:
-        """Bytes of the keys and values of every layer on one device."""
-        whole = 2 * config.n_layers * self.batch * self.length * config.kv_heads * config.head_dim * jnp.dtype(
+    @property
+    def length(self) -> int:
+        return self.lengths[-1]
+
+    def length_for(self, tokens: int) -> int:
+        """The cache's length once ``tokens`` positions have been written (a ring past the last)."""
+        return next((length for length in self.lengths if length >= tokens), self.length)
+
+    def bytes_per_device(self, config: Any, length: int | None = None) -> int:
+        """Bytes of the keys and values of every layer on one device, at ``length`` positions
+        (default: the last)."""
+        length = self.length if length is None else length
+        whole = 2 * config.n_layers * self.batch * length * config.kv_heads * config.head_dim * jnp.dtype(
             config.dtype).itemsize
         split = 1 if self.mesh is None else math.prod(
             self.mesh.shape[axis] for entry in self.spec if entry for axis in ((entry,) if isinstance(entry, str)
@@ -132,8 +149,16 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
         if mesh.shape.get("model", 1) > 1 and config.kv_heads % mesh.shape["model"] == 0:
             heads_axis = "model"
     batch = _round_up(rows, math.prod(mesh.shape[axis] for axis in data_axes) if mesh is not None else 1)
-    length = min(_round_up(longest + max_new_tokens, CACHE_BUCKET), config.seq_len)
-    return CacheLayout(mesh, batch, length, min(_round_up(longest, PROMPT_BUCKET), length),
+    last = min(_round_up(longest + max_new_tokens, PROMPT_BUCKET), config.seq_len)
+    prompt_length = min(_round_up(longest, PROMPT_BUCKET), last)
+    windows = set(config.layer_windows)
+    if len(windows) == 1 and 0 not in windows:  # every layer windowed alike: a ring of the window (Attention)
+        last = min(last, max(_round_up(windows.pop(), PROMPT_BUCKET), prompt_length))
+    lengths = [PROMPT_BUCKET]
+    while lengths[-1] < last:
+        lengths.append(lengths[-1] * 2)
+    lengths = [length for length in lengths if length >= prompt_length]
+    return CacheLayout(mesh, batch, tuple(min(length, last) for length in lengths), prompt_length,
                        (data_axes or None, None, heads_axis, None))
 
 
@@ -172,14 +197,33 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
     work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
     work.eval()
     placed = None if mesh is None else (
-        lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)))
-    init_cache(work, layout.batch, layout.length, config.kv_heads, config.head_dim, config.dtype, placed)
+        lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)
+                                    if len(shape) >= 4 else PartitionSpec()))
+    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, config.dtype, placed)
     graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
     del work
     if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
         weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
                                if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
     return graphdef, cache, weights
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grown(cache: Any, length: int) -> Any:
+    """``cache`` with its keys and values padded to ``length`` positions (axis -3 of each)."""
+    def pad(leaf: jax.Array) -> jax.Array:
+        if leaf.ndim < 4:
+            return leaf
+        return jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 3) + [(0, length - leaf.shape[-3]), (0, 0), (0, 0)])
+
+    return jax.tree.map(pad, cache)
+
+
+def _with_room(cache: Any, layout: CacheLayout, tokens: int) -> Any:
+    """``cache``, grown to the next of the layout's lengths when ``tokens`` positions would not fit."""
+    now = max(leaf.shape[-3] for leaf in jax.tree.leaves(cache) if leaf.ndim >= 4)
+    wanted = layout.length_for(tokens)
+    return cache if wanted <= now else _grown(cache, wanted)
 
 
 def _placer(layout: CacheLayout) -> Callable[[np.ndarray], jax.Array]:
@@ -282,6 +326,7 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
         if done.all() or i == max_new_tokens - 1:
             break
         at = (lengths + i)[:, None]
+        cache = _with_room(cache, layout, int(at.max()) + 1)
         chosen, cache = compiled(weights, cache, place(np.asarray(jax.device_get(chosen)).reshape(batch, 1)),
                                  place(at.astype(np.int32)), place(np.zeros(batch, np.int32)),
                                  jax.random.fold_in(base, i + 1))
