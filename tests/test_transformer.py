@@ -222,18 +222,21 @@ def test_dots_saveable_recomputes_no_matmul_and_no_custom_vjp_in_the_backward_pa
     assert full["dot"] >= 4 and full["exponential"] >= 1, dict(full)
 
 
-def test_flops_per_token_is_what_xla_counts_in_the_step():
-    """MFU's numerator (6 N + 12 L d T per token) against XLA's own count of the compiled step's
-    FLOPs: layers in a loop, since XLA's count does not multiply a scan's body by its length."""
-    config = PRESETS["tiny"].config(seq_len=64, scan_layers=False)
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_flops_per_token_is_what_xla_counts_in_the_step(lora_rank):
+    """MFU's numerator (6 N + 12 L d T per token; under LoRA 4 per frozen weight and 6 per
+    adapter parameter) against XLA's own count of the compiled step's FLOPs, differentiated as
+    training does (LoRA: by the adapters alone): layers in a loop, since XLA's count does not
+    multiply a scan's body by its length."""
+    config = PRESETS["tiny"].config(seq_len=64, scan_layers=False, lora_rank=lora_rank)
     model = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(model)
+    graphdef, trained, frozen = nnx.split(model, nnx.LoRAParam if lora_rank else nnx.Param, ...)
 
-    def loss(params, tokens):
-        return next_token_loss(nnx.merge(graphdef, params), {"tokens": tokens})
+    def loss(trained, frozen, tokens):
+        return next_token_loss(nnx.merge(graphdef, trained, frozen), {"tokens": tokens})
 
     tokens = jax.ShapeDtypeStruct((8, config.seq_len + 1), jnp.int32)
-    cost = jax.jit(jax.grad(loss)).lower(params, tokens).compile().cost_analysis()
+    cost = jax.jit(jax.grad(loss)).lower(trained, frozen, tokens).compile().cost_analysis()
     counted = (cost[0] if isinstance(cost, list) else cost)["flops"]
     # the formula counts matmuls only; layer norms, GELU, softmax and the loss add a little
     assert 1.0 < counted / (flops_per_token(config) * 8 * config.seq_len) < 1.05

@@ -13,12 +13,15 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import numpy as np
 
 from shardax.analysis.residuals import STAND_IN, traced_residuals
 from shardax.analysis.tiles import kept_bytes, round_up, stored_bytes, tiled_bytes
 from shardax.errors import UsageError
+from shardax.model_parallel import trained_part
 from shardax.sharding.layout import Layout
+from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 
 
@@ -73,10 +76,13 @@ def check_compiler(compiler: str) -> None:
                          f"(the platform the step is compiled for)")
 
 
-def _per_device(layout: Layout, attribute: str, tiled: bool = False) -> int:
+def _per_device(layout: Layout, attribute: str, tiled: bool = False, only: set[str] | None = None) -> int:
+    """Bytes per device of the leaves (those in ``only``, if given) laid out by ``attribute``."""
     shape = dict(layout.mesh.shape)
     total = 0
-    for leaf in layout.leaves.values():
+    for path, leaf in layout.leaves.items():
+        if only is not None and path not in only:
+            continue
         splits = [_axes_size(shape, spec_axes(entry)) for entry in getattr(leaf, attribute)]
         splits += [1] * (len(leaf.shape) - len(splits))
         itemsize = np.dtype(leaf.dtype).itemsize
@@ -300,8 +306,6 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
 def _sharded_bytes(abstract: Any, shardings: Any, tiled: bool = False) -> int:
     """Bytes per device of a tree laid out by ``shardings`` (shapes and specs only, no compile);
     ``tiled``: in XLA:TPU's tiles (``tiled_bytes``)."""
-    import jax
-
     sizes = jax.tree.map(lambda leaf, sharding: stored_bytes(sharding.shard_shape(leaf.shape),
                                                               np.dtype(leaf.dtype).itemsize, tiled),
                          abstract, shardings)
@@ -341,6 +345,14 @@ def held_on_chip(on_chip: int, temporaries: int) -> int:
     return min(on_chip, temporaries // 5)
 
 
+def _trained_paths(parallel: Any) -> set[str] | None:
+    """The paths of the parameters the optimizer updates (None: every one)."""
+    if getattr(parallel, "trainable", None) is None:
+        return None
+    trained = trained_part(parallel.abstract_state.params, parallel.trainable)
+    return {path_to_str(keypath) for keypath, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
+
+
 def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, grad_accum: int = 1,
                    schedule: Any = None, context_attention: str = "all-gather",
                    compiler: str = "cpu", on_chip: int = 0) -> MemoryPrediction:
@@ -354,7 +366,8 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     # With blocks in a loop, XLA:CPU keeps ZeRO-2's gradients whole, as data parallelism does.
     looped = model is not None and not model.scan_layers
     gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
-    gradients, replicas = _per_device(layout, gradient_spec, tiled), _replicas(layout)
+    # gradients of the trained parameters only (LoRA: the adapters; a frozen weight has none)
+    gradients, replicas = _per_device(layout, gradient_spec, tiled, _trained_paths(parallel)), _replicas(layout)
     # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
     # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
     # XLA:CPU keeps it for some shapes and not others (medium yes, small no): half is counted.

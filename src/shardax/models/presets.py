@@ -105,9 +105,17 @@ def flops_per_token(config: TransformerConfig) -> int:
     weighted sum of V) cost 4 d T per token and layer forward, 12 d T with the backward pass,
     counted over the whole T x T square as PaLM's appendix B does (causal masking halves the
     useful work but not what dense kernels compute). Recomputation under remat is not counted:
-    MFU measures useful work.
+    MFU measures useful work. A mixture of experts counts the experts a token goes through (k
+    of E). Under LoRA a frozen weight costs 4 per token (forward, and the gradient through it;
+    it has none of its own) and each adapter parameter 6.
     """
-    return 6 * parameter_count(config) + 12 * config.n_layers * config.d_model * config.seq_len
+    active = parameter_count(config)
+    if config.n_experts:
+        active -= config.n_layers * (config.n_experts - config.experts_per_token) * 3 * config.d_model * config.ff_width
+    attention = 12 * config.n_layers * config.d_model * config.seq_len
+    if config.lora_rank:
+        return 4 * active + 6 * adapter_count(config) + attention
+    return 6 * active + attention
 
 
 def blocks_in_a_loop(platform: str, strategy: str) -> bool:
