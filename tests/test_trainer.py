@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from shardax.trainer.lock import LOCK_NAME
+import shardax
 from shardax import Trainer, ema_params
 from shardax.errors import UsageError
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
@@ -133,10 +134,11 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
 
 
 def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
-    """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step."""
+    """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step
+    (its settings given as one ``FitSettings``)."""
     batches = list(image_batches(4))
     by_trainer = trainer("zero2", ConvNet, grad_accum=2)
-    run = by_trainer.fit(batches, steps=4, log_every=1)
+    run = by_trainer.fit(batches, settings=shardax.FitSettings(steps=4, log_every=1))
     by_hand = trainer("zero2", ConvNet)
     state, step = by_hand.init(), by_hand.parallel.train_step(classification_loss, grad_accum=2)
     losses = []
@@ -272,6 +274,10 @@ def one_pass():
 
 @pytest.mark.parametrize("call, message", [
     (lambda t, d: t.fit(BATCHES, steps=2, log_every=0), "`log_every=0` must be at least 1"),
+    (lambda t, d: t.fit(BATCHES, settings=shardax.FitSettings(log_every=0)), "`log_every=0` must be at least 1"),
+    (lambda t, d: t.fit(BATCHES, steps=2, settings=shardax.FitSettings()),
+     "fit() got settings=FitSettings(...) and steps=2; give steps inside the FitSettings"),
+    (lambda t, d: t.fit(BATCHES, settings={"steps": 2}), "fit(settings=...) takes a shardax.FitSettings; got dict"),
     (lambda t, d: t.fit(BATCHES, steps=2, eval_data=one_pass()), "eval_data is a one-pass generator"),
     (lambda t, d: t.fit(BATCHES, steps=2, resume=True), "`resume=True` needs checkpoint_dir"),
     (lambda t, d: t.fit(BATCHES, steps=2, resume=True, checkpoint_dir=d), "resume: no checkpoint in"),

@@ -38,6 +38,8 @@ _EXPORTS = {
     "parallelize": "shardax.model_parallel",
     "reshard": "shardax.model_parallel",
     "LoRA": "shardax.models.adapters",
+    "TransformerConfig": "shardax.models.transformer_config",
+    "TransformerLM": "shardax.models.transformer",
     "for_compute": "shardax.sharding.compute",
     "grouped_conv": "shardax.sharding.grouped_conv",
     "ShardingReport": "shardax.sharding.report",
@@ -47,8 +49,10 @@ _EXPORTS = {
     "Strategy": "shardax.sharding.strategies",
     "get_strategy": "shardax.sharding.strategies",
     "ema_params": "shardax.step.ema",
+    "StepSettings": "shardax.step.settings",
     "TrainState": "shardax.step.state",
     "FitResult": "shardax.trainer.run",
+    "FitSettings": "shardax.trainer.settings",
     "Trainer": "shardax.trainer.trainer",
 }
 __all__ = sorted(_EXPORTS)
@@ -98,6 +102,8 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.model_parallel import parallelize as parallelize
     from shardax.model_parallel import reshard as reshard
     from shardax.models.adapters import LoRA as LoRA
+    from shardax.models.transformer import TransformerLM as TransformerLM
+    from shardax.models.transformer_config import TransformerConfig as TransformerConfig
     from shardax.sharding.compute import for_compute as for_compute
     from shardax.sharding.grouped_conv import grouped_conv as grouped_conv
     from shardax.sharding.report import ShardingReport as ShardingReport
@@ -107,6 +113,8 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.sharding.strategies import Strategy as Strategy
     from shardax.sharding.strategies import get_strategy as get_strategy
     from shardax.step.ema import ema_params as ema_params
+    from shardax.step.settings import StepSettings as StepSettings
     from shardax.step.state import TrainState as TrainState
     from shardax.trainer.run import FitResult as FitResult
+    from shardax.trainer.settings import FitSettings as FitSettings
     from shardax.trainer.trainer import Trainer as Trainer

@@ -86,3 +86,18 @@ class FitSettings:
                 "eval": evaluating and ((self.eval_every and step % self.eval_every == 0) or last),
                 "sample": sampling and ((self.sample_every and step % self.sample_every == 0) or last),
                 "save": saving and ((self.checkpoint_every and step % self.checkpoint_every == 0) or last)}
+
+
+def settings_given(settings: Any, keywords: FitSettings) -> FitSettings:
+    """``fit``'s settings: ``settings`` (a ``FitSettings``) when given, else its ``keywords``;
+    both at once is refused, naming the first keyword given."""
+    if settings is None:
+        return keywords
+    if not isinstance(settings, FitSettings):
+        raise UsageError(f"fit(settings=...) takes a shardax.FitSettings; got {type(settings).__name__}")
+    given = [field.name for field in dataclasses.fields(FitSettings)
+             if getattr(keywords, field.name) != field.default]
+    if given:
+        raise UsageError(f"fit() got settings=FitSettings(...) and {given[0]}={getattr(keywords, given[0])!r}; give "
+                         f"{given[0]} inside the FitSettings (dataclasses.replace(settings, {given[0]}=...))")
+    return settings

@@ -48,7 +48,7 @@ from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.samples import SampleFn, check_samples
 from shardax.trainer.sources import batch_source, evaluation_batches
-from shardax.trainer.settings import FitSettings
+from shardax.trainer.settings import FitSettings, settings_given
 from shardax.trainer.trackers import parse_tracker
 
 
@@ -340,7 +340,7 @@ class Trainer:
             record: dict[str, Any] | None = None, header: Sequence[str] = (), summary: bool = True,
             loss_unit: str | None = None, baselines: dict[str, float] | None = None,
             samples: SampleFn | None = None, sample_every: int = 0, samples_dir: str | None = None,
-            eval_ema: bool = False) -> FitResult:
+            eval_ema: bool = False, settings: FitSettings | None = None) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
 
         Args:
@@ -357,15 +357,17 @@ class Trainer:
             (``shardax.trainer.samples``).
 
         The other keywords are the run's ``FitSettings``, each described there, and checked
-        before anything runs or is written.
+        before anything runs or is written; or give them as one, ``settings=FitSettings(...)``
+        (then none of them as keywords).
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
-        settings = FitSettings(steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
-                               on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit,
-                               baselines, sample_every, samples_dir, eval_ema)
-        self._check_hooks(samples, sample_every, samples_dir, eval_ema)
+        settings = settings_given(settings, FitSettings(
+            steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints, on_nonfinite,
+            metrics, tensorboard, tokens_per_example, record, summary, loss_unit, baselines, sample_every, samples_dir,
+            eval_ema))
+        self._check_hooks(samples, settings.sample_every, settings.samples_dir, settings.eval_ema)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
