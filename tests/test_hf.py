@@ -37,6 +37,8 @@ ARCHITECTURES = {
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
 }
 TOKENS = np.random.default_rng(0).integers(0, 96, (8, 17))
+# supervised fine-tuning examples: 6 to 13 of each row's tokens, a loss mask on about half of them
+SFT = [(TOKENS[i, :6 + i], (np.random.default_rng(i).random(6 + i) < 0.5).astype(np.int32)) for i in range(8)]
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +53,29 @@ def hf_loss(logits):
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     return -np.take_along_axis(log_probs, TOKENS[:, 1:, None], axis=-1).mean()
+
+
+def hf_supervised_loss(folder):
+    """transformers' loss over the SFT examples with the labels -100 where the mask is 0: each
+    example's mean, weighted by how many tokens it learns."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for ids, mask in SFT:
+            labels = torch.tensor(np.where(mask > 0, ids, -100))[None]
+            learned = float((mask[1:] > 0).sum())
+            total += float(model(torch.tensor(ids)[None], labels=labels).loss) * learned
+            count += learned
+    return total / count
+
+
+def supervised_batch(pack):
+    """The SFT examples in rows of 17 tokens (packed or one a row), padded to 8 rows."""
+    from shardax.data.conversations import supervised_rows
+
+    batch, cut = supervised_rows(SFT, 17, pack=pack)
+    assert cut == 0 and (len(batch["tokens"]) < 8) == pack  # packing shares rows
+    return {key: np.concatenate([rows, np.zeros((8 - len(rows), 17), rows.dtype)]) for key, rows in batch.items()}
 
 
 def logits_of(loaded):
@@ -70,7 +95,8 @@ def test_logits_match_transformers(architecture, checkpoints):
                                             ("fsdp_tp", "data=2,model=2,context=2")])
 def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
     """The same checkpoint under each layout: the logits (outside a step) and the loss of the
-    compiled eval step (pipeline stages and split sequences included) are Hugging Face's. Under
+    compiled eval step (pipeline stages and split sequences included) are Hugging Face's, and so is
+    the loss on assistant tokens alone of supervised fine-tuning examples, packed or not. Under
     pipelines and context axes it is loaded with LoRA adapters, and their train step trains
     those alone."""
     import optax
@@ -86,6 +112,10 @@ def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
     evaluate = parallel.eval_step(next_token_loss)
     loss = float(evaluate(loaded.state, parallel.place_batch({"tokens": TOKENS}))["loss"])
     np.testing.assert_allclose(loss, hf_loss(expected), rtol=1e-5)
+    supervised = hf_supervised_loss(folder)
+    for pack in (False, True):
+        loss = float(evaluate(loaded.state, parallel.place_batch(supervised_batch(pack)))["loss"])
+        np.testing.assert_allclose(loss, supervised, rtol=1e-5, err_msg=f"pack={pack}")
     spec = {path: sharding.spec for path, sharding in
             jax.tree_util.tree_leaves_with_path(parallel.state_shardings.params)}
     placed = {path: leaf.sharding.spec for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.state.params)}

@@ -112,3 +112,35 @@ def supervised_examples(path: str | Path, tokenizer: Any,
                 raise UsageError(f"{where} is not JSON ({error.msg}); give one JSON object per line"
                                  ) from None
             yield supervised_tokens(tokenizer, *assistant_text(record, template, where))
+
+
+def supervised_rows(examples: Sequence[tuple[np.ndarray, np.ndarray]], length: int, *,
+                    pack: bool = True) -> tuple[dict[str, np.ndarray], int]:
+    """Examples (token ids and their loss mask) laid into rows of ``length`` tokens, as a batch
+    for ``next_token_loss``: ``tokens``, ``mask``, ``segments`` (each row's examples numbered from
+    1, 0 for padding: attention stays within an example) and ``positions`` (from 0 in each
+    example). One example a row, or packed (each into the first row with room for it); no
+    prediction crosses from one example into the next. An example longer than a row is cut to it;
+    returns the rows and how many examples were cut."""
+    if length < 2:
+        raise UsageError(f"rows of {length} tokens cannot hold a prediction; give at least 2")
+    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    cut = 0
+    for ids, mask in examples:
+        cut += len(ids) > length
+        ids, mask = np.asarray(ids)[:length], np.asarray(mask)[:length]
+        row = next((row for row in rows if sum(len(i) for i, _ in row) + len(ids) <= length), None) if pack else None
+        if row is None:
+            row = []
+            rows.append(row)
+        row.append((ids, mask))
+    batch = {key: np.zeros((len(rows), length), np.int32) for key in ("tokens", "mask", "segments", "positions")}
+    for r, row in enumerate(rows):
+        at = 0
+        for number, (ids, mask) in enumerate(row, 1):
+            span = slice(at, at + len(ids))
+            batch["tokens"][r, span], batch["mask"][r, span] = ids, mask
+            batch["segments"][r, span], batch["positions"][r, span] = number, np.arange(len(ids))
+            batch["mask"][r, at] = 0  # an example's first token is predicted from nothing of its own
+            at += len(ids)
+    return batch, cut

@@ -261,7 +261,9 @@ class TransformerLM(nnx.Module):
 
 def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Cross-entropy (nats) of each prediction of ``tokens[:, 1:]`` from ``tokens[:, :-1]``, and
-    which predictions count (0 where the input or the target is padding, ``segments == 0``).
+    which predictions count (0 where the input or the target is padding, ``segments == 0``, and
+    where a ``mask`` beside the tokens is 0: supervised fine-tuning learns only the tokens it
+    marks, an assistant's turns or a completion).
 
     With ``segments``, a document's first token is predicted from the end-of-document token that
     opens it, and its last token predicts the one that closes it (which opens the next)."""
@@ -269,7 +271,8 @@ def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax
     segments, positions = batch.get("segments"), batch.get("positions")
     split = sequence_split(model)
     if split is not None:
-        return _zigzag_token_losses(model, tokens, segments, positions, split)
+        losses, weights = _zigzag_token_losses(model, tokens, segments, positions, split)
+        return losses, _masked(weights, batch)
     if segments is None:
         logits = model(tokens[:, :-1])
         weights = jnp.ones(tokens[:, 1:].shape, jnp.float32)
@@ -277,7 +280,18 @@ def token_losses(model: TransformerLM, batch: dict[str, jax.Array]) -> tuple[jax
         logits = model(tokens[:, :-1], segments[:, :-1], None if positions is None else positions[:, :-1])
         weights = ((segments[:, :-1] > 0) & (segments[:, 1:] > 0)).astype(jnp.float32)
     losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
-    return losses, weights
+    return losses, _masked(weights, batch)
+
+
+def _masked(weights: jax.Array, batch: dict[str, jax.Array]) -> jax.Array:
+    """``weights`` of the predictions of ``tokens[:, 1:]``, zero where the batch's ``mask`` (beside
+    the tokens) does not mark the target."""
+    return weights if "mask" not in batch else weights * (batch["mask"][:, 1:] > 0).astype(weights.dtype)
+
+
+def _weighted_mean(batch: dict[str, jax.Array]) -> bool:
+    """Whether a batch's loss is a weighted mean (some predictions do not count) or a plain one."""
+    return "segments" in batch or "mask" in batch
 
 
 def _zigzag_token_losses(model: TransformerLM, tokens: jax.Array, segments: jax.Array | None,
@@ -320,7 +334,7 @@ def next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) -> Any:
     """Mean cross-entropy of the predictions that count (see ``token_losses``), plus the router's
     terms of a mixture of experts (then with them as metrics: ``with_router_losses``)."""
     losses, weights = token_losses(model, batch)
-    if "segments" not in batch:
+    if not _weighted_mean(batch):
         return with_router_losses(model, losses.mean(), {})
     return with_router_losses(model, (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0), {})
 
@@ -334,7 +348,7 @@ def weighted_next_token_loss(model: TransformerLM, batch: dict[str, jax.Array]) 
     loss ``shardax train`` trains on, so that microbatches of packed or padded rows, which count
     different numbers of tokens, accumulate to the whole batch's update."""
     losses, weights = token_losses(model, batch)
-    if "segments" not in batch:
+    if not _weighted_mean(batch):
         return with_router_losses(model, losses.mean(), {"weight": jnp.asarray(losses.size, jnp.float32)})
     count = weights.sum()
     return with_router_losses(model, (losses * weights).sum() / jnp.maximum(count, 1.0), {"weight": count})
