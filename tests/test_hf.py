@@ -492,3 +492,110 @@ def test_greedy_generation_matches_transformers_generate(checkpoints):
             theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)
         assert tokens == theirs[0, len(prompt):].tolist()
+
+
+# preference pairs from the SFT examples: chosen and rejected completions in rows of 17 tokens
+PAIRS = [(SFT[2 * p], SFT[2 * p + 1]) for p in range(4)]
+
+
+def pair_batch():
+    def rows(side, part):
+        return np.stack([np.pad(pair[side][part], (0, 17 - len(pair[side][part]))) for pair in PAIRS]).astype(np.int32)
+
+    return {"chosen": rows(0, 0), "chosen_mask": rows(0, 1), "rejected": rows(1, 0), "rejected_mask": rows(1, 1)}
+
+
+def hf_sequence_logprobs(folder, batch):
+    """transformers' log-probability of each row's marked tokens, chosen rows then rejected."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    out = []
+    for side in ("chosen", "rejected"):
+        tokens, mask = batch[side], batch[side + "_mask"]
+        with torch.no_grad():
+            logits = model(torch.tensor(tokens[:, :-1])).logits.double().numpy()
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        out.append((np.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0] * mask[:, 1:]).sum(1))
+    return out
+
+
+def params_grad(loss, model):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return jax.jit(jax.grad(lambda params: loss(nnx.merge(graphdef, params, rest))))(params)
+
+
+def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
+    """DPO of a Llama 3 checkpoint against a Qwen3 one as the reference (log-probabilities given with
+    the batch): the loss and rewards equal the formula on transformers' log-probabilities of the
+    same pairs, and its gradient is the formula's: the sum over pairs of each pair's weight times
+    the gradient of (chosen - rejected) log-probability."""
+    from shardax.models.preference import dpo_loss, sequence_logprobs
+
+    beta, smoothing = 0.5, 0.1
+    batch = pair_batch()
+    policy = hf_sequence_logprobs(checkpoints["llama3"][0], batch)
+    reference = hf_sequence_logprobs(checkpoints["qwen3"][0], batch)
+    batch |= {"reference_chosen": reference[0].astype(np.float32), "reference_rejected": reference[1].astype(np.float32)}
+    margin = beta * ((policy[0] - reference[0]) - (policy[1] - reference[1]))
+    log_sigmoid = lambda x: -np.log1p(np.exp(-x))  # noqa: E731
+    expected = (-(1 - smoothing) * log_sigmoid(margin) - smoothing * log_sigmoid(-margin)).mean()
+    model = hf.load(checkpoints["llama3"][0], "data=8", "fsdp").model()
+    loss_fn = dpo_loss(beta, smoothing)
+    loss, metrics = jax.jit(loss_fn)(model, batch)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["reward_margin"]), margin.mean(), rtol=1e-5, atol=1e-6)
+    assert float(metrics["reward_accuracy"]) == (margin > 0).mean()
+    sigmoid = 1 / (1 + np.exp(-margin))
+    weights = (-beta * ((1 - smoothing) * (1 - sigmoid) - smoothing * sigmoid) / len(PAIRS)).astype(np.float32)
+    got = params_grad(lambda m: loss_fn(m, batch)[0], model)
+    want = params_grad(lambda m: (weights * (sequence_logprobs(m, batch["chosen"], batch["chosen_mask"])
+                                             - sequence_logprobs(m, batch["rejected"], batch["rejected_mask"]))).sum(),
+                       model)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * np.abs(np.asarray(w)).max(),
+                                   err_msg=path_to_str(path))
+
+
+def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(checkpoints):
+    """A LoRA model with no reference given uses its base weights (adapters left out) as the
+    reference: the loss, rewards and the adapters' gradients equal those with the reference's
+    log-probabilities computed beforehand by the checkpoint loaded without adapters."""
+    from shardax import LoRA
+    from shardax.models.preference import dpo_loss, sequence_logprobs
+
+    folder = checkpoints["llama3"][0]
+    model = hf.load(folder, "data=4,model=2", "fsdp_tp", lora=LoRA(2, targets="q,v,up")).model()
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    adapters = jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape), adapters)  # B no longer 0
+    model = nnx.merge(graphdef, adapters, rest)
+    base = hf.load(folder, "data=4,model=2", "fsdp_tp").model()
+    batch = pair_batch()
+    given = batch | {"reference_chosen": sequence_logprobs(base, batch["chosen"], batch["chosen_mask"]),
+                     "reference_rejected": sequence_logprobs(base, batch["rejected"], batch["rejected_mask"])}
+    loss_fn = dpo_loss(0.2)
+    (implicit, metrics), (explicit, expected) = loss_fn(model, batch), loss_fn(model, given)
+    np.testing.assert_allclose(float(implicit), float(explicit), rtol=1e-5)
+    assert float(metrics["reward_margin"]) != 0 and float(implicit) != pytest.approx(np.log(2))
+    for name in metrics:
+        np.testing.assert_allclose(float(metrics[name]), float(expected[name]), rtol=1e-5, atol=1e-6)
+
+    def adapter_grad(batch):
+        return nnx.jit(nnx.grad(lambda m: loss_fn(m, batch)[0], argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7),
+                 adapter_grad(batch), adapter_grad(given))
+    # in a compiled train step: the adapters start at B = 0, so the policy is its reference (loss log 2)
+    import optax
+
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.sgd(1.0), lora=LoRA(2, targets="q,v,up"))
+    before = [np.asarray(leaf) for leaf in jax.tree.leaves(loaded.state.params)]
+    state, stepped = loaded.parallel.train_step(loss_fn)(loaded.state, loaded.parallel.place_batch(batch))
+    np.testing.assert_allclose(float(stepped["loss"]), np.log(2), rtol=1e-6)
+    moved = [path_to_str(p) for (p, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params), before)
+             if not np.array_equal(np.asarray(new), old)]
+    assert sorted(moved) == [f"blocks/layers/lora_{t}_b" for t in ("q", "up", "v")]
+    with pytest.raises(UsageError, match="dpo_loss reads pairs: the batch lacks chosen, rejected"):
+        loss_fn(model, {"tokens": TOKENS})
+    with pytest.raises(UsageError, match="dpo_loss needs the reference's log-probabilities"):
+        loss_fn(base, batch)
