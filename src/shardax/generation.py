@@ -12,8 +12,9 @@ nothing when its bucket has been seen. The cache grows as it fills, doubling fro
 (16, 32, 64, ...: one compiled step per length), so each step attends over at most twice the
 tokens so far, not the longest length asked for: a token's cost does not depend on how many
 more are to come. A model whose every layer has the same sliding window keeps a ring of the
-window (and at least the prompt): its cache stops growing there, however long the text. Inside a scanned stack of layers the cache travels through the scan whole
-and each layer writes its one new token in place (``shardax.blocks.CacheLayer``).
+window (and at least the prompt): its cache stops growing there, however long the text. Inside
+a scanned stack of layers the cache travels through the scan whole and each layer writes its
+one new token in place (``shardax.blocks.CacheLayer``).
 
 On a mesh (the model's parameters placed by ``parallelize``) the cache is split like the
 attention it serves: rows over the data axes, key/value heads over ``model`` where they divide.
