@@ -48,6 +48,8 @@ def _make_workspace(root, small_corpus):
     (root / "bad" / "empty.txt").write_text("")
     (root / "bad" / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
     (root / "bad" / "other.jsonl").write_text('{"body": "text under another name"}\n')
+    reply = '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+    (root / "bad" / "noreply.jsonl").write_text(reply + '{"messages": [{"role": "user", "content": "Hi"}]}\n')
     pytest.importorskip("pyarrow.parquet").write_table(
         __import__("pyarrow").table({"body": ["text under another name"]}), root / "bad" / "other.parquet")
     (root / "not_shardax" / "7").mkdir(parents=True)
@@ -160,6 +162,10 @@ def test_bad_train_input(args, message, workspace, capsys):
     ("latin1.txt", [], "latin1.txt is not UTF-8 text (byte 3: b'\\xe9'); convert it"),
     ("other.jsonl", [], "other.jsonl line 1 has no field 'text' (it has body); pass --field NAME"),
     ("other.parquet", [], "other.parquet has no column 'text' (it has body); pass --field NAME"),
+    ("noreply.jsonl", [], "noreply.jsonl line 2: the conversation has no assistant turn, so nothing in it would"),
+    ("noreply.jsonl", ["--tokenizer", "bpe"], "--tokenizer bpe trains on documents, and --data holds conversations"),
+    ("noreply.jsonl", ["--chat-template", "{root}/text"], "has no chat template (no chat_template in"),
+    ("other.jsonl", ["--chat-template", "{root}/text"], "--chat-template {root}/text applies to conversations"),
     ("other.parquet", ["--tokenizer", "bpe", "--vocab-size", "9"], "--vocab-size 9: a byte-level BPE needs"),
     ("latin1.txt", ["--tokenizer", "{root}/shards_bpe/index.json"], "is not a Hugging Face tokenizer.json"),
 ])
@@ -168,6 +174,7 @@ def test_bad_prepare_input(name, extra, message, workspace, capsys):
     extra = [arg.replace("{root}", str(workspace)) for arg in extra]
     assert exit_code(["prepare", str(workspace / "bad" / name), "--out", str(workspace / "new"), *extra]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
+    message = message.replace("{root}", str(workspace))
     assert len(lines) == 1 and lines[0].startswith("shardax prepare: error: ") and message in lines[0], lines
     assert snapshot(workspace) == before
 

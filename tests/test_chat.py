@@ -149,3 +149,65 @@ def test_examples_that_cannot_train_are_one_line_naming_file_and_line(record, me
     with pytest.raises(UsageError) as error:
         list(supervised_examples(path, ByteTokenizer(), template))
     assert f"{path} {message}" in str(error.value) and "\n" not in str(error.value)
+    from shardax.data.prepare import prepare  # the same from shardax prepare, which writes nothing
+
+    (tmp_path / "inst.jinja").write_text(INST)
+    with pytest.raises(UsageError) as error:
+        prepare([path], tmp_path / "out", template=str(tmp_path / "inst.jinja"), workers=1, show_progress=False)
+    message = message.replace("of the test", str(tmp_path / "inst.jinja"))
+    assert f"{path} {message}" in str(error.value) and not (tmp_path / "out").exists()
+
+
+def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(tmp_path):
+    """``prepare`` on conversations (the built-in set and a prompt/completion line): every example
+    once, in the split its text hashes to, with the tokens and mask ``supervised_tokens`` gives;
+    rows hold whole examples (a long one cut, and counted) and the batch of a step lands on its
+    devices as the rows it names, the same for the same seed."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from shardax.data.chat import BUILT_IN
+    from shardax.data.conversations import assistant_text, lay_rows, supervised_tokens
+    from shardax.data.examples import ExampleRows, Examples, validation_rows
+    from shardax.data.prepare import is_validation, prepare
+    from shardax.data.python_chats import conversations
+    from shardax.data.tokenizer import ByteTokenizer
+
+    records = conversations()[:60] + [{"prompt": "2 + 2 =", "completion": " 4"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    done = prepare([path], tmp_path / "out", workers=1, show_progress=False, validation_fraction=0.2)
+    assert done.index["kind"] == "conversations" and done.index["chat_template"] == BUILT_IN.where
+    expected = {"train": [], "validation": []}
+    for number, record in enumerate(records, 1):
+        text, spans = assistant_text(record, BUILT_IN, f"line {number}")
+        expected["validation" if is_validation(text, 0.2) else "train"].append(
+            supervised_tokens(ByteTokenizer(), text, spans))
+    splits = done.index["splits"]
+    for split, wanted in expected.items():
+        examples = Examples(done.root, splits[split]["shards"], "uint16", 257)
+        got = [examples.example(i, 1 << 20) for i in range(len(examples))]
+        assert len(got) == len(wanted) > 0 and splits[split]["trained"] == sum(int(m.sum()) for _, m in wanted)
+        for (ids, mask), (want_ids, want_mask) in zip(got, wanted):
+            np.testing.assert_array_equal(ids, want_ids)
+            np.testing.assert_array_equal(mask, want_mask)
+    train = Examples(done.root, splits["train"]["shards"], "uint16", 257)
+    rows = ExampleRows(train, 127, 8, seed=3)
+    assert sorted(i for row in rows.plan for i in row) == list(range(len(train)))  # each example once
+    assert rows.cut == int((train.lengths > 128).sum()) > 0
+    assert all(sum(min(int(train.lengths[i]), 128) for i in row) <= 128 for row in rows.plan)
+    assert len(rows.plan) < len(train)  # packing shares rows
+    mesh = jax.make_mesh((8,), ("data",))
+    batch = rows.global_batch(1, NamedSharding(mesh, PartitionSpec("data")))
+    named = [rows.plan[int(rows.order[i])] for i in range(8, 16)]
+    laid = lay_rows([[train.example(i, 128) for i in row] for row in named], 128)
+    for key, value in batch.items():
+        for shard in value.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), laid[key][shard.index], err_msg=key)
+    again = ExampleRows(train, 127, 8, seed=3).global_batch(1, NamedSharding(mesh, PartitionSpec("data")))
+    np.testing.assert_array_equal(np.asarray(again["tokens"]), np.asarray(batch["tokens"]))
+    other = ExampleRows(train, 127, 8, seed=4).global_batch(1, NamedSharding(mesh, PartitionSpec("data")))
+    assert not np.array_equal(np.asarray(other["tokens"]), np.asarray(batch["tokens"]))
+    held = validation_rows(Examples(done.root, splits["validation"]["shards"], "uint16", 257), 127, 8, 4)
+    assert sum(int(b["mask"].sum()) for b in held) == sum(int(m[1:128].sum()) for _, m in expected["validation"])

@@ -360,6 +360,49 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
     assert big.returncode == 2 and "has no tokenizer.json; give the one the model was trained with" in big.stderr
 
 
+def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template(with_tokenizer, tmp_path):
+    """``shardax train --init-from DIR --data chats.jsonl``: the conversations render with the
+    checkpoint's own template, and the first step's loss (LoRA: the model as loaded) is
+    transformers' with labels -100 outside the assistant's tokens, on the examples that step's
+    rows hold, under fsdp_tp."""
+    import torch
+    import transformers
+
+    from cli_helpers import read_metrics, shardax
+    from shardax.data.examples import ExampleRows
+    from shardax.data.python_chats import conversations
+    from shardax.lm.data import open_data
+
+    folder = tmp_path / "chat-model"
+    shutil.copytree(with_tokenizer, folder)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(chat) + "\n" for chat in conversations()[:48]))
+    done = shardax("train", "--init-from", folder, "--data", chats, "--lora-rank", 4, "--strategy", "fsdp_tp",
+                   "--mesh", "data=4,model=2", "--seq-len", 64, "--batch-size", 8, "--steps", 2, "--log-every", 1,
+                   "--eval-every", 0, "--sample-bytes", 4, "--metrics", tmp_path / "m.jsonl",
+                   "--checkpoint-dir", tmp_path / "ckpt")
+    assert f"rendered with the chat template of {folder}" in done.stdout and "tokens learned (the assistant's)" in done.stdout
+    data = open_data([str(chats)], str(folder / "tokenizer.json"), None, None, 64)  # the run's own cache
+    rows = ExampleRows(data.train, 64, 8, seed=0)
+    examples = [data.train.example(i, 65) for n in range(8) for i in rows.plan[int(rows.order[n])]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for ids, mask in examples:
+            labels = torch.tensor(np.where(mask > 0, ids, -100).astype(np.int64))
+            labels[0] = -100  # an example's first token is predicted from nothing of its own
+            learned = float((labels[1:] != -100).sum())
+            if learned:
+                total += float(model(torch.tensor(ids.astype(np.int64))[None], labels=labels[None]).loss) * learned
+                count += learned
+    metrics = read_metrics(tmp_path / "m.jsonl")
+    np.testing.assert_allclose(metrics[0]["loss"], total / count, rtol=1e-5)
+    assert math.isfinite(next(r for r in metrics if "val_loss" in r)["val_loss"])
+
+
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):
     """LoRA on a loaded checkpoint under fsdp_tp: it starts as the checkpoint (B is zero), only
     the adapters train and hold optimizer state, each split like its base weight; the merged

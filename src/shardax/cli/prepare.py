@@ -5,19 +5,28 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from shardax.data.conversations import DATA_FORMATS
+
 
 def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "prepare", help="tokenize a corpus into token shards on disk (once; train then reads them lazily)",
         description="Tokenize text files (one document each), JSON lines and Parquet files (one document per "
                     "line or row) into token shards with an index, in parallel. Documents are held out for "
-                    "validation by a hash of their text. Running it again on unchanged inputs does nothing.")
+                    "validation by a hash of their text. Running it again on unchanged inputs does nothing. "
+                    "JSON lines or Parquet of conversations ('messages', or 'prompt' and 'completion') are "
+                    "rendered with a chat template and stored with a mask of the tokens to learn (the "
+                    "assistant's), for supervised fine-tuning; python-chats names a built-in set of them.")
     add = parser.add_argument
     add("inputs", nargs="+", help="text, .jsonl or .parquet files, or folders of them")
     add("--out", required=True, help="directory for the shards (created; train with --data DIR)")
     add("--tokenizer", default="bytes", help="bytes (default), bpe (trained on the corpus) or a tokenizer.json file")
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary size (default 4096)")
     add("--field", default="text", help="the text field of .jsonl and .parquet inputs (default text)")
+    add("--format", default="auto", choices=("auto", *DATA_FORMATS),
+        help="documents or conversations (default: told by each file's first record)")
+    add("--chat-template", help="conversations: a checkpoint's folder or a .jinja file to render them with "
+                                "(default: the one beside --tokenizer, else shardax's built-in template)")
     add("--validation-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
     add("--workers", type=int, help="processes that tokenize (default: one per core)")
     add("--overwrite", action="store_true", help="replace shards made with another tokenizer")
@@ -32,15 +41,20 @@ def prepare_command(args: argparse.Namespace) -> int:
 
         raise UsageError(f"--workers {args.workers} must be at least 1")
     done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, field=args.field,
-                   validation_fraction=args.validation_fraction, workers=args.workers, overwrite=args.overwrite)
+                   validation_fraction=args.validation_fraction, workers=args.workers, overwrite=args.overwrite,
+                   data_format=args.format, template=args.chat_template)
     splits = done.index["splits"]
     if not done.built:
         print(f"{done.root}: {done.reason}; nothing to do")
         return 0
+    kind = "conversations" if done.index.get("kind") == "conversations" else "documents"
     for split in ("train", "validation"):
         counts = splits[split]
-        print(f"{split}: {counts['documents']:,} documents, {counts['tokens']:,} tokens, {counts['bytes']:,} bytes "
-              f"in {len(counts['shards'])} shards")
+        learned = f" ({counts['trained']:,} to learn)" if "trained" in counts else ""
+        print(f"{split}: {counts['documents']:,} {kind}, {counts['tokens']:,} tokens{learned}, {counts['bytes']:,} "
+              f"bytes in {len(counts['shards'])} shards")
+    if kind == "conversations":
+        print(f"rendered with {done.index['chat_template']}")
     skipped = done.index.get("skipped") or []
     print(f"{done.root}: {done.index['tokenizer_name']} tokens ({done.reason})"
           + (f"; skipped {len(skipped)} empty files" if skipped else ""))

@@ -61,6 +61,9 @@ def _add_data_flags(group: Any) -> None:
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
                                        "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
+    add("--chat-template", help="conversations (.jsonl/.parquet of messages or prompt/completion): the template "
+                                "to render them with, a checkpoint's folder or a .jinja file (default: the "
+                                "tokenizer's own, else shardax's built-in one)")
     add("--seq-len", type=int, help="tokens per training sequence (bytes with the byte tokenizer; default: the "
                                     "preset's, 64 for tiny)")
 

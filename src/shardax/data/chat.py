@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -78,6 +79,19 @@ class ChatTemplate:
     source: str
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
     where: str = "the chat template"
+
+    @property
+    def fingerprint(self) -> str:
+        """What the template renders with (its source and special tokens), as a short hash."""
+        text = json.dumps([self.source, dict(sorted(self.special_tokens.items()))])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def end_of_turn(self) -> str:
+        """What the template writes after an assistant's reply (``<|eot_id|>``, ``<|im_end|>``,
+        ``</s>``...), found by rendering one: where generation stops."""
+        marker = "\ue000reply\ue000"
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+        return text[text.index(marker) + len(marker):].strip() if marker in text else ""
 
     @classmethod
     def from_tokenizer_config(cls, directory: str | Path) -> ChatTemplate:
@@ -140,3 +154,32 @@ def check_messages(messages: Any, where: str = "the conversation") -> None:
             raise UsageError(f"{where}: message {index} is not {{'role': ..., 'content': ...}} ({str(message)[:60]})")
         if message["role"] not in ROLES:
             raise UsageError(f"{where}: message {index} has role {message['role']!r}; use one of {', '.join(ROLES)}")
+
+
+BUILT_IN = ChatTemplate(
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    {}, "shardax's built-in chat template (<|role|> before each turn, <|end|> after it)")
+
+
+def chat_template(given: str | Path | None, tokenizer: str | Path | None = None) -> ChatTemplate:
+    """The template conversations render with: ``given`` (a checkpoint's folder or a ``.jinja``
+    file), else the one beside a ``tokenizer.json`` file, else ``BUILT_IN`` (named in the header)."""
+    if given is not None:
+        path = Path(given)
+        if path.is_file():
+            return ChatTemplate(path.read_text(), {}, f"the chat template {path}")
+        if not path.is_dir():
+            raise UsageError(f"--chat-template {given} is neither a checkpoint's folder nor a .jinja file")
+        return ChatTemplate.from_tokenizer_config(path)
+    folder = Path(tokenizer).parent if tokenizer is not None and Path(tokenizer).is_file() else None
+    if folder is not None and ((folder / "chat_template.jinja").is_file() or "chat_template" in _config(folder)):
+        return ChatTemplate.from_tokenizer_config(folder)
+    return BUILT_IN
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}

@@ -18,6 +18,7 @@ assistant turn, an empty completion, a template that fails to render it.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from shardax.data.chat import ChatTemplate, check_messages
+from shardax.data.chat import ChatTemplate, chat_template, check_messages
+from shardax.data.documents import detect_format
 from shardax.errors import UsageError
 
 FORMATS = ("messages", "prompt/completion")
+DATA_FORMATS = ("documents", "conversations")  # what shardax prepare reads (--format; auto: detected)
 
 
 def format_of(record: Any, where: str) -> str:
@@ -114,33 +117,69 @@ def supervised_examples(path: str | Path, tokenizer: Any,
             yield supervised_tokens(tokenizer, *assistant_text(record, template, where))
 
 
-def supervised_rows(examples: Sequence[tuple[np.ndarray, np.ndarray]], length: int, *,
-                    pack: bool = True) -> tuple[dict[str, np.ndarray], int]:
-    """Examples (token ids and their loss mask) laid into rows of ``length`` tokens, as a batch
-    for ``next_token_loss``: ``tokens``, ``mask``, ``segments`` (each row's examples numbered from
-    1, 0 for padding: attention stays within an example) and ``positions`` (from 0 in each
-    example). One example a row, or packed (each into the first row with room for it); no
-    prediction crosses from one example into the next. An example longer than a row is cut to it;
-    returns the rows and how many examples were cut."""
+def plan_rows(lengths: Sequence[int], length: int, *, pack: bool = True) -> list[list[int]]:
+    """Which examples (by index, in order) each row of ``length`` tokens holds: one a row, or
+    packed (each into the fullest row it still fits, best fit); an example longer than a row
+    has a row of its own and is cut to it."""
     if length < 2:
         raise UsageError(f"rows of {length} tokens cannot hold a prediction; give at least 2")
-    rows: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    cut = 0
-    for ids, mask in examples:
-        cut += len(ids) > length
-        ids, mask = np.asarray(ids)[:length], np.asarray(mask)[:length]
-        row = next((row for row in rows if sum(len(i) for i, _ in row) + len(ids) <= length), None) if pack else None
-        if row is None:
-            row = []
-            rows.append(row)
-        row.append((ids, mask))
+    rows: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # (room left, row), sorted: the best fit is the first with room enough
+    for index, size in enumerate(lengths):
+        size = min(int(size), length)
+        at = bisect.bisect_left(rooms, (size, -1)) if pack else len(rooms)
+        if at < len(rooms):
+            room, row = rooms.pop(at)
+        else:
+            room, row = length, len(rows)
+            rows.append([])
+        rows[row].append(index)
+        if pack and room - size > 1:  # a row with one token of room cannot hold a prediction
+            bisect.insort(rooms, (room - size, row))
+    return rows
+
+
+def lay_rows(rows: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], length: int) -> dict[str, np.ndarray]:
+    """Rows of examples (token ids and their loss masks) as a batch for ``next_token_loss``:
+    ``tokens``, ``mask``, ``segments`` (each row's examples numbered from 1, 0 for padding:
+    attention stays within an example) and ``positions`` (from 0 in each example). Each example is
+    cut to the row; its first token is never learned (no prediction crosses examples)."""
     batch = {key: np.zeros((len(rows), length), np.int32) for key in ("tokens", "mask", "segments", "positions")}
     for r, row in enumerate(rows):
         at = 0
         for number, (ids, mask) in enumerate(row, 1):
+            ids, mask = np.asarray(ids)[: length - at], np.asarray(mask)[: length - at]
             span = slice(at, at + len(ids))
             batch["tokens"][r, span], batch["mask"][r, span] = ids, mask
             batch["segments"][r, span], batch["positions"][r, span] = number, np.arange(len(ids))
             batch["mask"][r, at] = 0  # an example's first token is predicted from nothing of its own
             at += len(ids)
-    return batch, cut
+    return batch
+
+
+def supervised_rows(examples: Sequence[tuple[np.ndarray, np.ndarray]], length: int, *,
+                    pack: bool = True) -> tuple[dict[str, np.ndarray], int]:
+    """Examples (token ids and their loss mask) laid into rows of ``length`` tokens (``plan_rows``,
+    ``lay_rows``): the batch, and how many examples were longer than a row and cut to it."""
+    plan = plan_rows([len(ids) for ids, _ in examples], length, pack=pack)
+    cut = sum(len(ids) > length for ids, _ in examples)
+    return lay_rows([[examples[i] for i in row] for row in plan], length), cut
+
+
+def conversation_settings(files: Sequence[Path], field: str, data_format: str, given_template: str | None,
+                   request: dict[str, Any]) -> tuple[dict[str, Any], ChatTemplate | None]:
+    """For conversations (detected, or ``data_format``), the settings that define their shards and
+    the chat template they render with; ``({}, None)`` for documents."""
+    if data_format not in ("auto", *DATA_FORMATS):
+        raise UsageError(f"--format {data_format!r} is not one of auto, {', '.join(DATA_FORMATS)}")
+    kind = detect_format(files, field) if data_format == "auto" else data_format
+    if kind == "documents":
+        if given_template is not None:
+            raise UsageError(f"--chat-template {given_template} applies to conversations, and --data holds "
+                             "documents; leave it out, or give .jsonl/.parquet files of messages")
+        return {}, None
+    if request["kind"] == "bpe":
+        raise UsageError("--tokenizer bpe trains on documents, and --data holds conversations; give the "
+                         "checkpoint's tokenizer.json (or bytes)")
+    template = chat_template(given_template, request.get("path"))
+    return {"kind": "conversations", "chat_template": template.fingerprint}, template

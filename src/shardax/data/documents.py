@@ -1,9 +1,10 @@
 """Documents from text files, JSON lines and Parquet files, cut into units of work for ``prepare``.
 
 A text file is one document; a JSON-lines file holds one document per line (its ``field``);
-a Parquet file one per row (its ``field`` column). Units are cut at fixed input sizes (never
-by the number of workers), so the shards ``prepare`` writes do not depend on how many
-processes wrote them.
+a Parquet file one per row (its ``field`` column). JSON lines and Parquet rows may instead hold
+conversations (``messages``, or ``prompt`` and ``completion``): ``detect_format`` tells which.
+Units are cut at fixed input sizes (never by the number of workers), so the shards ``prepare``
+writes do not depend on how many processes wrote them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from shardax.data.corpus import TEXT_SUFFIXES
+from shardax.data.python_chats import NAME as PYTHON_CHATS
+from shardax.data.python_chats import python_chats_file
 from shardax.errors import UsageError
 
 JSON_LINES = {".jsonl", ".ndjson"}
@@ -45,9 +49,11 @@ def input_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
     files, skipped = [], []
     for given in paths:
         path = Path(given)
+        if str(given) == PYTHON_CHATS and not path.exists():  # the built-in conversation set
+            path = python_chats_file()
         if not path.exists():
             raise UsageError(f"--data {str(given)!r} does not exist; give text, .jsonl or .parquet files or "
-                             "folders of them")
+                             f"folders of them (or {PYTHON_CHATS}, the built-in conversations)")
         if path.is_file():
             if path.stat().st_size == 0:
                 raise UsageError(f"{path} is empty; remove it from the inputs")
@@ -81,7 +87,7 @@ def _jsonl_pieces(path: Path, size: int) -> list[Piece]:
     return [Piece(str(path), "jsonl", a, b, b - a) for a, b in zip(cuts, cuts[1:])]
 
 
-def _parquet_pieces(path: Path, field: str) -> list[Piece]:
+def _parquet_pieces(path: Path, field: str | None) -> list[Piece]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -91,15 +97,16 @@ def _parquet_pieces(path: Path, field: str) -> list[Piece]:
     except Exception as error:  # pyarrow's own exception types
         raise UsageError(f"{path}: not a readable Parquet file ({str(error)[:100]})") from None
     columns = meta.schema_arrow.names
-    if field not in columns:
+    if field is not None and field not in columns:
         raise UsageError(f"{path} has no column {field!r} (it has {', '.join(columns)}); pass --field NAME")
     groups = meta.metadata.num_row_groups
     size = path.stat().st_size
     return [Piece(str(path), "parquet", g, g + 1, size // max(groups, 1)) for g in range(groups)]
 
 
-def plan_units(files: Sequence[Path], field: str) -> list[list[Piece]]:
-    """The inputs as units of about ``UNIT_BYTES`` each, in input order."""
+def plan_units(files: Sequence[Path], field: str | None) -> list[list[Piece]]:
+    """The inputs as units of about ``UNIT_BYTES`` each, in input order (``field`` None: records
+    of conversations, no text column to check)."""
     pieces: list[Piece] = []
     for path in files:
         kind, size = _kind(path), path.stat().st_size
@@ -126,6 +133,67 @@ def _decoded(data: bytes, where: str) -> str:
     except UnicodeDecodeError as error:
         raise UsageError(f"{where} is not UTF-8 text (byte {error.start}: {data[error.start:error.start + 1]!r}); "
                          "convert it (e.g. iconv -t utf-8) or leave it out") from None
+
+
+def _first_record(path: Path) -> Any:
+    """The first record of a JSON-lines or Parquet file (None when there is none, or it is not JSON)."""
+    if _kind(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(path).iter_batches(batch_size=1)
+        first = next(rows, None)
+        return first.to_pylist()[0] if first is not None and first.num_rows else None
+    with path.open("rb") as handle:
+        for line in handle:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    return None
+    return None
+
+
+def detect_format(files: Sequence[Path], field: str) -> str:
+    """``"documents"`` (text files, or records with a ``field``) or ``"conversations"`` (records
+    with ``messages``, or ``prompt`` and ``completion``), read off each file's first record;
+    inputs of both kinds are refused in one line naming one of each."""
+    kinds: dict[str, Path] = {}
+    for path in files:
+        record = _first_record(path) if _kind(path) != "text" else None
+        conversation = isinstance(record, dict) and field not in record and (
+            "messages" in record or {"prompt", "completion"} <= set(record) or {"chosen", "rejected"} <= set(record))
+        kinds.setdefault("conversations" if conversation else "documents", path)
+    if len(kinds) > 1:
+        raise UsageError(f"--data mixes documents ({kinds['documents']}) and conversations "
+                         f"({kinds['conversations']}); prepare them into separate directories")
+    return next(iter(kinds))
+
+
+def read_records(piece: Piece) -> Iterator[tuple[str, Any]]:
+    """The records of a JSON-lines byte range or a Parquet row group, each with where it is
+    (``file line N``, or ``file row N``) for one-line errors."""
+    path = Path(piece.path)
+    if piece.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(path).read_row_group(piece.start)
+        first = sum(pq.ParquetFile(path).metadata.row_group(g).num_rows for g in range(piece.start))
+        for number, record in enumerate(table.to_pylist(), first + 1):
+            yield f"{path} row {number}", record
+        return
+    if piece.kind != "jsonl":
+        raise UsageError(f"{path} is text; conversations are read from .jsonl or .parquet files")
+    with path.open("rb") as handle:
+        handle.seek(piece.start)
+        lines = handle.read(piece.stop - piece.start).splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}" + (f" after byte {piece.start}" if piece.start else "")
+        try:
+            yield where, json.loads(_decoded(line, where))
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{where} is not JSON ({error.msg}); give one JSON object per line") from None
 
 
 def read_piece(piece: Piece, field: str) -> Iterator[str]:

@@ -7,6 +7,8 @@ Layout of a prepared directory::
     train-00000.tokens         the split's documents, each as [end-of-document, its tokens...], raw uint16/uint32
     train-00000.docs.npy       int64 offsets of each document's start in that file, then the file's length
     validation-00000.tokens    documents held out by a hash of their text (the same split on every machine)
+    train-00000.mask           conversations only: 1 for each token the loss learns (the assistant's), uint8
+    chat_template.jinja        conversations only: the template they were rendered with
 
 Every document starts with the end-of-document token, so a stream of them reads
 ``<eod> doc <eod> doc ...``: the token that ends one document begins the next, and a window cut
@@ -31,9 +33,18 @@ from typing import Any
 
 import numpy as np
 
-from shardax.data.documents import Piece, input_files, plan_units, read_piece
-from shardax.data.tokenizer import (END_OF_DOCUMENT, ByteTokenizer, Tokenizer, check_bpe_vocab, from_json,
-                                    load_tokenizer, train_bpe)
+from shardax.data.chat import ChatTemplate
+from shardax.data.conversations import assistant_text, conversation_settings, supervised_tokens
+from shardax.data.documents import Piece, input_files, plan_units, read_piece, read_records
+from shardax.data.tokenizer import (
+    END_OF_DOCUMENT,
+    ByteTokenizer,
+    Tokenizer,
+    check_bpe_vocab,
+    from_json,
+    load_tokenizer,
+    train_bpe,
+)
 from shardax.errors import UsageError
 
 FORMAT = 1
@@ -117,9 +128,31 @@ def _bpe_sample(units: Sequence[Sequence[Piece]], field: str, fraction: float) -
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
+def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str,
+             template: ChatTemplate | None) -> Iterator[tuple[str, np.ndarray, np.ndarray | None]]:
+    """Each document of ``unit`` as (its text, its ids, None); with a chat ``template``, each
+    conversation as (its rendered text, its ids, its loss mask)."""
+    if template is not None:
+        for piece in unit:
+            for where, record in read_records(piece):
+                text, spans = assistant_text(record, template, where)
+                yield (text, *supervised_tokens(tokenizer, text, spans))
+        return
+    pending: list[str] = []
+    for piece in unit:
+        for text in read_piece(piece, field):
+            pending.append(text)
+            if len(pending) >= ENCODE_BATCH:
+                yield from ((text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
+                pending = []
+    yield from ((text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
+
+
 def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_of_document: str, field: str,
-                   fraction: float, folder: str, dtype: str) -> dict[str, dict[str, int]]:
-    """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit; their counts."""
+                   fraction: float, folder: str, dtype: str,
+                   template: ChatTemplate | None = None) -> dict[str, dict[str, int]]:
+    """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit (with a ``.mask`` of the tokens
+    the loss learns, for conversations); their counts."""
     if tokenizer_json not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[tokenizer_json] = from_json(tokenizer_json, "tokenizer.json", end_of_document)
     tokenizer = _WORKER_TOKENIZERS[tokenizer_json]
@@ -128,28 +161,20 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_
     offsets: dict[str, list[int]] = {split: [] for split in SPLITS}
     names = {split: Path(folder) / f"{split}-{number:05d}" for split in SPLITS}
     handles = {split: open(names[split].with_suffix(".tokens"), "wb") for split in SPLITS}
+    masks = {split: open(names[split].with_suffix(".mask"), "wb") for split in SPLITS} if template else {}
     try:
-        pending: list[str] = []
-
-        def flush() -> None:
-            for text, ids in zip(pending, tokenizer.encode_batch(pending)):
-                split = "validation" if is_validation(text, fraction) else "train"
-                offsets[split].append(counts[split]["tokens"])
-                handles[split].write(eod.tobytes())
-                handles[split].write(ids.astype(dtype).tobytes())
-                counts[split]["tokens"] += 1 + ids.size
-                counts[split]["documents"] += 1
-                counts[split]["bytes"] += 1 + len(text.encode("utf-8"))
-            pending.clear()
-
-        for piece in unit:
-            for text in read_piece(piece, field):
-                pending.append(text)
-                if len(pending) >= ENCODE_BATCH:
-                    flush()
-        flush()
+        for text, ids, mask in _encoded(unit, tokenizer, field, template):
+            split = "validation" if is_validation(text, fraction) else "train"
+            offsets[split].append(counts[split]["tokens"])
+            handles[split].write(eod.tobytes() + ids.astype(dtype).tobytes())
+            if mask is not None:
+                masks[split].write(b"\0" + mask.astype(np.uint8).tobytes())
+                counts[split]["trained"] = counts[split].get("trained", 0) + int(mask.sum())
+            counts[split]["tokens"] += 1 + ids.size
+            counts[split]["documents"] += 1
+            counts[split]["bytes"] += 1 + len(text.encode("utf-8"))
     finally:
-        for handle in handles.values():
+        for handle in [*handles.values(), *masks.values()]:
             handle.close()
     for split in SPLITS:
         np.save(names[split].with_suffix(".docs.npy"), np.asarray(offsets[split] + [counts[split]["tokens"]], np.int64))
@@ -163,7 +188,7 @@ def shard_digest(path: Path) -> str:
 
 
 def _shard_files(name: str) -> list[str]:
-    return [f"{name}.tokens", f"{name}.docs.npy"]
+    return [f"{name}.tokens", f"{name}.docs.npy", f"{name}.mask"]  # (a mask for conversations only)
 
 
 def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int) -> None:
@@ -174,11 +199,21 @@ def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype:
         for shard in splits["train"]:
             new = shard["name"].replace("validation-", "train-")
             for old_file, new_file in zip(_shard_files(shard["name"]), _shard_files(new)):
-                (folder / old_file).rename(folder / new_file)
+                if (folder / old_file).exists():
+                    (folder / old_file).rename(folder / new_file)
             shard["name"] = new
     last = splits["train"][-1]
     tokens = np.fromfile(folder / f"{last['name']}.tokens", dtype)
     offsets = np.load(folder / f"{last['name']}.docs.npy")
+    mask_file = folder / f"{last['name']}.mask"
+    if mask_file.exists():  # conversations: a whole one is held out, never a piece of one
+        if len(offsets) <= 2:
+            raise UsageError("--data holds a single conversation; give at least two (one is held out to "
+                             "validate on)")
+        mask = np.fromfile(mask_file, np.uint8)
+        mask[: int(offsets[-2])].tofile(mask_file)
+        mask[int(offsets[-2]):].tofile(mask_file.with_name(mask_file.name.replace("train-", "validation-")))
+        last["trained"] = int(mask[: int(offsets[-2])].sum())
     cut = int(offsets[-2]) if len(offsets) > 2 else max(1, int(tokens.size * 0.9))
     held = tokens[cut:] if len(offsets) > 2 else np.concatenate([np.asarray([eod], dtype), tokens[cut:]])
     kept = tokens[:cut]
@@ -191,17 +226,26 @@ def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype:
     moved_docs = 1 if len(offsets) > 2 else 0
     share = held.size / max(tokens.size, 1)
     splits["validation"] = [{"name": name, "tokens": int(held.size), "documents": 1,
-                             "bytes": int(round(last["bytes"] * share))}]
+                             "bytes": int(round(last["bytes"] * share)),
+                             **({"trained": int(mask[int(offsets[-2]):].sum())} if mask_file.exists() else {})}]
     last.update(tokens=int(kept.size), documents=last["documents"] - moved_docs,
                 bytes=int(round(last["bytes"] * (1 - share))))
 
 
 def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fraction: float, folder: Path,
-               dtype: str, workers: int, show_progress: bool) -> list[dict[str, dict[str, int]]]:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+               dtype: str, workers: int, show_progress: bool,
+               template: ChatTemplate | None = None) -> list[dict[str, dict[str, int]]]:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     sizes = [sum(piece.size for piece in unit) for unit in units]
-    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype)
+    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype, template)
             for n, unit in enumerate(units)]
     results: list[Any] = [None] * len(units)
     with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -262,26 +306,34 @@ def _collect_splits(folder: Path, counts: list[dict[str, dict[str, int]]]) -> di
                 splits[split].append({"name": name, **unit_counts[split]})
             else:
                 for file in _shard_files(name):
-                    (folder / file).unlink()
+                    (folder / file).unlink(missing_ok=True)
     return splits
 
 
-def _write_tokenizer(folder: Path, chosen: Tokenizer) -> None:
-    """Write ``chosen`` into ``folder``, with its end-of-document token where it is not shardax's."""
+def _write_tokenizer(folder: Path, chosen: Tokenizer, chat: ChatTemplate | None = None) -> None:
+    """Write ``chosen`` into ``folder``, with its end-of-document token where it is not shardax's
+    and the chat template conversations were rendered with (``chat_template.jinja``)."""
     (folder / TOKENIZER).write_text(chosen.to_json())
+    config = {} if chat is None else {**chat.special_tokens}
     if chosen.end_of_document != END_OF_DOCUMENT:  # a model's own end-of-text token, read back from here
-        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": chosen.end_of_document}))
+        config["eos_token"] = chosen.end_of_document
+    if config:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if chat is not None:
+        (folder / "chat_template.jinja").write_text(chat.source)
 
 
 def _make_index(settings: dict[str, Any], listing: list[list[Any]], skipped: list[str], chosen: Tokenizer,
-                dtype: str, splits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The contents of ``index.json``: settings, inputs, tokenizer and each split's totals and shards."""
+                dtype: str, splits: dict[str, list[dict[str, Any]]],
+                chat: ChatTemplate | None = None) -> dict[str, Any]:
+    """The contents of ``index.json``: settings, inputs, tokenizer and each split's totals and
+    shards; for conversations, the template's name and the tokens the loss learns (``trained``)."""
+    totals = ("tokens", "documents", "bytes") + (("trained",) if chat else ())
     return {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
             "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
             "eod_id": chosen.eod_id, "dtype": dtype,
-            "splits": {split: {"tokens": sum(s["tokens"] for s in shards),
-                               "documents": sum(s["documents"] for s in shards),
-                               "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+            **({"kind": "conversations", "chat_template": chat.where} if chat else {}),
+            "splits": {split: {**{key: sum(s.get(key, 0) for s in shards) for key in totals}, "shards": shards}
                        for split, shards in splits.items()}}
 
 
@@ -300,21 +352,25 @@ def _publish(root: Path, folder: Path, old: dict[str, Any] | None, index: dict[s
 
 def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "bytes",
             vocab_size: int | None = None, field: str = "text", validation_fraction: float = 0.05,
-            workers: int | None = None, overwrite: bool = False, show_progress: bool = True) -> Prepared:
+            workers: int | None = None, overwrite: bool = False, show_progress: bool = True,
+            data_format: str = "auto", template: str | None = None) -> Prepared:
     """Tokenize ``inputs`` into shards under ``out`` (see the module docstring); nothing to do when
-    ``out`` already holds them for these inputs and settings."""
+    ``out`` already holds them for these inputs and settings. Conversations (``data_format``, or
+    detected) render with ``template`` (a folder or ``.jinja`` file; default: the tokenizer's)."""
     if not 0 < validation_fraction < 1:
         raise UsageError(f"--validation-fraction {validation_fraction} must be between 0 and 1, e.g. 0.05")
     root = Path(out)
     request = _tokenizer_request(tokenizer, vocab_size)
     files, skipped = input_files(inputs)
-    settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction}
+    extra, chat = conversation_settings(files, field, data_format, template, request)
+    settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction,
+                **extra}
     listing = _inputs(files)
     old = read_index(root) if root.is_dir() else None
     reason = _rebuild_reason(root, old, settings, listing, tokenizer, overwrite)
     if reason is None and old is not None:
         return Prepared(root, old, False, "up to date: same inputs and settings")
-    units = plan_units(files, field)
+    units = plan_units(files, None if chat else field)
     chosen = _choose_tokenizer(request, units, field, validation_fraction)
     dtype = "uint16" if chosen.vocab_size <= 2**16 else "uint32"
     created = not root.exists()
@@ -324,7 +380,7 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     folder.mkdir()
     try:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
-                            workers or os.cpu_count() or 1, show_progress)
+                            workers or os.cpu_count() or 1, show_progress, chat)
         splits = _collect_splits(folder, counts)
         if not splits["train"] and not splits["validation"]:
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
@@ -332,8 +388,10 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
             _hold_out_tail(folder, splits, dtype, chosen.eod_id)
         for shard in (shard for shards in splits.values() for shard in shards):
             shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
-        _write_tokenizer(folder, chosen)
-        index = _make_index(settings, listing, skipped, chosen, dtype, splits)
+            if chat is not None:
+                shard["mask_blake2b"] = shard_digest(folder / f"{shard['name']}.mask")
+        _write_tokenizer(folder, chosen, chat)
+        index = _make_index(settings, listing, skipped, chosen, dtype, splits, chat)
         _publish(root, folder, old, index)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

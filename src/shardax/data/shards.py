@@ -31,14 +31,15 @@ from shardax.errors import UsageError
 class TokenStream:
     """One split's shards as a single read-only sequence of tokens."""
 
-    def __init__(self, root: Path, shards: list[dict[str, Any]], dtype: str, vocab_size: int | None = None) -> None:
+    def __init__(self, root: Path, shards: list[dict[str, Any]], dtype: str, vocab_size: int | None = None,
+                 suffix: str = ".tokens") -> None:
         self.dtype = np.dtype(dtype)
         self.vocab_size = vocab_size
         self.descriptors = []
         self.paths = []
         self.digests: list[str | None] = []
         for shard in shards:
-            path = root / f"{shard['name']}.tokens"
+            path = root / f"{shard['name']}{suffix}"
             try:
                 size = path.stat().st_size
             except OSError:
@@ -48,7 +49,8 @@ class TokenStream:
                                  f"run shardax prepare again into {root}")
             self.descriptors.append(os.open(path, os.O_RDONLY))
             self.paths.append(path)
-            self.digests.append(shard.get("blake2b"))  # checked when the shard is first read
+            digest = "blake2b" if suffix == ".tokens" else f"{suffix[1:]}_blake2b"  # checked when first read
+            self.digests.append(shard.get(digest))
         self.starts = np.concatenate([[0], np.cumsum([shard["tokens"] for shard in shards])]).astype(np.int64)
         self.length = int(self.starts[-1])
 

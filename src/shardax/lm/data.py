@@ -22,8 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.data.batches import WindowSampler, validation_batches
+from shardax.data.chat import ChatTemplate
 from shardax.data.corpus import default_sources, load_corpus
-from shardax.data.prepare import INDEX, prepare
+from shardax.data.documents import detect_format, input_files
+from shardax.data.examples import ExampleRows, Examples
+from shardax.data.examples import validation_rows as example_validation
+from shardax.data.prepare import INDEX, prepare, read_index
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
 from shardax.data.tokenizer import ByteTokenizer, padded_vocab
 from shardax.errors import UsageError
@@ -134,6 +138,56 @@ class TokenShards:
         return self.tokenizer.decode(ids)
 
 
+class Conversations(TokenShards):
+    """Conversations written by ``shardax prepare``: whole examples packed into rows, the loss
+    on the tokens the assistant wrote (see ``shardax.data.examples``)."""
+
+    batch_keys = ("tokens", "mask", "segments", "positions")
+
+    def __init__(self, root: Path, source: str | None = None) -> None:
+        super().__init__(root, source)
+        index, dtype = self.data.index, self.data.index["dtype"]
+        self.train = Examples(self.data.root, index["splits"]["train"]["shards"], dtype, self.vocab)
+        self.held_out = Examples(self.data.root, index["splits"]["validation"]["shards"], dtype, self.vocab)
+        self.end_of_turn = ChatTemplate.from_tokenizer_config(self.data.root).end_of_turn()
+        self.cut = 0
+
+    def header(self) -> str:
+        splits = self.data.index["splits"]
+        cut = f"; {self.cut:,} longer than a row, cut to it" if self.cut else ""
+        return (f"data: {self.data.root}: {splits['train']['documents']:,} train / "
+                f"{splits['validation']['documents']:,} validation conversations, {splits['train']['trained']:,} of "
+                f"{splits['train']['tokens']:,} tokens learned (the assistant's){cut}; rendered with "
+                f"{self.data.index['chat_template']}; unigram baseline {self.unigram_nats():.4f} nats/token")
+
+    def unigram_nats(self) -> float:
+        tokens, mask = self.train.trained()
+        return _unigram_nats(tokens[mask > 0], self.vocab)
+
+    def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
+        rows = ExampleRows(self.train, seq_len, batch, seed)
+        self.cut = rows.cut
+        return lambda step: rows.global_batch(step, sharding)
+
+    def validation(self, seq_len: int, batch: int, count: int, sharding: Any) -> list[dict[str, jax.Array]]:
+        return [{key: global_rows(value, sharding) for key, value in rows.items()}
+                for rows in example_validation(self.held_out, seq_len, batch, count)]
+
+    @staticmethod
+    def eval_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        """Nats per token the assistant wrote (the loss) and bits per such token."""
+        losses, weights = token_losses(model, batch)
+        loss = (losses * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+        return loss, {"bits_per_token": loss / math.log(2), "weight": weights.sum()}
+
+    def prompt(self, length: int) -> list[int]:
+        """The first held-out conversation up to its assistant's first reply (what the template
+        writes to open it included): the closing sample is the model's reply."""
+        ids, mask = self.held_out.example(0, 1 << 20)
+        first = int(np.argmax(mask > 0)) if mask.any() else len(ids)
+        return [int(t) for t in ids[:first]][-max(length, 1):]  # its end: the turn the reply answers
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SHARDAX_DATA_CACHE") or Path.home() / ".cache" / "shardax" / "data")
 
@@ -144,36 +198,59 @@ def _prepared_directory(paths: list[str] | None) -> Path | None:
     return None
 
 
+def _opened(root: Path, source: str | None = None) -> TokenShards:
+    """A prepared directory as the data of a run: conversations or documents, as it holds."""
+    kind = (read_index(root) or {}).get("kind")
+    return Conversations(root, source) if kind == "conversations" else TokenShards(root, source)
+
+
+def _check_tokenizer_matches(data: TokenShards, prepared: Path, tokenizer: str, vocab_size: int | None) -> None:
+    wanted = {"kind": "file"} if tokenizer not in ("bytes", "bpe") else {"kind": tokenizer}
+    made = data.data.index["settings"]["tokenizer"]
+    if made["kind"] != wanted["kind"] or (vocab_size and made.get("vocab_size") != vocab_size):
+        raise UsageError(f"--data {prepared} holds shards made with {data.data.index['tokenizer_name']}, not "
+                         f"--tokenizer {tokenizer}" + (f" --vocab-size {vocab_size}" if vocab_size else "")
+                         + "; drop --tokenizer to train on them, or prepare the text again")
+
+
+def _holds_conversations(paths: list[str], field: str) -> bool:
+    """Whether ``--data`` names conversations (what else it may be, the text reader says)."""
+    try:
+        return detect_format(input_files(paths)[0], field) == "conversations"
+    except UsageError:
+        return False
+
+
 def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | None, field: str | None,
-              seq_len: int) -> ByteText | TokenShards:
-    """The data a run reads (see the module docstring). Only process 0 prepares; the others wait
-    for it and then read the same shards, which must be on storage they share."""
+              seq_len: int, template: str | None = None) -> ByteText | TokenShards:
+    """The data a run reads (see the module docstring); conversations (JSON lines or Parquet of
+    ``messages`` or ``prompt``/``completion``) render with ``template`` (default: the tokenizer's
+    own, else the built-in one). Only process 0 prepares; the others wait for it and then read
+    the same shards, which must be on storage they share."""
     prepared = _prepared_directory(paths)
     if prepared is not None:
-        data = TokenShards(prepared)
+        data = _opened(prepared)
         if tokenizer is not None:
-            wanted = {"kind": "file"} if tokenizer not in ("bytes", "bpe") else {"kind": tokenizer}
-            made = data.data.index["settings"]["tokenizer"]
-            if made["kind"] != wanted["kind"] or (vocab_size and made.get("vocab_size") != vocab_size):
-                raise UsageError(f"--data {prepared} holds shards made with {data.data.index['tokenizer_name']}, "
-                                 f"not --tokenizer "
-                                 f"{tokenizer}" + (f" --vocab-size {vocab_size}" if vocab_size else "")
-                                 + "; drop --tokenizer to train on them, or prepare the text again")
+            _check_tokenizer_matches(data, prepared, tokenizer, vocab_size)
         return data
+    if tokenizer is None and paths and _holds_conversations(paths, field or "text"):
+        tokenizer = "bytes"  # conversations are read as examples, from shards
     if tokenizer is None:
         if vocab_size is not None:
             raise UsageError(f"--vocab-size {vocab_size} needs --tokenizer bpe")
         return ByteText(paths, seq_len)
     inputs = [str(p) for p in default_sources() if p.stat().st_size] if not paths else paths
-    key = json.dumps([sorted(str(Path(p).resolve()) for p in inputs), tokenizer, vocab_size, field or "text"])
+    key = json.dumps([sorted(str(Path(p).resolve()) for p in inputs), tokenizer, vocab_size, field or "text"]
+                     + ([str(Path(template).resolve())] if template else []))
     root = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
     if jax.process_index() == 0:
         root.parent.mkdir(parents=True, exist_ok=True)
         with open(root.with_name(root.name + ".lock"), "w") as lock:  # two runs on one machine prepare once
             fcntl.flock(lock, fcntl.LOCK_EX)
-            prepare(inputs, root, tokenizer=tokenizer, vocab_size=vocab_size, field=field or "text")
+            prepare(inputs, root, tokenizer=tokenizer, vocab_size=vocab_size, field=field or "text",
+                    template=template)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("shardax data prepared")
-    return TokenShards(root, None if paths else "the Python standard library")
+    return _opened(root, None if paths else "the Python standard library")

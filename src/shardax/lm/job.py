@@ -175,7 +175,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     run = resolve(config, saved, platform=jax.default_backend())
     _check_not_finished(run, step, config)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
-    data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len)
+    data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len, run.chat_template)
     _check_tokenizer(data, saved, step, config)
     if run.init_from is None:
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
@@ -243,8 +243,11 @@ def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: Run, c
                             temperature=config.sample_temperature, top_k=config.sample_top_k, seed=run.seed)
         how = ("greedy" if config.sample_temperature == 0 else
                f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed {run.seed}")
+        text = data.decode(ids)
+        stop = getattr(data, "end_of_turn", "")  # conversations: the reply ends where the template ends a turn
+        text = text[: text.index(stop) + len(stop)] if stop and stop in text else text
         say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
-            rich_escape(data.decode(prompt) + "|" + data.decode(ids)), "")
+            rich_escape(data.decode(prompt) + "|" + text), "")
     rows = {name: value for name, value in fit.summary.items() if name not in ("checkpoints", "metrics")}
     rows["run directory"] = f"{where.path}: {where.contents()}"
     if fit.last_eval is not None and "bits_per_byte" in fit.last_eval and "validation loss" in rows:
