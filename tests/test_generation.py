@@ -86,6 +86,11 @@ def test_stop_tokens_and_bad_requests():
     for row, full in zip(stopped, greedy):
         end = full.index(stop) + 1 if stop in full else NEW
         assert row == full[:end]
+    pair = tuple(greedy[1][2:4])  # a stop of two tokens (a chat template's end of turn may take several)
+    stopped = shardax.generate(model, PROMPTS, max_new_tokens=NEW, stop=[pair, 10**6])
+    for row, full in zip(stopped, greedy):
+        end = next((i + 2 for i in range(NEW - 1) if tuple(full[i:i + 2]) == pair), NEW)
+        assert row == full[:end]
     with pytest.raises(UsageError, match="a prompt of 19 tokens and 60 new ones need 79 positions, more than the "
                                          "model's 64"):
         shardax.generate(model, PROMPTS, max_new_tokens=60)

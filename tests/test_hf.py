@@ -401,6 +401,15 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     metrics = read_metrics(tmp_path / "m.jsonl")
     np.testing.assert_allclose(metrics[0]["loss"], total / count, rtol=1e-5)
     assert math.isfinite(next(r for r in metrics if "val_loss" in r)["val_loss"])
+    question = "What does `json.dumps` do?"  # generate --chat: the template's prompt, greedy as transformers'
+    said = shardax("generate", "--hf", folder, "--chat", "--prompt", question, "--temperature", 0,
+                   "--max-new-tokens", 6)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              return_tensors="pt")
+    with torch.no_grad():
+        greedy = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=hf_tokenizer.eos_token_id)
+    assert said.stdout.strip() == hf_tokenizer.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True).strip()
 
 
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):

@@ -170,7 +170,11 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
     assert "shardax train: 0.92M parameters" in default and "to train further:" in default
     lora = next(out for line, out in outputs.items() if "--lora-rank 8" in line)
     assert "model: fine-tuning the Hugging Face checkpoint" in lora and "step     50" in lora
-    generated = [out for line, out in outputs.items() if line.startswith("shardax generate")]
+    chat = next(out for line, out in outputs.items() if "--data python-chats" in line)
+    assert "conversations" in chat and "rendered with shardax's built-in chat template" in chat
+    reply = next(out for line, out in outputs.items() if "--chat" in line)
+    assert reply.strip() and "<|end|>" not in reply  # the reply alone, its end of turn left out
+    generated = [out for line, out in outputs.items() if line.startswith("shardax generate") and "--chat" not in line]
     assert generated[0].startswith("def main(") and generated[1].startswith("def main(")
     assert generated[2].startswith("import json") and "\nclass" in generated[2]
     check = textwrap.dedent("""

@@ -286,12 +286,23 @@ class Generated(list):
     stats: GenerationStats
 
 
+def _stop_sequences(stop: int | Sequence[int | Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """``generate``'s ``stop`` as sequences of token ids (a lone id is a sequence of one)."""
+    if stop is None:
+        return []
+    if isinstance(stop, (int, np.integer)):
+        return [(int(stop),)]
+    return [(int(s),) if isinstance(s, (int, np.integer)) else tuple(map(int, s)) for s in stop if
+            isinstance(s, (int, np.integer)) or len(s)]
+
+
 def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             stop: int | Sequence[int] | None = None, vocab: int | None = None,
+             stop: int | Sequence[int | Sequence[int]] | None = None, vocab: int | None = None,
              on_token: Callable[[int, list[int]], None] | None = None) -> Generated:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens; returns the
-    new tokens of each, ending at (and including) a ``stop`` token where one comes, with
+    new tokens of each, ending at (and including) a ``stop`` where one comes (a token id, or a
+    sequence of ids: a chat template's end of turn may take several), with
     ``.stats`` (``GenerationStats``: time to the first token, tokens a second).
 
     ``temperature`` 0 is greedy; otherwise tokens are drawn (``top_k``, ``top_p`` cut the
@@ -309,7 +320,7 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     batch = layout.batch
     tokens, lengths = _prompt_batch(prompts, layout)
     positions = np.broadcast_to(np.arange(layout.prompt_length, dtype=np.int32), tokens.shape)
-    stops = set() if stop is None else {int(stop)} if isinstance(stop, (int, np.integer)) else set(map(int, stop))
+    stops = _stop_sequences(stop)
     base = jax.random.key(seed)
     chosen, cache = compiled(weights, cache, place(tokens), place(positions), place(lengths - 1),
                              jax.random.fold_in(base, 0))
@@ -321,7 +332,7 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
         times.append(time.perf_counter())
         for row in np.flatnonzero(~done):
             out[row].append(int(new[row]))
-            done[row] = int(new[row]) in stops
+            done[row] = any(tuple(out[row][-len(ids):]) == ids for ids in stops)
         if on_token is not None:
             on_token(i, [int(t) for t in new])
         if done.all() or i == max_new_tokens - 1:

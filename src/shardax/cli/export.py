@@ -22,7 +22,8 @@ from typing import Any
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 
 def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -123,6 +124,8 @@ def export_command(args: argparse.Namespace) -> int:
         found = (source / name) if source and (source / name).is_file() else None
         if name == "tokenizer.json" and tokenizer is not None:
             found = tokenizer
+        if name == "chat_template.jinja" and tokenizer is not None and (tokenizer.parent / name).is_file():
+            found = tokenizer.parent / name  # the template a run's conversations were rendered with
         if found is not None:
             shutil.copy(found, out / name)
             copied.append(name)

@@ -149,7 +149,8 @@ class Conversations(TokenShards):
         index, dtype = self.data.index, self.data.index["dtype"]
         self.train = Examples(self.data.root, index["splits"]["train"]["shards"], dtype, self.vocab)
         self.held_out = Examples(self.data.root, index["splits"]["validation"]["shards"], dtype, self.vocab)
-        self.end_of_turn = ChatTemplate.from_tokenizer_config(self.data.root).end_of_turn()
+        self.template = ChatTemplate.from_tokenizer_config(self.data.root)
+        self.end_of_turn = self.template.end_of_turn()
         self.cut = 0
 
     def header(self) -> str:

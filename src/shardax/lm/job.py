@@ -303,7 +303,8 @@ def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText
     def on_log(record: dict[str, Any]) -> None:
         if not written:
             write_config(where.config, settings, train_to)
-            write_tokenizer(where.path, data.tokenizer.to_hf_json())
+            template = getattr(data, "template", None)  # conversations: what generate --chat renders with
+            write_tokenizer(where.path, data.tokenizer.to_hf_json(), template and template.source)
             written.append(True)
 
     return on_log

@@ -149,9 +149,15 @@ def write_config(path: Path, settings: dict[str, Any], train_to: int | None = No
     _write_whole(path, text + yaml.safe_dump(kept, sort_keys=False))
 
 
-def write_tokenizer(run_dir: Path, text: str) -> None:
-    """The run's ``tokenizer.json`` (a Hugging Face tokenizer), written whole or not at all."""
+def write_tokenizer(run_dir: Path, text: str, chat_template: str | None = None) -> None:
+    """The run's ``tokenizer.json`` (a Hugging Face tokenizer), written whole or not at all; with
+    the chat template its conversations were rendered with beside it (``chat_template.jinja``)."""
     _write_whole(run_dir / TOKENIZER, text)
+    if chat_template is not None:
+        _write_whole(run_dir / CHAT_TEMPLATE, chat_template)
+
+
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 def _write_whole(path: Path, text: str) -> None:
