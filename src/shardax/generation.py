@@ -301,9 +301,8 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
              stop: int | Sequence[int | Sequence[int]] | None = None, vocab: int | None = None,
              on_token: Callable[[int, list[int]], None] | None = None) -> Generated:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens; returns the
-    new tokens of each, ending at (and including) a ``stop`` where one comes (a token id, or a
-    sequence of ids: a chat template's end of turn may take several), with
-    ``.stats`` (``GenerationStats``: time to the first token, tokens a second).
+    new tokens of each, ending at (and including) a ``stop`` (a token id, or ids in a row: a chat
+    template's end of turn) where one comes, with ``.stats`` (time to the first token, tokens/s).
 
     ``temperature`` 0 is greedy; otherwise tokens are drawn (``top_k``, ``top_p`` cut the
     distribution) from ``seed``. ``on_token(step, tokens)`` is called after each step with
