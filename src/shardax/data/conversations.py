@@ -31,7 +31,7 @@ from shardax.data.documents import detect_format
 from shardax.errors import UsageError
 
 FORMATS = ("messages", "prompt/completion")
-DATA_FORMATS = ("documents", "conversations")  # what shardax prepare reads (--format; auto: detected)
+DATA_FORMATS = ("documents", "conversations", "preferences")  # what shardax prepare reads (--format)
 
 
 def format_of(record: Any, where: str) -> str:
@@ -87,6 +87,26 @@ def _rendered(template: ChatTemplate | None, messages: list[Any], first: int,
     except UsageError as error:
         raise UsageError(f"{where}: {error}") from None
     return text, [(start, end) for start, end in spans if start >= before]
+
+
+def preference_texts(record: Any, template: ChatTemplate | None,
+                     where: str) -> list[tuple[str, list[tuple[int, int]]]]:
+    """A preference pair's two sequences, chosen then rejected: each the prompt and that
+    completion, as text with the completion's spans (strings joined as they are, or lists of
+    messages rendered with the template, as ``assistant_text`` renders a prompt and completion)."""
+    if not isinstance(record, Mapping) or not {"prompt", "chosen", "rejected"} <= set(record):
+        held = ", ".join(map(str, record)) if isinstance(record, Mapping) else type(record).__name__
+        raise UsageError(f"{where} holds {held or 'nothing'}; a preference pair gives 'prompt', 'chosen' and "
+                         "'rejected' (strings, or lists of messages)")
+    sides = []
+    for side in ("chosen", "rejected"):
+        completion = record[side]
+        if isinstance(completion, str) and not completion.strip() or not completion:
+            raise UsageError(f"{where}: the {side} completion is empty, so the pair compares nothing; give "
+                             "both replies, or leave the line out")
+        sides.append(assistant_text({"prompt": record["prompt"], "completion": completion}, template,
+                                    f"{where} ({side})"))
+    return sides
 
 
 def supervised_tokens(tokenizer: Any, text: str,
@@ -179,7 +199,7 @@ def conversation_settings(files: Sequence[Path], field: str, data_format: str, g
                              "documents; leave it out, or give .jsonl/.parquet files of messages")
         return {}, None
     if request["kind"] == "bpe":
-        raise UsageError("--tokenizer bpe trains on documents, and --data holds conversations; give the "
+        raise UsageError(f"--tokenizer bpe trains on documents, and --data holds {kind}; give the "
                          "checkpoint's tokenizer.json (or bytes)")
     template = chat_template(given_template, request.get("path"))
-    return {"kind": "conversations", "chat_template": template.fingerprint}, template
+    return {"kind": kind, "chat_template": template.fingerprint}, template

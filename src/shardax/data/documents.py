@@ -153,19 +153,26 @@ def _first_record(path: Path) -> Any:
     return None
 
 
+def _record_kind(record: Any, field: str) -> str:
+    if not isinstance(record, dict) or field in record:
+        return "documents"
+    if {"chosen", "rejected"} <= set(record):
+        return "preferences"
+    return "conversations" if "messages" in record or {"prompt", "completion"} <= set(record) else "documents"
+
+
 def detect_format(files: Sequence[Path], field: str) -> str:
-    """``"documents"`` (text files, or records with a ``field``) or ``"conversations"`` (records
-    with ``messages``, or ``prompt`` and ``completion``), read off each file's first record;
-    inputs of both kinds are refused in one line naming one of each."""
+    """``"documents"`` (text files, or records with a ``field``), ``"conversations"`` (records
+    with ``messages``, or ``prompt`` and ``completion``) or ``"preferences"`` (pairs: ``chosen``
+    and ``rejected``, with a ``prompt``), read off each file's first record; inputs of two kinds
+    are refused in one line naming one file of each."""
     kinds: dict[str, Path] = {}
     for path in files:
-        record = _first_record(path) if _kind(path) != "text" else None
-        conversation = isinstance(record, dict) and field not in record and (
-            "messages" in record or {"prompt", "completion"} <= set(record) or {"chosen", "rejected"} <= set(record))
-        kinds.setdefault("conversations" if conversation else "documents", path)
+        kinds.setdefault(_record_kind(_first_record(path), field) if _kind(path) != "text" else "documents", path)
     if len(kinds) > 1:
-        raise UsageError(f"--data mixes documents ({kinds['documents']}) and conversations "
-                         f"({kinds['conversations']}); prepare them into separate directories")
+        (one, first), (other, second) = list(kinds.items())[:2]
+        raise UsageError(f"--data mixes {one} ({first}) and {other} ({second}); prepare them into separate "
+                         "directories")
     return next(iter(kinds))
 
 

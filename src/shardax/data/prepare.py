@@ -34,8 +34,25 @@ from typing import Any
 import numpy as np
 
 from shardax.data.chat import ChatTemplate
-from shardax.data.conversations import assistant_text, conversation_settings, supervised_tokens
+from shardax.data.conversations import (
+    assistant_text,
+    conversation_settings,
+    preference_texts,
+    supervised_tokens,
+)
 from shardax.data.documents import Piece, input_files, plan_units, read_piece, read_records
+from shardax.data.index import (
+    FORMAT,
+    INDEX,
+    TOKENIZER,
+    input_listing,
+    make_index,
+    publish,
+    read_index,
+    rebuild_reason,
+    shard_digest,
+    shard_files,
+)
 from shardax.data.tokenizer import (
     END_OF_DOCUMENT,
     ByteTokenizer,
@@ -47,9 +64,6 @@ from shardax.data.tokenizer import (
 )
 from shardax.errors import UsageError
 
-FORMAT = 1
-INDEX = "index.json"
-TOKENIZER = "tokenizer.json"
 SPLITS = ("train", "validation")
 BPE_SAMPLE_BYTES = 64 << 20  # text a BPE tokenizer is trained on, at most (from the training split)
 ENCODE_BATCH = 512  # documents per call to the tokenizer
@@ -87,27 +101,6 @@ def _tokenizer_request(tokenizer: str, vocab_size: int | None) -> dict[str, Any]
     return {"kind": "file", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()[:16], "path": str(path)}
 
 
-def _inputs(files: Sequence[Path]) -> list[list[Any]]:
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-def _changes(old: list[list[Any]], new: list[list[Any]]) -> str:
-    before, after = {p: (s, m) for p, s, m in old}, {p: (s, m) for p, s, m in new}
-    added = len(after.keys() - before.keys())
-    removed = len(before.keys() - after.keys())
-    changed = sum(before[p] != after[p] for p in before.keys() & after.keys())
-    return f"inputs changed ({added} added, {removed} removed, {changed} modified)"
-
-
-def read_index(root: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((root / INDEX).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"{root / INDEX} is unreadable ({error}); run shardax prepare again into it") from None
-
-
 def _documents(units: Sequence[Sequence[Piece]], field: str) -> Iterator[str]:
     for unit in units:
         for piece in unit:
@@ -128,29 +121,32 @@ def _bpe_sample(units: Sequence[Sequence[Piece]], field: str, fraction: float) -
 _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str,
-             template: ChatTemplate | None) -> Iterator[tuple[str, np.ndarray, np.ndarray | None]]:
-    """Each document of ``unit`` as (its text, its ids, None); with a chat ``template``, each
-    conversation as (its rendered text, its ids, its loss mask)."""
+def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str, template: ChatTemplate | None,
+             kind: str) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None]]:
+    """Each document of ``unit`` as (the text its split is drawn from, its text, its ids, None);
+    with a chat ``template``, each conversation as (..., its loss mask), and each preference pair
+    as its chosen then its rejected sequence, both in the split of the chosen one's text."""
     if template is not None:
         for piece in unit:
             for where, record in read_records(piece):
-                text, spans = assistant_text(record, template, where)
-                yield (text, *supervised_tokens(tokenizer, text, spans))
+                sides = (preference_texts(record, template, where) if kind == "preferences"
+                         else [assistant_text(record, template, where)])
+                for text, spans in sides:
+                    yield (sides[0][0], text, *supervised_tokens(tokenizer, text, spans))
         return
     pending: list[str] = []
     for piece in unit:
         for text in read_piece(piece, field):
             pending.append(text)
             if len(pending) >= ENCODE_BATCH:
-                yield from ((text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
+                yield from ((text, text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
                 pending = []
-    yield from ((text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
+    yield from ((text, text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
 
 
 def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_of_document: str, field: str,
-                   fraction: float, folder: str, dtype: str,
-                   template: ChatTemplate | None = None) -> dict[str, dict[str, int]]:
+                   fraction: float, folder: str, dtype: str, template: ChatTemplate | None = None,
+                   kind: str = "documents") -> dict[str, dict[str, int]]:
     """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit (with a ``.mask`` of the tokens
     the loss learns, for conversations); their counts."""
     if tokenizer_json not in _WORKER_TOKENIZERS:
@@ -163,8 +159,8 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_
     handles = {split: open(names[split].with_suffix(".tokens"), "wb") for split in SPLITS}
     masks = {split: open(names[split].with_suffix(".mask"), "wb") for split in SPLITS} if template else {}
     try:
-        for text, ids, mask in _encoded(unit, tokenizer, field, template):
-            split = "validation" if is_validation(text, fraction) else "train"
+        for drawn, text, ids, mask in _encoded(unit, tokenizer, field, template, kind):
+            split = "validation" if is_validation(drawn, fraction) else "train"
             offsets[split].append(counts[split]["tokens"])
             handles[split].write(eod.tobytes() + ids.astype(dtype).tobytes())
             if mask is not None:
@@ -181,39 +177,51 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_
     return counts
 
 
-def shard_digest(path: Path) -> str:
-    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified when the shard is first read."""
-    with path.open("rb") as file:
-        return hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+def _all_in_train(folder: Path, splits: dict[str, list[dict[str, Any]]]) -> None:
+    """When hashing held out every document, they are the training split (some are held out next)."""
+    if splits["train"]:
+        return
+    splits["train"], splits["validation"] = splits["validation"], []
+    for shard in splits["train"]:
+        new = shard["name"].replace("validation-", "train-")
+        for old_file, new_file in zip(shard_files(shard["name"]), shard_files(new)):
+            if (folder / old_file).exists():
+                (folder / old_file).rename(folder / new_file)
+        shard["name"] = new
 
 
-def _shard_files(name: str) -> list[str]:
-    return [f"{name}.tokens", f"{name}.docs.npy", f"{name}.mask"]  # (a mask for conversations only)
+def _hold_out_examples(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, whole: int) -> None:
+    """Conversations (``whole`` 1) or preference pairs (2 sequences): when hashing held none out,
+    the last one is the validation split, never a piece of one."""
+    _all_in_train(folder, splits)
+    last = splits["train"][-1]
+    offsets = np.load(folder / f"{last['name']}.docs.npy")
+    if len(offsets) - 1 <= whole:
+        raise UsageError(f"--data holds a single {'pair' if whole == 2 else 'conversation'}; give at least two "
+                         "(one is held out to validate on)")
+    cut, name = int(offsets[-1 - whole]), last["name"].replace("train-", "validation-")
+    for suffix, kind in ((".tokens", dtype), (".mask", np.uint8)):
+        values = np.fromfile(folder / f"{last['name']}{suffix}", kind)
+        values[cut:].tofile(folder / f"{name}{suffix}")
+        values[:cut].tofile(folder / f"{last['name']}{suffix}")
+        if suffix == ".mask":
+            held, kept = int(values[cut:].sum()), int(values[:cut].sum())
+    np.save(folder / f"{name}.docs.npy", offsets[-1 - whole:] - cut)
+    np.save(folder / f"{last['name']}.docs.npy", offsets[:-whole])
+    share = (int(offsets[-1]) - cut) / max(int(offsets[-1]), 1)
+    splits["validation"] = [{"name": name, "tokens": int(offsets[-1]) - cut, "documents": whole,
+                             "bytes": int(round(last["bytes"] * share)), "trained": held}]
+    last.update(tokens=cut, documents=last["documents"] - whole, trained=kept,
+                bytes=int(round(last["bytes"] * (1 - share))))
 
 
 def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int) -> None:
     """When hashing held out no document (a tiny corpus), hold out the last one, or the last tenth of
     the only one, as the validation split."""
-    if not splits["train"]:
-        splits["train"], splits["validation"] = splits["validation"], []
-        for shard in splits["train"]:
-            new = shard["name"].replace("validation-", "train-")
-            for old_file, new_file in zip(_shard_files(shard["name"]), _shard_files(new)):
-                if (folder / old_file).exists():
-                    (folder / old_file).rename(folder / new_file)
-            shard["name"] = new
+    _all_in_train(folder, splits)
     last = splits["train"][-1]
     tokens = np.fromfile(folder / f"{last['name']}.tokens", dtype)
     offsets = np.load(folder / f"{last['name']}.docs.npy")
-    mask_file = folder / f"{last['name']}.mask"
-    if mask_file.exists():  # conversations: a whole one is held out, never a piece of one
-        if len(offsets) <= 2:
-            raise UsageError("--data holds a single conversation; give at least two (one is held out to "
-                             "validate on)")
-        mask = np.fromfile(mask_file, np.uint8)
-        mask[: int(offsets[-2])].tofile(mask_file)
-        mask[int(offsets[-2]):].tofile(mask_file.with_name(mask_file.name.replace("train-", "validation-")))
-        last["trained"] = int(mask[: int(offsets[-2])].sum())
     cut = int(offsets[-2]) if len(offsets) > 2 else max(1, int(tokens.size * 0.9))
     held = tokens[cut:] if len(offsets) > 2 else np.concatenate([np.asarray([eod], dtype), tokens[cut:]])
     kept = tokens[:cut]
@@ -226,15 +234,22 @@ def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype:
     moved_docs = 1 if len(offsets) > 2 else 0
     share = held.size / max(tokens.size, 1)
     splits["validation"] = [{"name": name, "tokens": int(held.size), "documents": 1,
-                             "bytes": int(round(last["bytes"] * share)),
-                             **({"trained": int(mask[int(offsets[-2]):].sum())} if mask_file.exists() else {})}]
+                             "bytes": int(round(last["bytes"] * share))}]
     last.update(tokens=int(kept.size), documents=last["documents"] - moved_docs,
                 bytes=int(round(last["bytes"] * (1 - share))))
 
 
+def _hold_out(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int, kind: str) -> None:
+    """A validation split where hashing made none: the last document's tail, or the last example."""
+    if kind == "documents":
+        _hold_out_tail(folder, splits, dtype, eod)
+    else:
+        _hold_out_examples(folder, splits, dtype, 2 if kind == "preferences" else 1)
+
+
 def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fraction: float, folder: Path,
                dtype: str, workers: int, show_progress: bool,
-               template: ChatTemplate | None = None) -> list[dict[str, dict[str, int]]]:
+               template: ChatTemplate | None = None, kind: str = "documents") -> list[dict[str, dict[str, int]]]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -245,8 +260,8 @@ def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fract
     )
 
     sizes = [sum(piece.size for piece in unit) for unit in units]
-    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype, template)
-            for n, unit in enumerate(units)]
+    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype, template,
+             kind) for n, unit in enumerate(units)]
     results: list[Any] = [None] * len(units)
     with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), disable=not show_progress) as progress:
@@ -264,26 +279,6 @@ def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fract
                 results[n] = future.result()  # a worker's UsageError comes back here, one line
                 progress.advance(task, sizes[n])
     return results
-
-
-def _rebuild_reason(root: Path, old: dict[str, Any] | None, settings: dict[str, Any],
-                    listing: list[list[Any]], tokenizer: str, overwrite: bool) -> str | None:
-    """Why ``root`` is to be (re)built with these settings and inputs; None when it is up to date."""
-    if old is not None:
-        if old.get("settings") == settings and old.get("inputs") == listing:
-            return None
-        if old.get("settings", {}).get("tokenizer") != settings["tokenizer"] and not overwrite:
-            raise UsageError(f"{root} holds shards made with tokenizer {old.get('tokenizer_name')}, "
-                             f"not {tokenizer!r}; prepare into another directory, "
-                             "or pass --overwrite to replace them")
-        if old.get("settings") != settings:
-            return "settings changed"
-        return _changes(old.get("inputs", []), listing)
-    if root.exists() and (not root.is_dir() or any(p.name != ".building" for p in root.iterdir())):
-        # (only the .building/ of a prepare that was killed: prepare clears it and builds anew)
-        raise UsageError(f"{root} exists and is not a prepared data directory (no {INDEX}); "
-                         "choose a new or empty one")
-    return "new"
 
 
 def _choose_tokenizer(request: dict[str, Any], units: list[list[Piece]], field: str,
@@ -305,7 +300,7 @@ def _collect_splits(folder: Path, counts: list[dict[str, dict[str, int]]]) -> di
             if unit_counts[split]["documents"]:
                 splits[split].append({"name": name, **unit_counts[split]})
             else:
-                for file in _shard_files(name):
+                for file in shard_files(name):
                     (folder / file).unlink(missing_ok=True)
     return splits
 
@@ -323,33 +318,6 @@ def _write_tokenizer(folder: Path, chosen: Tokenizer, chat: ChatTemplate | None 
         (folder / "chat_template.jinja").write_text(chat.source)
 
 
-def _make_index(settings: dict[str, Any], listing: list[list[Any]], skipped: list[str], chosen: Tokenizer,
-                dtype: str, splits: dict[str, list[dict[str, Any]]],
-                chat: ChatTemplate | None = None) -> dict[str, Any]:
-    """The contents of ``index.json``: settings, inputs, tokenizer and each split's totals and
-    shards; for conversations, the template's name and the tokens the loss learns (``trained``)."""
-    totals = ("tokens", "documents", "bytes") + (("trained",) if chat else ())
-    return {"format": FORMAT, "settings": settings, "inputs": listing, "skipped": skipped,
-            "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
-            "eod_id": chosen.eod_id, "dtype": dtype,
-            **({"kind": "conversations", "chat_template": chat.where} if chat else {}),
-            "splits": {split: {**{key: sum(s.get(key, 0) for s in shards) for key in totals}, "shards": shards}
-                       for split, shards in splits.items()}}
-
-
-def _publish(root: Path, folder: Path, old: dict[str, Any] | None, index: dict[str, Any]) -> None:
-    """Replace ``root``'s shards by those built in ``folder``, the index written last."""
-    (root / INDEX).unlink(missing_ok=True)  # from here on the directory is not a complete prepared set
-    for stale in (old or {}).get("splits", {}).values():
-        for shard in stale.get("shards", []):
-            for file in _shard_files(shard["name"]):
-                (root / file).unlink(missing_ok=True)
-    for file in folder.iterdir():
-        file.replace(root / file.name)
-    (folder / INDEX).write_text(json.dumps(index, indent=1))
-    (folder / INDEX).replace(root / INDEX)
-
-
 def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "bytes",
             vocab_size: int | None = None, field: str = "text", validation_fraction: float = 0.05,
             workers: int | None = None, overwrite: bool = False, show_progress: bool = True,
@@ -365,9 +333,9 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     extra, chat = conversation_settings(files, field, data_format, template, request)
     settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction,
                 **extra}
-    listing = _inputs(files)
+    listing = input_listing(files)
     old = read_index(root) if root.is_dir() else None
-    reason = _rebuild_reason(root, old, settings, listing, tokenizer, overwrite)
+    reason = rebuild_reason(root, old, settings, listing, tokenizer, overwrite)
     if reason is None and old is not None:
         return Prepared(root, old, False, "up to date: same inputs and settings")
     units = plan_units(files, None if chat else field)
@@ -380,19 +348,19 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     folder.mkdir()
     try:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
-                            workers or os.cpu_count() or 1, show_progress, chat)
+                            workers or os.cpu_count() or 1, show_progress, chat, extra.get("kind", "documents"))
         splits = _collect_splits(folder, counts)
         if not splits["train"] and not splits["validation"]:
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
         if not splits["validation"] or not splits["train"]:
-            _hold_out_tail(folder, splits, dtype, chosen.eod_id)
+            _hold_out(folder, splits, dtype, chosen.eod_id, extra.get("kind", "documents"))
         for shard in (shard for shards in splits.values() for shard in shards):
             shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
             if chat is not None:
                 shard["mask_blake2b"] = shard_digest(folder / f"{shard['name']}.mask")
         _write_tokenizer(folder, chosen, chat)
-        index = _make_index(settings, listing, skipped, chosen, dtype, splits, chat)
-        _publish(root, folder, old, index)
+        index = make_index(settings, listing, skipped, chosen, dtype, splits, chat, extra.get("kind"))
+        publish(root, folder, old, index)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         if created and not (root / INDEX).exists():

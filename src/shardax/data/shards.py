@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from shardax.data.prepare import INDEX, TOKENIZER, read_index, shard_digest
+from shardax.data.index import INDEX, TOKENIZER, read_index, shard_digest
 from shardax.data.tokenizer import Tokenizer, from_json
 from shardax.errors import UsageError
 

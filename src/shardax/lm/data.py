@@ -27,7 +27,8 @@ from shardax.data.corpus import default_sources, load_corpus
 from shardax.data.documents import detect_format, input_files
 from shardax.data.examples import ExampleRows, Examples
 from shardax.data.examples import validation_rows as example_validation
-from shardax.data.prepare import INDEX, prepare, read_index
+from shardax.data.index import INDEX, read_index
+from shardax.data.prepare import prepare
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
 from shardax.data.tokenizer import ByteTokenizer, padded_vocab
 from shardax.errors import UsageError
