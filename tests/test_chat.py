@@ -211,3 +211,62 @@ def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(
     assert not np.array_equal(np.asarray(other["tokens"]), np.asarray(batch["tokens"]))
     held = validation_rows(Examples(done.root, splits["validation"]["shards"], "uint16", 257), 127, 8, 4)
     assert sum(int(b["mask"].sum()) for b in held) == sum(int(m[1:128].sum()) for _, m in expected["validation"])
+
+
+def test_prepared_preference_pairs_keep_both_sides_together(tmp_path):
+    """Pairs (messages, as TRL writes them, and strings): each side is the prompt and that
+    completion with the completion's tokens marked, both sides in one split; the step's batch
+    holds each pair's chosen and rejected rows; a file too small to hash any pair out holds out
+    its last whole pair; an empty side is one line naming the file and line."""
+    import numpy as np
+
+    from shardax.data.chat import BUILT_IN
+    from shardax.data.conversations import preference_texts, supervised_tokens
+    from shardax.data.examples import Examples, PairRows, pair_rows
+    from shardax.data.prepare import prepare
+    from shardax.data.python_chats import preference_pairs
+    from shardax.data.tokenizer import ByteTokenizer
+
+    records = preference_pairs()[:30] + [{"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    done = prepare([path], tmp_path / "out", workers=1, show_progress=False, validation_fraction=0.2)
+    assert done.index["kind"] == "preferences"
+    splits = done.index["splits"]
+    sides = {}
+    for split in ("train", "validation"):
+        examples = Examples(done.root, splits[split]["shards"], "uint16", 257)
+        for i in range(0, len(examples), 2):
+            sides[bytes(examples.example(i, 1 << 20)[0].astype(np.uint8))] = (split, examples, i)
+    assert len(sides) == len(records) and {split for split, _, _ in sides.values()} == {"train", "validation"}
+    for number, record in enumerate(records, 1):
+        (chosen, chosen_spans), (rejected, rejected_spans) = preference_texts(record, BUILT_IN, f"line {number}")
+        split, examples, i = sides[chosen.encode()]  # the chosen side names the pair
+        for offset, (text, spans) in enumerate(((chosen, chosen_spans), (rejected, rejected_spans))):
+            ids, mask = supervised_tokens(ByteTokenizer(), text, spans)
+            got_ids, got_mask = examples.example(i + offset, 1 << 20)
+            np.testing.assert_array_equal(got_ids, ids)
+            np.testing.assert_array_equal(got_mask, mask)
+    assert bytes(chosen[-len(" 4"):], "utf-8") == b" 4" and mask.sum() == len(" 5")  # strings: the completion
+    train = Examples(done.root, splits["train"]["shards"], "uint16", 257)
+    rows = PairRows(train, 95, 4, seed=0)
+    named = [int(rows.order[i]) for i in range(4, 8)]
+    batch = rows.global_batch(1, jax_sharding())
+    expected = pair_rows(train, named, 96)
+    for key, value in batch.items():
+        np.testing.assert_array_equal(np.asarray(value), expected[key], err_msg=key)
+    assert rows.cut == int((train.lengths.reshape(-1, 2) > 96).any(axis=1).sum())
+    two = tmp_path / "two.jsonl"  # a fraction too small to hash either pair out: the last one is held out
+    two.write_text("".join(json.dumps(record) + "\n" for record in records[:2]))
+    held = prepare([two], tmp_path / "two", workers=1, show_progress=False, validation_fraction=1e-9)
+    assert [held.index["splits"][split]["documents"] for split in ("train", "validation")] == [2, 2]
+    path.write_text(json.dumps(records[0]) + "\n" + json.dumps({**records[1], "rejected": []}) + "\n")
+    with pytest.raises(UsageError, match=f"{path} line 2: the rejected completion is empty, so the pair compares"):
+        prepare([path], tmp_path / "bad", workers=1, show_progress=False)
+
+
+def jax_sharding():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(jax.make_mesh((4,), ("data",), devices=jax.devices()[:4]), PartitionSpec("data"))

@@ -360,7 +360,18 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
     assert big.returncode == 2 and "has no tokenizer.json; give the one the model was trained with" in big.stderr
 
 
-def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template(with_tokenizer, tmp_path):
+@pytest.fixture(scope="session")
+def chat_model(with_tokenizer, tmp_path_factory):
+    """The tiny Llama with a chat template in its tokenizer_config.json (ChatML's style)."""
+    folder = tmp_path_factory.mktemp("hf-chat") / "chat-model"
+    shutil.copytree(with_tokenizer, folder)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    return folder
+
+
+def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template(chat_model, tmp_path):
     """``shardax train --init-from DIR --data chats.jsonl``: the conversations render with the
     checkpoint's own template, and the first step's loss (LoRA: the model as loaded) is
     transformers' with labels -100 outside the assistant's tokens, on the examples that step's
@@ -373,11 +384,7 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     from shardax.data.python_chats import conversations
     from shardax.lm.data import open_data
 
-    folder = tmp_path / "chat-model"
-    shutil.copytree(with_tokenizer, folder)
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    folder = chat_model
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(chat) + "\n" for chat in conversations()[:48]))
     done = shardax("train", "--init-from", folder, "--data", chats, "--lora-rank", 4, "--strategy", "fsdp_tp",
@@ -410,6 +417,36 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     with torch.no_grad():
         greedy = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=hf_tokenizer.eos_token_id)
     assert said.stdout.strip() == hf_tokenizer.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(chat_model, tmp_path):
+    """``shardax train --init-from DIR --data pairs.jsonl --lora-rank R``: DPO with the base
+    weights as the reference. The first step's loss is log 2 with zero rewards (B starts at
+    zero: the policy is the reference), the rewards move after it, and the validation pairs are
+    scored; DPO without LoRA, and DPO's flags without pairs, are one line each."""
+    from cli_helpers import read_metrics, shardax
+    from shardax.data.python_chats import preference_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(pair) + "\n" for pair in preference_pairs()[:40]))
+    run = ("train", "--init-from", chat_model, "--data", pairs, "--strategy", "fsdp_tp", "--mesh", "data=4,model=2",
+           "--seq-len", 64, "--batch-size", 8, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
+    done = shardax(*run, "--lora-rank", 4, "--steps", 4, "--dpo-beta", 0.5, "--metrics", tmp_path / "m.jsonl",
+                   "--checkpoint-dir", tmp_path / "ckpt")
+    assert "preference pairs" in done.stdout and f"rendered with the chat template of {chat_model}" in done.stdout
+    metrics = read_metrics(tmp_path / "m.jsonl")
+    first, last = metrics[0], [r for r in metrics if "loss" in r][-1]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert last["chosen_reward"] != 0 and last["rejected_reward"] != 0  # the adapters moved the policy
+    evaluated = next(r for r in metrics if "val_loss" in r)
+    assert math.isfinite(evaluated["val_loss"]) and 0 <= evaluated["val_reward_accuracy"] <= 1
+    full = shardax(*run, "--steps", 1, check=False)
+    assert full.returncode == 2 and "DPO from shardax train takes the model's base weights as its reference" in full.stderr
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"prompt": "2 + 2 =", "completion": " 4"}) + "\n"
+                     + json.dumps({"prompt": "3 + 3 =", "completion": " 6"}) + "\n")
+    wrong = shardax("train", "--init-from", chat_model, "--data", chats, "--dpo-beta", 0.2, check=False)
+    assert wrong.returncode == 2 and "--dpo-beta tune DPO, and --data holds no preference pairs" in wrong.stderr
 
 
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):

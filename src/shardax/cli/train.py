@@ -61,6 +61,10 @@ def _add_data_flags(group: Any) -> None:
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
                                        "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
+    add("--dpo-beta", type=float, help="preference pairs (prompt, chosen, rejected): DPO's beta, how far the "
+                                       "model may move from the reference (default 0.1)")
+    add("--dpo-label-smoothing", type=float, help="preference pairs: the share of pairs taken to be mislabelled "
+                                                  "(conservative DPO; default 0)")
     add("--chat-template", help="conversations (.jsonl/.parquet of messages or prompt/completion): the template "
                                 "to render them with, a checkpoint's folder or a .jinja file (default: the "
                                 "tokenizer's own, else shardax's built-in one)")

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.data.corpus import TEXT_SUFFIXES
-from shardax.data.python_chats import NAME as PYTHON_CHATS
-from shardax.data.python_chats import python_chats_file
+from shardax.data.python_chats import BUILT_IN_SETS, built_in_file
 from shardax.errors import UsageError
 
 JSON_LINES = {".jsonl", ".ndjson"}
@@ -49,11 +48,11 @@ def input_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
     files, skipped = [], []
     for given in paths:
         path = Path(given)
-        if str(given) == PYTHON_CHATS and not path.exists():  # the built-in conversation set
-            path = python_chats_file()
+        if str(given) in BUILT_IN_SETS and not path.exists():  # a built-in set of conversations or pairs
+            path = built_in_file(str(given))
         if not path.exists():
             raise UsageError(f"--data {str(given)!r} does not exist; give text, .jsonl or .parquet files or "
-                             f"folders of them (or {PYTHON_CHATS}, the built-in conversations)")
+                             f"folders of them (or {' or '.join(BUILT_IN_SETS)}, the built-in conversations and pairs)")
         if path.is_file():
             if path.stat().st_size == 0:
                 raise UsageError(f"{path} is empty; remove it from the inputs")

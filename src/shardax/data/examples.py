@@ -99,3 +99,56 @@ def validation_rows(examples: Examples, seq_len: int, batch_size: int,
         batch = examples.rows(rows + [[]] * (batch_size - len(rows)), seq_len + 1)
         batches.append(batch)
     return batches
+
+
+PAIR_KEYS = ("chosen", "rejected", "chosen_mask", "rejected_mask")
+
+
+def pair_rows(examples: Examples, pairs: list[int], length: int) -> dict[str, np.ndarray]:
+    """Pairs as a batch for ``dpo_loss``: each side's sequences a row of ``length`` tokens (cut to
+    it), with the masks of their completions."""
+    sides = {}
+    for offset, side in enumerate(("chosen", "rejected")):
+        laid = lay_rows([[examples.example(2 * i + offset, length)] for i in pairs], length)
+        sides[side], sides[f"{side}_mask"] = laid["tokens"], laid["mask"]
+    return sides
+
+
+class PairRows:
+    """Preference pairs (examples ``2i``, chosen, and ``2i + 1``, rejected), ``batch_size`` a step
+    in a seeded order: each sequence a row of ``seq_len + 1`` tokens of its own, cut to it."""
+
+    def __init__(self, examples: Examples, seq_len: int, batch_size: int, seed: int) -> None:
+        import grain
+
+        self.examples, self.length, self.batch_size = examples, seq_len + 1, batch_size
+        self.pairs = len(examples) // 2
+        if not self.pairs:
+            raise UsageError("the training split holds no preference pair; give more pairs")
+        self.cut = int((examples.lengths.reshape(-1, 2) > self.length).any(axis=1).sum())
+        self.order = grain.MapDataset.range(self.pairs).shuffle(seed=seed)
+
+    def global_batch(self, step: int, sharding: Sharding) -> dict[str, jax.Array]:
+        """The pairs of ``step`` as global arrays; this process reads only its devices' rows."""
+        first = step * self.batch_size
+        ids = [int(self.order[i]) for i in range(first, first + self.batch_size)]
+        read: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+        def rows(key: str, index: tuple[slice, ...]) -> np.ndarray:
+            span = index[0].indices(len(ids))[:2]
+            if span not in read:
+                read[span] = pair_rows(self.examples, ids[span[0]: span[1]], self.length)
+            return read[span][key][:, index[1]]
+
+        shape = (self.batch_size, self.length)
+        return {key: jax.make_array_from_callback(shape, sharding, lambda index, key=key: rows(key, index))
+                for key in PAIR_KEYS}
+
+
+def pair_validation(examples: Examples, seq_len: int, batch_size: int, count: int) -> list[dict[str, np.ndarray]]:
+    """Up to ``count`` batches of the held-out pairs (the same every evaluation); a last batch
+    that is not full is filled by the first pairs again, so every pair in it is a real one."""
+    pairs = len(examples) // 2
+    batches = max(1, min(count, pairs // batch_size))
+    return [pair_rows(examples, [(first + i) % pairs for i in range(batch_size)], seq_len + 1)
+            for first in range(0, batches * batch_size, batch_size)]

@@ -4,8 +4,9 @@ Supervised fine-tuning needs conversations, and nothing may be downloaded at run
 conversation here asks what a standard-library function or class does and answers with the
 first paragraph of its docstring (some with a system message, some with a second question):
 about a thousand conversations, the same on every machine with the same Python. ``--data
-python-chats`` names it wherever shardax reads data (``train``, ``prepare``); the JSON-lines
-file is written once into shardax's data cache.
+python-chats`` names it wherever shardax reads data (``train``, ``prepare``); ``python-pairs``
+names the same questions as preference pairs for DPO (the right answer chosen, another name's
+rejected). Each JSON-lines file is written once into shardax's data cache.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 NAME = "python-chats"
+PAIRS = "python-pairs"
 MODULES = ("argparse", "base64", "bisect", "calendar", "collections", "configparser", "contextlib", "copy",
            "csv", "datetime", "decimal", "difflib", "enum", "fnmatch", "fractions", "functools", "glob",
            "gzip", "hashlib", "heapq", "html", "ipaddress", "itertools", "json", "logging", "math",
@@ -83,14 +85,34 @@ def conversations() -> list[dict[str, list[dict[str, str]]]]:
     return made
 
 
-def python_chats_file(folder: str | Path | None = None) -> Path:
-    """The set as a JSON-lines file (written once per Python version) in ``folder`` (default:
-    shardax's data cache, ``$SHARDAX_DATA_CACHE`` or ``~/.cache/shardax/data``)."""
+def preference_pairs() -> list[dict[str, list[dict[str, str]]]]:
+    """Pairs in TRL's conversational form: a question, its docstring's answer (chosen) and the
+    answer about another name (rejected), in a fixed order."""
+    pairs = questions()
+    chooser = random.Random(1)
+    made = []
+    for number, (name, answer) in enumerate(pairs):
+        other = pairs[(number + chooser.randrange(1, len(pairs))) % len(pairs)][1]
+        if other == answer:
+            continue
+        made.append({"prompt": [{"role": "user", "content": chooser.choice(QUESTIONS).format(name)}],
+                     "chosen": [{"role": "assistant", "content": answer}],
+                     "rejected": [{"role": "assistant", "content": other}]})
+    return made
+
+
+BUILT_IN_SETS = {NAME: conversations, PAIRS: preference_pairs}
+
+
+def built_in_file(name: str, folder: str | Path | None = None) -> Path:
+    """The built-in set ``name`` (``python-chats`` or ``python-pairs``) as a JSON-lines file,
+    written once per Python version in ``folder`` (default: shardax's data cache,
+    ``$SHARDAX_DATA_CACHE`` or ``~/.cache/shardax/data``)."""
     folder = Path(folder or os.environ.get("SHARDAX_DATA_CACHE") or Path.home() / ".cache/shardax/data")
-    path = folder / f"{NAME}-{sys.version_info.major}.{sys.version_info.minor}.jsonl"
+    path = folder / f"{name}-{sys.version_info.major}.{sys.version_info.minor}.jsonl"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        partial.write_text("".join(json.dumps(chat) + "\n" for chat in conversations()))
+        partial.write_text("".join(json.dumps(record) + "\n" for record in BUILT_IN_SETS[name]()))
         partial.replace(path)
     return path

@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from shardax.data.python_chats import NAME as PYTHON_CHATS
+from shardax.data.python_chats import BUILT_IN_SETS
 from shardax.errors import UsageError
 from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
@@ -50,6 +50,8 @@ class TrainConfig:
     vocab_size: int | None = None  # with --tokenizer bpe: the vocabulary to train (default 4096)
     field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
     chat_template: str | None = None  # conversations: a checkpoint folder or .jinja (default: the tokenizer's)
+    dpo_beta: float | None = None  # preference pairs: DPO's beta (default 0.1)
+    dpo_label_smoothing: float | None = None  # preference pairs: conservative DPO's label smoothing (default 0)
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
     attention: str = "auto"  # auto (cuDNN on GPU where it applies), xla or cudnn
@@ -77,7 +79,8 @@ DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
 RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
-                "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field", "chat_template")
+                "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field", "chat_template",
+                "dpo_beta", "dpo_label_smoothing")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
@@ -212,6 +215,8 @@ class Run:
     init_from: str | None = None
     ema: float | None = None  # the moving average's decay (None: none kept)
     chat_template: str | None = None  # conversations' template, when not the tokenizer's
+    dpo_beta: float | None = None  # preference pairs: DPO's beta and label smoothing
+    dpo_label_smoothing: float | None = None
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
@@ -223,7 +228,8 @@ class Run:
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "field": self.field, "ema": self.ema,
-                "chat_template": self.chat_template}
+                "chat_template": self.chat_template, "dpo_beta": self.dpo_beta,
+                "dpo_label_smoothing": self.dpo_label_smoothing}
 
 
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> Run:
@@ -259,7 +265,8 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
                train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
                vocab_size=config.vocab_size, field=config.field, init_from=config.init_from, ema=config.ema,
-               chat_template=None if config.chat_template is None else str(Path(config.chat_template).absolute()))
+               chat_template=None if config.chat_template is None else str(Path(config.chat_template).absolute()),
+               dpo_beta=config.dpo_beta, dpo_label_smoothing=config.dpo_label_smoothing)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
@@ -280,10 +287,10 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
 
 
 def _absolute(data: list[str] | None) -> list[str] | None:
-    """``--data`` as absolute paths (the built-in ``python-chats`` kept by its name)."""
+    """``--data`` as absolute paths (the built-in ``python-chats`` and ``python-pairs`` kept by name)."""
     if data is None:
         return None
-    return [entry if entry == PYTHON_CHATS and not Path(entry).exists() else str(Path(entry).absolute())
+    return [entry if entry in BUILT_IN_SETS and not Path(entry).exists() else str(Path(entry).absolute())
             for entry in data]
 
 

@@ -25,13 +25,14 @@ from shardax.data.batches import WindowSampler, validation_batches
 from shardax.data.chat import ChatTemplate
 from shardax.data.corpus import default_sources, load_corpus
 from shardax.data.documents import detect_format, input_files
-from shardax.data.examples import ExampleRows, Examples
+from shardax.data.examples import PAIR_KEYS, ExampleRows, Examples, PairRows, pair_validation
 from shardax.data.examples import validation_rows as example_validation
 from shardax.data.index import INDEX, read_index
 from shardax.data.prepare import prepare
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
 from shardax.data.tokenizer import ByteTokenizer, padded_vocab
 from shardax.errors import UsageError
+from shardax.models.preference import dpo_loss
 from shardax.models.transformer import token_losses, weighted_next_token_loss
 
 
@@ -190,6 +191,37 @@ class Conversations(TokenShards):
         return [int(t) for t in ids[:first]][-max(length, 1):]  # its end: the turn the reply answers
 
 
+class Preferences(Conversations):
+    """Preference pairs written by ``shardax prepare``, trained with DPO (``dpo_loss``): the batch
+    holds each pair's chosen and rejected sequences and the masks of their completions."""
+
+    batch_keys = PAIR_KEYS
+    unit = "nats/pair"  # of the loss (DPO's: -log sigmoid of the reward margin)
+
+    def __init__(self, root: Path, source: str | None = None) -> None:
+        super().__init__(root, source)
+        self.eval_loss = dpo_loss()  # the run sets its beta and label smoothing (``use_loss``)
+
+    def use_loss(self, loss: Any) -> None:
+        self.eval_loss = loss
+
+    def header(self) -> str:
+        splits = self.data.index["splits"]
+        cut = f"; {self.cut:,} longer than a row, cut to it" if self.cut else ""
+        return (f"data: {self.data.root}: {splits['train']['documents'] // 2:,} train / "
+                f"{splits['validation']['documents'] // 2:,} validation preference pairs{cut}; rendered with "
+                f"{self.data.index['chat_template']}")
+
+    def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
+        rows = PairRows(self.train, seq_len, batch, seed)
+        self.cut = rows.cut
+        return lambda step: rows.global_batch(step, sharding)
+
+    def validation(self, seq_len: int, batch: int, count: int, sharding: Any) -> list[dict[str, jax.Array]]:
+        return [{key: global_rows(value, sharding) for key, value in rows.items()}
+                for rows in pair_validation(self.held_out, seq_len, batch, count)]
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SHARDAX_DATA_CACHE") or Path.home() / ".cache" / "shardax" / "data")
 
@@ -203,7 +235,8 @@ def _prepared_directory(paths: list[str] | None) -> Path | None:
 def _opened(root: Path, source: str | None = None) -> TokenShards:
     """A prepared directory as the data of a run: conversations or documents, as it holds."""
     kind = (read_index(root) or {}).get("kind")
-    return Conversations(root, source) if kind == "conversations" else TokenShards(root, source)
+    opened = {"conversations": Conversations, "preferences": Preferences}.get(kind, TokenShards)
+    return opened(root, source)
 
 
 def _check_tokenizer_matches(data: TokenShards, prepared: Path, tokenizer: str, vocab_size: int | None) -> None:
@@ -215,10 +248,11 @@ def _check_tokenizer_matches(data: TokenShards, prepared: Path, tokenizer: str, 
                          + "; drop --tokenizer to train on them, or prepare the text again")
 
 
-def _holds_conversations(paths: list[str], field: str) -> bool:
-    """Whether ``--data`` names conversations (what else it may be, the text reader says)."""
+def _holds_examples(paths: list[str], field: str) -> bool:
+    """Whether ``--data`` names conversations or preference pairs (what else it may be, the text
+    reader says)."""
     try:
-        return detect_format(input_files(paths)[0], field) == "conversations"
+        return detect_format(input_files(paths)[0], field) != "documents"
     except UsageError:
         return False
 
@@ -235,8 +269,8 @@ def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | 
         if tokenizer is not None:
             _check_tokenizer_matches(data, prepared, tokenizer, vocab_size)
         return data
-    if tokenizer is None and paths and _holds_conversations(paths, field or "text"):
-        tokenizer = "bytes"  # conversations are read as examples, from shards
+    if tokenizer is None and paths and _holds_examples(paths, field or "text"):
+        tokenizer = "bytes"  # conversations and pairs are read as examples, from shards
     if tokenizer is None:
         if vocab_size is not None:
             raise UsageError(f"--vocab-size {vocab_size} needs --tokenizer bpe")

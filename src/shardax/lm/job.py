@@ -21,11 +21,12 @@ from rich.markup import escape as rich_escape
 
 from shardax.errors import Preempted, Stopped, UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
-from shardax.lm.data import ByteText, TokenShards, open_data
+from shardax.lm.data import ByteText, Preferences, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import describe_mesh, resolve_mesh_shape
 from shardax.model_parallel import ParallelModel
+from shardax.models.preference import dpo_loss
 from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
                                         weighted_next_token_loss)
@@ -185,14 +186,35 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     _check_same_model(record, run, step, config)
     tx, schedule = optimizer(run.lr, run.steps, run.ema)
     model = run.model
+    loss = _loss(data, run)
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, weighted_next_token_loss, mesh=config.mesh,
+    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, loss, mesh=config.mesh,
                       strategy=config.strategy, grad_accum=config.grad_accum, microbatches=config.microbatches,
                       pipeline_repeats=config.pipeline_repeats, context_attention=config.context_attention,
                       seed=run.seed, eval_loss_fn=data.eval_loss, learning_rate=schedule, name="shardax train",
                       example_batch=example, init_from=run.init_from, trackers=_trackers(config.tracker))
     return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
+
+
+def _loss(data: ByteText | TokenShards, run: Run) -> Any:
+    """What the run trains on: the LM loss (on the learned tokens), or DPO's on preference pairs,
+    with the base weights of a LoRA model as the reference (the adapters left out)."""
+    dpo = {"beta": run.dpo_beta, "label_smoothing": run.dpo_label_smoothing}
+    if not isinstance(data, Preferences):
+        given = [f"--{name.replace('_', '-')}" for name, value in
+                 (("dpo_beta", run.dpo_beta), ("dpo_label_smoothing", run.dpo_label_smoothing)) if value is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} tune DPO, and --data holds no preference pairs; give pairs "
+                             "(prompt, chosen, rejected), or leave them out")
+        return weighted_next_token_loss
+    if not run.model.lora_rank:
+        raise UsageError("DPO from shardax train takes the model's base weights as its reference, which needs LoRA "
+                         "adapters: add --lora-rank R (full DPO: shardax.dpo_loss from Python, with the reference's "
+                         "log-probabilities in the batch)")
+    loss = dpo_loss(**{name: value for name, value in dpo.items() if value is not None})
+    data.use_loss(loss)
+    return loss
 
 
 def _check_mesh_uses_every_device(mesh: str | None) -> None:
