@@ -174,6 +174,8 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
     assert "model: fine-tuning the Hugging Face checkpoint" in lora and "step     50" in lora
     chat = next(out for line, out in outputs.items() if "--data python-chats" in line)
     assert "conversations" in chat and "rendered with shardax's built-in chat template" in chat
+    dpo = next(out for line, out in outputs.items() if "--data python-pairs" in line)
+    assert "preference pairs" in dpo and "reward_accuracy" in dpo and "the chat template of" in dpo
     reply = next(out for line, out in outputs.items() if "--chat" in line)
     assert reply.strip() and "<|end|>" not in reply  # the reply alone, its end of turn left out
     generated = [out for line, out in outputs.items() if line.startswith("shardax generate") and "--chat" not in line]
