@@ -111,6 +111,23 @@ def plan_init_from_rows(found: dict | None) -> list[str]:
             f"{cells} | analytic within 5% |"]
 
 
+def post_training_rows(found: dict | None) -> list[str]:
+    if not found:
+        return []
+    rate, epoch, steps = found["learned_tokens_per_s"], found["epoch_s"], found["step_s"]
+    ratios = found["dpo_vs_sft"]
+    return [f"| 30. SFT on python-chats ({found['conversations']} conversations, bytes), LoRA 8, dp on 8 devices, "
+            f"{found['rows']} rows of {found['row_tokens']} a step ({found['machine']}): assistant tokens learned a "
+            f"second and an epoch's time, packed / one a row | {rate['packed']:,.0f} / {rate['unpacked']:,.0f} "
+            f"tokens/s ({found['packed_vs_unpacked']:.2f}x); epoch {epoch['packed']:.0f} / {epoch['unpacked']:.0f} s "
+            f"({found['epoch_rows']['packed']} / {found['epoch_rows']['unpacked']} rows) | packed faster |",
+            f"| 30. DPO step, {found['pairs']} pairs ({2 * found['pairs']} rows), against the SFT step of "
+            f"{found['rows']} rows: the base weights as reference / its log-probabilities given | "
+            f"{ratios['dpo_base_reference']:.2f}x / {ratios['dpo_given_reference']:.2f}x "
+            f"({1000 * steps['dpo_base_reference']:.0f} / {1000 * steps['dpo_given_reference']:.0f} vs "
+            f"{1000 * steps['sft_unpacked']:.0f} ms) | one more forward, about 1.33x; given: 1x |"]
+
+
 def table() -> str:
     lines = ["| benchmark | result | target |", "|---|---|---|"]
     overhead = load("overhead")
@@ -349,6 +366,7 @@ def table() -> str:
     lines += experts_rows(load("experts"))
     lines += user_experts_rows(load("user_experts"))
     lines += plan_init_from_rows(load("plan_init_from"))
+    lines += post_training_rows(load("post_training"))
     for name, compiler in (("pipeline_held_out", "XLA:CPU"), ("pipeline_held_out_tpu_v5p_16", "XLA:TPU, v5p-16")):
         pipelines = load(name)
         if pipelines:
@@ -448,6 +466,7 @@ if __name__ == "__main__":
     run(["benchmarks/lora.py"])
     run(["benchmarks/ema.py"])
     run(["benchmarks/experts.py"])
+    run(["benchmarks/post_training.py"])
     if not options.skip_slow:
         run(["benchmarks/hf_load.py"])
         run(["benchmarks/generation.py"])

@@ -643,6 +643,26 @@ def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * np.abs(np.asarray(w)).max(),
                                    err_msg=path_to_str(path))
+    # the same in a run of parts, the reference a frozen model whose log-probabilities the step computes
+    import optax
+
+    from shardax import Part, Trainer
+    from shardax.models.preference import dpo_step
+    from shardax.models.transformer import TransformerLM
+
+    reference_model = hf.load(checkpoints["qwen3"][0], "data=8", "fsdp").model()
+    parts = {name: Part(lambda rngs, config=module.config: TransformerLM(config, rngs=rngs),
+                        optax.sgd(1.0) if name == "policy" else None, init_from=module)
+             for name, module in (("policy", model), ("reference", reference_model))}
+    trainer = Trainer(parts=parts, step=dpo_step(beta, smoothing), strategy="fsdp_tp", mesh="data=4,model=2",
+                      example_batch=pair_batch())
+    result = trainer.fit([pair_batch()], steps=1, log_every=1, summary=False)
+    np.testing.assert_allclose(result.history[0]["loss"], expected, rtol=1e-5)
+    moved = nnx.state(trainer.part("policy"), nnx.Param)
+    for (path, new), old, w in zip(jax.tree_util.tree_leaves_with_path(moved), jax.tree.leaves(nnx.state(model, nnx.Param)),
+                                   jax.tree.leaves(want)):  # SGD at 1: the step is minus the gradient
+        np.testing.assert_allclose(np.asarray(old) - np.asarray(new), np.asarray(w), rtol=1e-3,
+                                   atol=1e-3 * np.abs(np.asarray(w)).max(), err_msg=path_to_str(path))
 
 
 def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(checkpoints):

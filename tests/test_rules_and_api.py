@@ -37,7 +37,7 @@ EXPECTED_API = {
     "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "Part", "parallelize",
     "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
     "TrainState", "ema_params", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
-    "FitSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss",
+    "FitSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss", "dpo_step",
 }
 
 

@@ -39,6 +39,7 @@ _EXPORTS = {
     "reshard": "shardax.model_parallel",
     "LoRA": "shardax.models.adapters",
     "dpo_loss": "shardax.models.preference",
+    "dpo_step": "shardax.models.preference",
     "TransformerConfig": "shardax.models.transformer_config",
     "TransformerLM": "shardax.models.transformer",
     "for_compute": "shardax.sharding.compute",
@@ -104,6 +105,7 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.model_parallel import reshard as reshard
     from shardax.models.adapters import LoRA as LoRA
     from shardax.models.preference import dpo_loss as dpo_loss
+    from shardax.models.preference import dpo_step as dpo_step
     from shardax.models.transformer import TransformerLM as TransformerLM
     from shardax.models.transformer_config import TransformerConfig as TransformerConfig
     from shardax.sharding.compute import for_compute as for_compute

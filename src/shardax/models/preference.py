@@ -1,6 +1,8 @@
 """Preference tuning: DPO's loss on pairs of completions, against a frozen reference.
 
     trainer = Trainer(None, optax.adamw(1e-6), dpo_loss(beta=0.1), init_from="my-llama", lora=LoRA(16))
+    trainer = Trainer(parts={"policy": Part(factory, optax.adamw(1e-6), init_from=sft_model),
+                             "reference": Part(factory, init_from=sft_model)}, step=dpo_step(beta=0.1))
 
 A batch holds each pair's two sequences, prompt and completion, as rows of the same length:
 ``chosen`` and ``rejected`` (token ids), ``chosen_mask`` and ``rejected_mask`` (1 on the
@@ -8,7 +10,8 @@ completion's tokens: a sequence's log-probability is the sum over them). The ref
 log-probabilities come either with the batch (``reference_chosen``, ``reference_rejected``:
 computed once beforehand, ``sequence_logprobs`` of the reference model) or, for a model with
 LoRA adapters and none given, from the same model with its adapters left out (the base weights
-are the reference: no second copy of them). Sigmoid DPO (Rafailov et al.), with conservative
+are the reference: no second copy of them), or, in a run of parts, from a frozen reference
+model in the same step (``dpo_step``). Sigmoid DPO (Rafailov et al.), with conservative
 label smoothing ``label_smoothing`` as TRL has it; the metrics are the implicit rewards
 ``beta (policy - reference)`` of each side, their margin and how often the chosen one wins.
 """
@@ -77,3 +80,22 @@ def dpo_loss(beta: float = 0.1, label_smoothing: float = 0.0) -> Callable[[Any, 
         return losses.mean(), metrics
 
     return loss_fn
+
+
+def dpo_step(beta: float = 0.1, label_smoothing: float = 0.0, *, policy: str = "policy",
+             reference: str = "reference") -> Callable[[Any, dict[str, Any]], dict[str, jax.Array]]:
+    """A step over parts (``Trainer(parts=..., step=dpo_step())``): DPO of the ``policy`` part
+    against a frozen ``reference`` part (``Part(model, init_from=...)``, no optimizer), the
+    reference's log-probabilities computed in the step, for full fine-tuning or a reference that
+    is another model."""
+    loss_fn = dpo_loss(beta, label_smoothing)
+
+    def step(parts: Any, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        frozen = parts[reference]
+        given = {**batch, **{f"reference_{side}": jax.lax.stop_gradient(
+            sequence_logprobs(frozen, batch[side], batch[f"{side}_mask"])) for side in ("chosen", "rejected")}}
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(parts[policy], given)
+        parts.update(policy, grads)
+        return {"loss": loss, **metrics}
+
+    return step
