@@ -211,6 +211,20 @@ def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(
     assert not np.array_equal(np.asarray(other["tokens"]), np.asarray(batch["tokens"]))
     held = validation_rows(Examples(done.root, splits["validation"]["shards"], "uint16", 257), 127, 8, 4)
     assert sum(int(b["mask"].sum()) for b in held) == sum(int(m[1:128].sum()) for _, m in expected["validation"])
+    parquet = pytest.importorskip("pyarrow.parquet")  # the same conversations from Parquet: the same examples
+    parquet.write_table(__import__("pyarrow").Table.from_pylist(records[:-1]), tmp_path / "chats.parquet")
+    again = prepare([tmp_path / "chats.parquet"], tmp_path / "parquet", workers=1, show_progress=False,
+                    validation_fraction=0.2)
+
+    def held_examples(root, index):
+        found = []
+        for split in ("train", "validation"):
+            examples = Examples(root, index["splits"][split]["shards"], "uint16", 257)
+            found += [tuple(map(bytes, examples.example(i, 1 << 20))) for i in range(len(examples))]
+        return sorted(found)
+
+    from_parquet, from_lines = held_examples(again.root, again.index), held_examples(done.root, done.index)
+    assert set(from_parquet) <= set(from_lines) and len(from_parquet) == len(from_lines) - 1  # all but "2 + 2 ="
 
 
 def test_prepared_preference_pairs_keep_both_sides_together(tmp_path):
