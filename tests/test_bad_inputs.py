@@ -106,6 +106,9 @@ CASES = [
     (["--vocab-size", "300"], "--vocab-size 300 needs --tokenizer bpe"),
     (["--tokenizer", "{root}/a_file"], "a_file is not JSON"),
     (["--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size 100 must be at least 258"),
+    (["--no-packing"], "--no-packing lays conversations one a row, and --data holds documents; leave it out"),
+    (["--dpo-beta", "0.5"], "--dpo-beta tunes DPO, and --data holds no preference pairs"),
+    (["--data", "{root}/bad/noreply.jsonl"], "noreply.jsonl line 2: the conversation has no assistant turn"),
     # YAML files
     (["--config", "{root}/missing.yaml"], "cannot read it (No such file or directory)"),
     (["--config", "{root}/broken.yaml"], "not valid YAML"),

@@ -446,7 +446,7 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
     chats.write_text(json.dumps({"prompt": "2 + 2 =", "completion": " 4"}) + "\n"
                      + json.dumps({"prompt": "3 + 3 =", "completion": " 6"}) + "\n")
     wrong = shardax("train", "--init-from", chat_model, "--data", chats, "--dpo-beta", 0.2, check=False)
-    assert wrong.returncode == 2 and "--dpo-beta tune DPO, and --data holds no preference pairs" in wrong.stderr
+    assert wrong.returncode == 2 and "--dpo-beta tunes DPO, and --data holds no preference pairs" in wrong.stderr
 
 
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):

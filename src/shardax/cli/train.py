@@ -16,6 +16,7 @@ from typing import Any
 from shardax.cli import signals
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
+from shardax.data.conversations import DATA_FORMATS
 from shardax.errors import Stopped
 
 STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp", "ep", "fsdp_ep",
@@ -61,6 +62,10 @@ def _add_data_flags(group: Any) -> None:
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
                                        "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
+    add("--format", dest="data_format", choices=DATA_FORMATS, help="documents, conversations or preference pairs "
+                                                                   "(default: read off each file's first record)")
+    add("--no-packing", dest="packing", action="store_const", const=False,
+        help="conversations: one a row (default: whole conversations packed into rows, kept apart)")
     add("--dpo-beta", type=float, help="preference pairs (prompt, chosen, rejected): DPO's beta, how far the "
                                        "model may move from the reference (default 0.1)")
     add("--dpo-label-smoothing", type=float, help="preference pairs: the share of pairs taken to be mislabelled "

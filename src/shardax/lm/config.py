@@ -50,6 +50,8 @@ class TrainConfig:
     vocab_size: int | None = None  # with --tokenizer bpe: the vocabulary to train (default 4096)
     field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
     chat_template: str | None = None  # conversations: a checkpoint folder or .jinja (default: the tokenizer's)
+    data_format: str | None = None  # documents, conversations or preferences (default: read off the files)
+    packing: bool | None = None  # conversations: whole examples share rows (default), or False: one a row
     dpo_beta: float | None = None  # preference pairs: DPO's beta (default 0.1)
     dpo_label_smoothing: float | None = None  # preference pairs: conservative DPO's label smoothing (default 0)
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
@@ -80,7 +82,7 @@ DEFAULT_VOCAB = 1024
 # Settings that define the run: a resumed run takes them from its checkpoint.
 RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
                 "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field", "chat_template",
-                "dpo_beta", "dpo_label_smoothing")
+                "data_format", "packing", "dpo_beta", "dpo_label_smoothing")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
@@ -217,6 +219,8 @@ class Run:
     chat_template: str | None = None  # conversations' template, when not the tokenizer's
     dpo_beta: float | None = None  # preference pairs: DPO's beta and label smoothing
     dpo_label_smoothing: float | None = None
+    data_format: str | None = None  # as prepare's --format (None: read off the files)
+    packing: bool | None = None  # conversations: False lays one a row
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
@@ -229,7 +233,8 @@ class Run:
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "field": self.field, "ema": self.ema,
                 "chat_template": self.chat_template, "dpo_beta": self.dpo_beta,
-                "dpo_label_smoothing": self.dpo_label_smoothing}
+                "dpo_label_smoothing": self.dpo_label_smoothing, "data_format": self.data_format,
+                "packing": self.packing}
 
 
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> Run:
@@ -266,7 +271,8 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
                train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
                vocab_size=config.vocab_size, field=config.field, init_from=config.init_from, ema=config.ema,
                chat_template=None if config.chat_template is None else str(Path(config.chat_template).absolute()),
-               dpo_beta=config.dpo_beta, dpo_label_smoothing=config.dpo_label_smoothing)
+               dpo_beta=config.dpo_beta, dpo_label_smoothing=config.dpo_label_smoothing,
+               data_format=config.data_format, packing=config.packing)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:

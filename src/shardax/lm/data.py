@@ -154,13 +154,15 @@ class Conversations(TokenShards):
         self.template = ChatTemplate.from_tokenizer_config(self.data.root)
         self.end_of_turn = self.template.end_of_turn()
         self.cut = 0
+        self.packing = True  # whole conversations share rows; False: one a row
 
     def header(self) -> str:
         splits = self.data.index["splits"]
         cut = f"; {self.cut:,} longer than a row, cut to it" if self.cut else ""
         return (f"data: {self.data.root}: {splits['train']['documents']:,} train / "
                 f"{splits['validation']['documents']:,} validation conversations, {splits['train']['trained']:,} of "
-                f"{splits['train']['tokens']:,} tokens learned (the assistant's){cut}; rendered with "
+                f"{splits['train']['tokens']:,} tokens learned (the assistant's), "
+                f"{'packed into rows' if self.packing else 'one a row'}{cut}; rendered with "
                 f"{self.data.index['chat_template']}; unigram baseline {self.unigram_nats():.4f} nats/token")
 
     def unigram_nats(self) -> float:
@@ -168,7 +170,7 @@ class Conversations(TokenShards):
         return _unigram_nats(tokens[mask > 0], self.vocab)
 
     def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
-        rows = ExampleRows(self.train, seq_len, batch, seed)
+        rows = ExampleRows(self.train, seq_len, batch, seed, pack=self.packing)
         self.cut = rows.cut
         return lambda step: rows.global_batch(step, sharding)
 
@@ -258,7 +260,7 @@ def _holds_examples(paths: list[str], field: str) -> bool:
 
 
 def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | None, field: str | None,
-              seq_len: int, template: str | None = None) -> ByteText | TokenShards:
+              seq_len: int, template: str | None = None, data_format: str | None = None) -> ByteText | TokenShards:
     """The data a run reads (see the module docstring); conversations (JSON lines or Parquet of
     ``messages`` or ``prompt``/``completion``) render with ``template`` (default: the tokenizer's
     own, else the built-in one). Only process 0 prepares; the others wait for it and then read
@@ -269,7 +271,8 @@ def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | 
         if tokenizer is not None:
             _check_tokenizer_matches(data, prepared, tokenizer, vocab_size)
         return data
-    if tokenizer is None and paths and _holds_examples(paths, field or "text"):
+    examples = data_format not in (None, "documents") or bool(paths) and _holds_examples(paths, field or "text")
+    if tokenizer is None and paths and examples:
         tokenizer = "bytes"  # conversations and pairs are read as examples, from shards
     if tokenizer is None:
         if vocab_size is not None:
@@ -277,14 +280,15 @@ def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | 
         return ByteText(paths, seq_len)
     inputs = [str(p) for p in default_sources() if p.stat().st_size] if not paths else paths
     key = json.dumps([sorted(str(Path(p).resolve()) for p in inputs), tokenizer, vocab_size, field or "text"]
-                     + ([str(Path(template).resolve())] if template else []))
+                     + ([str(Path(template).resolve())] if template else [])
+                     + ([data_format] if data_format else []))
     root = cache_root() / hashlib.sha256(key.encode()).hexdigest()[:16]
     if jax.process_index() == 0:
         root.parent.mkdir(parents=True, exist_ok=True)
         with open(root.with_name(root.name + ".lock"), "w") as lock:  # two runs on one machine prepare once
             fcntl.flock(lock, fcntl.LOCK_EX)
             prepare(inputs, root, tokenizer=tokenizer, vocab_size=vocab_size, field=field or "text",
-                    template=template)
+                    template=template, data_format=data_format or "auto")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -21,15 +21,19 @@ from rich.markup import escape as rich_escape
 
 from shardax.errors import Preempted, Stopped, UsageError
 from shardax.lm.config import Run, TrainConfig, check_values, resolve
-from shardax.lm.data import ByteText, Preferences, TokenShards, open_data
+from shardax.lm.data import ByteText, Conversations, Preferences, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
 from shardax.mesh import describe_mesh, resolve_mesh_shape
 from shardax.model_parallel import ParallelModel
 from shardax.models.preference import dpo_loss
 from shardax.models.presets import adapter_count, parameter_count
-from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
-                                        weighted_next_token_loss)
+from shardax.models.transformer import (
+    TransformerConfig,
+    TransformerLM,
+    attention_implementation,
+    weighted_next_token_loss,
+)
 from shardax.step.ema import ema_params
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say, show_summary
@@ -176,7 +180,11 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     run = resolve(config, saved, platform=jax.default_backend())
     _check_not_finished(run, step, config)
     attention_implementation(run.model)  # --attention cudnn where it cannot run: refused here
-    data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len, run.chat_template)
+    data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len, run.chat_template,
+                     run.data_format)
+    if run.packing is not None:
+        _check_packing(data)
+        data.packing = run.packing
     _check_tokenizer(data, saved, step, config)
     if run.init_from is None:
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
@@ -197,6 +205,13 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
     return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
 
 
+def _check_packing(data: ByteText | TokenShards) -> None:
+    if not isinstance(data, Conversations) or isinstance(data, Preferences):
+        raise UsageError("--no-packing lays conversations one a row, and --data holds "
+                         f"{'preference pairs (always one a row)' if isinstance(data, Preferences) else 'documents'}; "
+                         "leave it out")
+
+
 def _loss(data: ByteText | TokenShards, run: Run) -> Any:
     """What the run trains on: the LM loss (on the learned tokens), or DPO's on preference pairs,
     with the base weights of a LoRA model as the reference (the adapters left out)."""
@@ -205,8 +220,8 @@ def _loss(data: ByteText | TokenShards, run: Run) -> Any:
         given = [f"--{name.replace('_', '-')}" for name, value in
                  (("dpo_beta", run.dpo_beta), ("dpo_label_smoothing", run.dpo_label_smoothing)) if value is not None]
         if given:
-            raise UsageError(f"{' and '.join(given)} tune DPO, and --data holds no preference pairs; give pairs "
-                             "(prompt, chosen, rejected), or leave them out")
+            raise UsageError(f"{' and '.join(given)} tune{'s' * (len(given) == 1)} DPO, and --data holds no "
+                             "preference pairs; give pairs (prompt, chosen, rejected), or leave them out")
         return weighted_next_token_loss
     if not run.model.lora_rank:
         raise UsageError("DPO from shardax train takes the model's base weights as its reference, which needs LoRA "
