@@ -1,7 +1,7 @@
 """The package reads bottom-up: nothing imports a layer above its own.
 
-    errors, mesh, distributed,    the usage error; devices and processes
-    launch, cpu_devices
+    errors, vocabulary, mesh,     the usage error; the names users give; devices and processes
+    distributed, launch, cpu_devices
     sharding                      rules, strategies, layouts, placement, report
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
@@ -19,7 +19,7 @@ from pathlib import Path
 import shardax
 
 LAYERS = [
-    {"errors", "mesh", "distributed", "launch", "cpu_devices"},
+    {"errors", "vocabulary", "mesh", "distributed", "launch", "cpu_devices"},
     {"sharding"},
     {"runtime"},
     {"layers", "blocks", "models", "data"},

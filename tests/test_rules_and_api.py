@@ -72,3 +72,25 @@ def test_the_command_line_answers_help_and_bad_flags_without_importing_jax(argv)
     if argv == ["train", "--help"]:  # its flags in groups, in this order
         titles = [line[:-1] for line in out.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
         assert titles[-6:] == ["model", "data", "parallelism", "run", "checkpoints", "logging"], titles
+
+
+def test_one_vocabulary_of_option_names():
+    """The names the command line, the configurations and the library accept come from
+    ``shardax.vocabulary`` (JAX-free), and they are the names the library implements."""
+    import subprocess
+    import sys
+
+    from shardax import vocabulary
+    from shardax.analysis.fit import POLICIES
+    from shardax.blocks import IMPLEMENTATIONS, REMAT_POLICIES
+    from shardax.lm.config import CHOICES
+    from shardax.runtime.context import VARIANTS
+    from shardax.sharding.strategies import STRATEGIES
+    from shardax.step.settings import NONFINITE
+
+    assert sorted(vocabulary.STRATEGY_NAMES) == sorted(STRATEGIES)
+    assert vocabulary.REMAT_POLICIES == tuple(REMAT_POLICIES) and sorted(POLICIES) == sorted(REMAT_POLICIES)
+    assert IMPLEMENTATIONS is vocabulary.ATTENTION_KERNELS and VARIANTS is vocabulary.CONTEXT_ATTENTIONS
+    assert NONFINITE is vocabulary.NONFINITE_MODES and CHOICES["remat"] is vocabulary.REMAT_POLICIES
+    probe = "import sys, shardax.vocabulary; print(sorted({'jax', 'numpy'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"

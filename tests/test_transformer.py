@@ -295,7 +295,7 @@ def test_attention_kernel_matches_attention_written_out(packed, monkeypatch):
 @pytest.mark.parametrize("attention, precision, heads, platform, expected", [
     ("auto", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),
     ("auto", "bfloat16", 4, "cpu", ("xla", "cuDNN does not apply: it needs a GPU (this is cpu)")),
-    ("auto", "float32", 4, "gpu", ("xla", "it needs bfloat16 compute (this is float32; `compute_dtype='bfloat16'`)")),
+    ("auto", "float32", 4, "gpu", ("xla", "it needs bfloat16 compute (or float16; this is float32)")),
     ("auto", "bfloat16", 3, "gpu", ("xla", "multiple of 8 and at most 256 (this is 20)")),
     ("xla", "bfloat16", 4, "gpu", ("xla", "asked for")),
     ("cudnn", "bfloat16", 4, "gpu", ("cudnn", "fused cuDNN kernel")),

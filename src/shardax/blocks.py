@@ -37,6 +37,7 @@ from shardax.runtime.pipeline import PipelineRun, Specs, run_pipeline
 from shardax.sharding.compute import gather_for_compute, remat_policy
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.rules import logical_axes_of
+from shardax.vocabulary import ATTENTION_KERNELS
 
 REMAT_POLICIES = {
     "none": None,
@@ -44,7 +45,7 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+IMPLEMENTATIONS = ATTENTION_KERNELS
 
 
 def remat_plain_loop(platform: str) -> bool:
@@ -204,12 +205,13 @@ class LayerStack(nnx.Module):
 
 
 def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None, *,
-                     masked: bool = False) -> tuple[str, str]:
-    """The kernel attention runs with (``"xla"`` or ``"cudnn"``) and why.
+                     masked: bool = False, named: str = "attention implementation 'cudnn'") -> tuple[str, str]:
+    """The kernel attention runs with (``"xla"`` or ``"cudnn"``) and why: the one rule, for the
+    attention call and for a model's configuration alike (``named``: how the error names it).
 
-    cuDNN's fused kernel needs a GPU, 16-bit inputs and a head dimension that is a multiple of
-    8 and at most 256, and shardax does not give it sliding windows or soft-capped scores
-    (``masked``); ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
+    cuDNN's fused kernel needs a GPU, bfloat16 or float16 compute and a head dimension that is a
+    multiple of 8 and at most 256, and shardax does not give it sliding windows or soft-capped
+    scores (``masked``); ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
     if implementation not in IMPLEMENTATIONS:
         raise UsageError(f"attention implementation {implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}")
     platform = platform or jax.devices()[0].platform
@@ -217,7 +219,7 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
     if platform != "gpu":
         problems.append(f"it needs a GPU (this is {platform})")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        problems.append(f"it needs bfloat16 or float16 inputs (these are {jnp.dtype(dtype).name})")
+        problems.append(f"it needs bfloat16 compute (or float16; this is {jnp.dtype(dtype).name})")
     if head_dim % 8 or head_dim > 256:
         problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {head_dim})")
     if masked:
@@ -227,7 +229,7 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
     if not problems:
         return "cudnn", "fused cuDNN kernel"
     if implementation == "cudnn":
-        raise UsageError(f"attention implementation 'cudnn': {'; '.join(problems)}; use 'auto' or 'xla'")
+        raise UsageError(f"{named}: {'; '.join(problems)}; use 'auto' or 'xla'")
     return "xla", "cuDNN does not apply: " + "; ".join(problems)
 
 

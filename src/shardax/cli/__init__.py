@@ -21,7 +21,8 @@ from shardax.cli.generate import add_generate_parser, generate_command
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
 from shardax.cli.prepare import add_prepare_parser, prepare_command
-from shardax.cli.train import STRATEGY_NAMES, add_train_parser, train
+from shardax.cli.train import add_train_parser, train
+from shardax.vocabulary import STRATEGY_NAMES
 from shardax.errors import Stopped
 
 

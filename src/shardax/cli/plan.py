@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from shardax.cli.devices import configure_jax
+from shardax.vocabulary import CONTEXT_ATTENTIONS, PRECISIONS, REMAT_POLICIES
 
 
 def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -34,10 +35,10 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
     add("--grad-accum", type=int, default=1, help="microbatches per step")
     add("--microbatches", type=int, help="pipeline strategies: microbatches through the stages (default: one per stage)")
     add("--pipeline-repeats", type=int, default=1, help="pipeline strategies: times round the stages (circular)")
-    add("--context-attention", choices=("all-gather", "ring"), default="all-gather",
+    add("--context-attention", choices=CONTEXT_ATTENTIONS, default="all-gather",
         help="meshes with a context axis: attention by all-gather (default) or ring")
-    add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"))
-    add("--precision", choices=("float32", "bfloat16"), default="float32")
+    add("--remat", choices=REMAT_POLICIES)
+    add("--precision", choices=PRECISIONS, default="float32")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
         help="plan the blocks scanned or, with --no-scan-layers, in a Python loop (default: as shardax train lays "
              "them on the target: a loop for GPUs under dp, zero1 and tp, else a scan)")

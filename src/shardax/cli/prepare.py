@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardax.data.conversations import DATA_FORMATS
+from shardax.vocabulary import DATA_FORMATS
 
 
 def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:

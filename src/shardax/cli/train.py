@@ -16,11 +16,10 @@ from typing import Any
 from shardax.cli import signals
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
-from shardax.data.conversations import DATA_FORMATS
+from shardax.vocabulary import (ATTENTION_KERNELS, CONTEXT_ATTENTIONS, DATA_FORMATS, NONFINITE_MODES, PRECISIONS,
+                                REMAT_POLICIES, STRATEGY_NAMES)
 from shardax.errors import Stopped
 
-STRATEGY_NAMES = ("dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp", "ep", "fsdp_ep",
-                  "ep_tp")
 
 
 def _add_model_flags(group: Any) -> None:
@@ -40,10 +39,10 @@ def _add_model_flags(group: Any) -> None:
     add("--ema", type=float, metavar="DECAY",
         help="keep an exponential moving average of the weights with this decay (e.g. 0.999), laid out like the "
              "optimizer state and checkpointed; shardax export --ema and generate --ema use it")
-    add("--precision", choices=("float32", "bfloat16"), help="compute dtype; parameters stay float32")
-    add("--remat", choices=("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+    add("--precision", choices=PRECISIONS, help="compute dtype; parameters stay float32")
+    add("--remat", choices=REMAT_POLICIES,
         help="what the backward pass recomputes instead of storing")
-    add("--attention", choices=("auto", "xla", "cudnn"),
+    add("--attention", choices=ATTENTION_KERNELS,
         help="attention kernel: auto (default: cuDNN's fused kernel on a GPU with bfloat16 and head dimension a "
              "multiple of 8 up to 256, else XLA; the run says which and why), xla, or cudnn")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
@@ -87,7 +86,7 @@ def _add_parallelism_flags(group: Any) -> None:
                                          "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
     add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
                                              "chunks of layers (a circular schedule; default 1)")
-    add("--context-attention", choices=("all-gather", "ring"),
+    add("--context-attention", choices=CONTEXT_ATTENTIONS,
         help="a mesh with a context axis (the sequence split over it, e.g. data=2,context=4): gather every "
              "share's keys and values (all-gather, default) or pass them round the devices (ring)")
 
@@ -99,7 +98,7 @@ def _add_run_flags(group: Any) -> None:
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")
-    add("--on-nonfinite", choices=("stop", "skip"),
+    add("--on-nonfinite", choices=NONFINITE_MODES,
         help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
              "that update and count it (metric skipped_steps)")
     add("--sample-tokens", "--sample-bytes", dest="sample_bytes", type=int, metavar="N",

@@ -29,9 +29,9 @@ import numpy as np
 from shardax.data.chat import ChatTemplate, chat_template, check_messages
 from shardax.data.documents import detect_format
 from shardax.errors import UsageError
+from shardax.vocabulary import DATA_FORMATS
 
 FORMATS = ("messages", "prompt/completion")
-DATA_FORMATS = ("documents", "conversations", "preferences")  # what shardax prepare reads (--format)
 
 
 def format_of(record: Any, where: str) -> str:

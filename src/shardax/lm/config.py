@@ -20,6 +20,8 @@ from typing import Any
 
 from shardax.data.python_chats import BUILT_IN_SETS
 from shardax.errors import UsageError
+from shardax.vocabulary import (ATTENTION_KERNELS, CONTEXT_ATTENTIONS, DATA_FORMATS, NONFINITE_MODES, PRECISIONS,
+                                REMAT_POLICIES)
 from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
 
@@ -86,9 +88,8 @@ RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets"
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
             "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
             "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
-CHOICES = {"precision": ("float32", "bfloat16"), "on_nonfinite": ("stop", "skip"),
-           "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
-           "attention": ("auto", "xla", "cudnn"), "context_attention": ("all-gather", "ring")}
+CHOICES = {"precision": PRECISIONS, "on_nonfinite": NONFINITE_MODES, "remat": REMAT_POLICIES,
+           "attention": ATTENTION_KERNELS, "context_attention": CONTEXT_ATTENTIONS, "data_format": DATA_FORMATS}
 
 
 def flag(name: str) -> str:

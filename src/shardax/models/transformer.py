@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardax.blocks import Attention, LayerSetting, LayerStack, blocks_of, sequence_split
+from shardax.blocks import Attention, LayerSetting, LayerStack, attention_kernel, blocks_of, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
@@ -44,26 +44,12 @@ from shardax.sharding.compute import for_compute
 def attention_implementation(config: TransformerConfig, platform: str | None = None) -> tuple[str, str]:
     """The attention kernel ``config`` runs with on ``platform`` (default: JAX's first device), and why.
 
-    cuDNN's fused kernel needs a GPU, 16-bit compute and a head dimension that is a multiple of
-    8 and at most 256. ``auto`` takes it when all hold and says which one does not otherwise;
-    ``cudnn`` asked for where one does not hold is a one-line error."""
-    platform = platform or jax.devices()[0].platform
-    problems = []
-    if platform != "gpu":
-        problems.append(f"it needs a GPU (this is {platform})")
-    if config.compute_dtype != "bfloat16":
-        problems.append(f"it needs bfloat16 compute (this is {config.compute_dtype}; `compute_dtype='bfloat16'`)")
-    if config.head_dim % 8 or config.head_dim > 256:
-        problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {config.head_dim})")
-    if config.sliding_window or config.attention_softcap:
-        problems.append("sliding windows and soft-capped scores run in XLA's attention")
-    if config.attention == "xla":
-        return "xla", "asked for"
-    if not problems:
-        return "cudnn", "fused cuDNN kernel"
-    if config.attention == "cudnn":
-        raise UsageError(f"`attention='cudnn'`: {'; '.join(problems)}; use `attention='auto'` or `attention='xla'`")
-    return "xla", "cuDNN does not apply: " + "; ".join(problems)
+    The rule is the attention call's own (``blocks.attention_kernel``), applied to the model's
+    compute dtype, head dimension and masking: ``auto`` takes cuDNN's fused kernel when it applies
+    and says why not otherwise; ``cudnn`` asked for where it does not apply is a one-line error."""
+    masked = bool(config.sliding_window or config.attention_softcap)
+    return attention_kernel(config.attention, config.compute_dtype, config.head_dim, platform, masked=masked,
+                            named="`attention='cudnn'`")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None = None) -> nnx.Param:

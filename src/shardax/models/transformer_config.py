@@ -19,11 +19,12 @@ import jax.numpy as jnp
 from shardax.blocks import REMAT_POLICIES
 from shardax.errors import UsageError
 from shardax.models.adapters import LORA_TARGETS
+from shardax.vocabulary import ATTENTION_KERNELS
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-ATTENTION = ("auto", "xla", "cudnn")
+ATTENTION = ATTENTION_KERNELS
 
 
 NORMS = ("layer", "rms", "rms_plus_one")

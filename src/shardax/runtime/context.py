@@ -36,9 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.runtime.attention import allowed, dense_attention
+from shardax.vocabulary import CONTEXT_ATTENTIONS
 
 AXIS = "context"
-VARIANTS = ("all-gather", "ring")
+VARIANTS = CONTEXT_ATTENTIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,9 @@ from jax.sharding import Mesh
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
+from shardax.vocabulary import NONFINITE_MODES
 
-NONFINITE = ("stop", "skip")
+NONFINITE = NONFINITE_MODES
 
 
 def check_nonfinite(value: str, name: str = "on_nonfinite") -> None:
