@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -32,7 +31,6 @@ from shardax.cpu_devices import simulate_cpu_devices
 simulate_cpu_devices(8)
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from shardax import DeviceMeshManager, LoRA, dpo_loss, parallelize  # noqa: E402
@@ -43,6 +41,8 @@ from shardax.data.python_chats import conversations, preference_pairs  # noqa: E
 from shardax.data.tokenizer import ByteTokenizer  # noqa: E402
 from shardax.models.preference import sequence_logprobs  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss  # noqa: E402
+
+from lora import time_interleaved  # noqa: E402  (benchmark 18's: the runs' steps alternate)
 
 RESULTS = Path(__file__).parent / "results"
 LENGTH, ROWS, PAIRS, STEPS = 513, 16, 8, 7
@@ -74,15 +74,6 @@ def pair_batch(pairs: list) -> dict:
     return sides
 
 
-def timed(runs: dict) -> None:
-    for _ in range(STEPS):
-        for run in runs.values():
-            began = time.perf_counter()
-            run["state"], metrics = run["step"](run["state"], run["batch"])
-            jax.block_until_ready(metrics)
-            run["times"].append(time.perf_counter() - began)
-
-
 def main() -> None:
     mesh = DeviceMeshManager().create_device_mesh("data=8")
     config = LoRA(8).applied(TransformerConfig(**MODEL))
@@ -105,7 +96,7 @@ def main() -> None:
         for _ in range(2):  # compile and warm up
             runs[name]["state"], metrics = runs[name]["step"](runs[name]["state"], placed)
         jax.block_until_ready(metrics)
-    timed(runs)
+    time_interleaved(runs, STEPS)
     steps = {name: statistics.median(run["times"]) for name, run in runs.items()}
     learned = {name: int(sft[name]["batch"]["mask"][:, 1:].sum()) for name in ("packed", "unpacked")}
     result = {

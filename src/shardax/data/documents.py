@@ -189,6 +189,12 @@ def read_records(piece: Piece) -> Iterator[tuple[str, Any]]:
         return
     if piece.kind != "jsonl":
         raise UsageError(f"{path} is text; conversations are read from .jsonl or .parquet files")
+    yield from _json_lines(piece)
+
+
+def _json_lines(piece: Piece) -> Iterator[tuple[str, Any]]:
+    """The JSON objects of a JSON-lines byte range (blank lines skipped), each with where it is."""
+    path = Path(piece.path)
     with path.open("rb") as handle:
         handle.seek(piece.start)
         lines = handle.read(piece.stop - piece.start).splitlines()
@@ -224,17 +230,7 @@ def read_piece(piece: Piece, field: str) -> Iterator[str]:
             if value and value.strip():
                 yield value
         return
-    with path.open("rb") as handle:
-        handle.seek(piece.start)
-        lines = handle.read(piece.stop - piece.start).splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {number}" + (f" after byte {piece.start}" if piece.start else "")
-        try:
-            record = json.loads(_decoded(line, where))
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{where} is not JSON ({error.msg}); give one JSON object per line") from None
+    for where, record in _json_lines(piece):
         if not isinstance(record, dict) or field not in record:
             keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
             raise UsageError(f"{where} has no field {field!r} (it has {keys}); pass --field NAME")

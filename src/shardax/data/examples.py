@@ -10,6 +10,7 @@ of processes, and each process reads only the examples of its own rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,22 @@ class Examples:
         return self.tokens.read(0, limit), self.mask.read(0, limit)
 
 
+def on_devices(read: Callable[[list[int]], dict[str, np.ndarray]], ids: list[int], length: int,
+               keys: tuple[str, ...], sharding: Sharding) -> dict[str, jax.Array]:
+    """The rows ``read(ids)`` gives, as global arrays of ``len(ids)`` rows of ``length``: each
+    process reads only the rows its devices hold, each span of them once."""
+    done: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def rows(key: str, index: tuple[slice, ...]) -> np.ndarray:
+        span = index[0].indices(len(ids))[:2]
+        if span not in done:
+            done[span] = read(ids[span[0]: span[1]])
+        return done[span][key][:, index[1]]
+
+    return {key: jax.make_array_from_callback((len(ids), length), sharding, lambda index, key=key: rows(key, index))
+            for key in keys}
+
+
 class ExampleRows:
     """``batch_size`` rows of ``seq_len + 1`` tokens per step, in a seeded order, epoch after epoch."""
 
@@ -72,17 +89,8 @@ class ExampleRows:
         """The batch of ``step`` as global arrays; this process reads only the rows its devices hold."""
         first = step * self.batch_size
         ids = [int(self.order[i]) for i in range(first, first + self.batch_size)]
-        read: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-
-        def rows(key: str, index: tuple[slice, ...]) -> np.ndarray:
-            span = index[0].indices(len(ids))[:2]
-            if span not in read:
-                read[span] = self.examples.rows([self.plan[i] for i in ids[span[0]: span[1]]], self.length)
-            return read[span][key][:, index[1]]
-
-        shape = (self.batch_size, self.length)
-        return {key: jax.make_array_from_callback(shape, sharding, lambda index, key=key: rows(key, index))
-                for key in KEYS}
+        return on_devices(lambda some: self.examples.rows([self.plan[i] for i in some], self.length), ids,
+                          self.length, KEYS, sharding)
 
     def epoch(self, step: int) -> float:
         return step * self.batch_size / len(self.plan)
@@ -132,17 +140,8 @@ class PairRows:
         """The pairs of ``step`` as global arrays; this process reads only its devices' rows."""
         first = step * self.batch_size
         ids = [int(self.order[i]) for i in range(first, first + self.batch_size)]
-        read: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-
-        def rows(key: str, index: tuple[slice, ...]) -> np.ndarray:
-            span = index[0].indices(len(ids))[:2]
-            if span not in read:
-                read[span] = pair_rows(self.examples, ids[span[0]: span[1]], self.length)
-            return read[span][key][:, index[1]]
-
-        shape = (self.batch_size, self.length)
-        return {key: jax.make_array_from_callback(shape, sharding, lambda index, key=key: rows(key, index))
-                for key in PAIR_KEYS}
+        return on_devices(lambda some: pair_rows(self.examples, some, self.length), ids, self.length, PAIR_KEYS,
+                          sharding)
 
 
 def pair_validation(examples: Examples, seq_len: int, batch_size: int, count: int) -> list[dict[str, np.ndarray]]:
