@@ -89,9 +89,7 @@ def test_each_family_computes_what_transformers_computes_under_every_layout(fami
     variant = "all-gather" if family == "gemma2" else "ring"
     config = hf.read_config(folder)
     for strategy, mesh in [("pp_tp", "stage=2,data=2,model=2"), ("fsdp_tp", "data=2,model=2,context=2")]:
-        # under a pipeline experts route with a capacity (dropless routing is refused there): E / k drops no token
-        capacity = config.n_experts / config.experts_per_token if config.n_experts and "stage" in mesh else None
-        loaded = hf.load(folder, mesh, strategy, capacity_factor=capacity)
+        loaded = hf.load(folder, mesh, strategy)  # experts dropless, under the pipeline too
         evaluate = loaded.parallel.eval_step(next_token_loss, context_attention=variant if "context" in mesh
                                              else "all-gather")
         loss = float(evaluate(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))["loss"])
@@ -272,9 +270,6 @@ def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line
                               attention_scale=None, sliding_window=0, sliding_layers=None, norm="rms")
     with pytest.raises(UsageError, match=r"this model's mlp='geglu' has no place in a llama config.json"):
         hf.config_json(odd)
-    with pytest.raises(UsageError, match=r"strategy 'pp' runs the layers as a pipeline, where dropless experts' .* "
-                                         r"give the model a capacity_factor"):
-        hf.load(made["mixtral"][0], "stage=2,data=4", "pp")
 
 
 def test_router_losses_are_transformers_aux_loss(made, tmp_path):

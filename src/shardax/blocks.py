@@ -155,10 +155,18 @@ class LayerStack(nnx.Module):
         # a circular schedule checkpoints each stage iteration with this policy itself
         inside_checkpoint = plan.pipeline.schedule.repeats > 1
 
-        def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> jax.Array:  # laid out by the pipeline
-            return self._apply(nnx.merge(graphdef, chunk), x, riders, checkpointed=inside_checkpoint, lay_out=False)
+        def apply_stage(chunk: Any, x: jax.Array, riders: Any) -> tuple[jax.Array, Any]:  # laid out already
+            layers = nnx.merge(graphdef, chunk)
+            x = self._apply(layers, x, riders, checkpointed=inside_checkpoint, lay_out=False)
+            return x, nnx.to_pure_dict(nnx.state(layers, nnx.Intermediate))  # a router's statistics, say
 
-        return run_pipeline(apply_stage, stacked, x, riders, run=plan.pipeline, remat=REMAT_POLICIES[self.remat])
+        x, recorded = run_pipeline(apply_stage, stacked, x, riders, run=plan.pipeline,
+                                   remat=REMAT_POLICIES[self.remat])
+        if recorded:  # each layer's record: the mean over the microbatches, as one pass would make it
+            intermediates = nnx.state(self.layers, nnx.Intermediate)
+            nnx.replace_by_pure_dict(intermediates, recorded)
+            nnx.update(self.layers, intermediates)
+        return x
 
     def _apply(self, layers: Any, x: jax.Array, riders: Any, *, checkpointed: bool = False,
                lay_out: bool = True) -> jax.Array:

@@ -369,10 +369,6 @@ def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
     axis = layout.strategy.pipeline_axis
     if axis is None:
         return
-    if any(moe.config.capacity_factor is None for _, moe in blocks_of(model, MixtureOfExperts)):
-        raise UsageError(f"strategy {layout.strategy.name!r} runs the layers as a pipeline, where dropless experts' "
-                         "grouped matmul (jax.lax.ragged_dot) cannot run batched over the stages; give the model a "
-                         "capacity_factor (n_experts / experts_per_token drops no token) or use a strategy without stages")
     stacks = blocks_of(model, LayerStack)
     if any(stack.scan for _, stack in stacks):
         return

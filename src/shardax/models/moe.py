@@ -109,8 +109,8 @@ class MixtureOfExperts(nnx.Module):
         those come out as zeros), through their experts' ``gate_up`` and ``down``."""
         glu = ops.swiglu if self.config.mlp == "swiglu" else ops.geglu
         e, d, _, f = gate_up.shape
-        h = jax.lax.ragged_dot(x, gate_up.reshape(e, d, 2 * f), group_sizes).reshape(-1, 2, f)
-        return jax.lax.ragged_dot(glu(h[:, 0], h[:, 1]), down, group_sizes)
+        h = ops.grouped_matmul(x, gate_up.reshape(e, d, 2 * f), group_sizes).reshape(-1, 2, f)
+        return ops.grouped_matmul(glu(h[:, 0], h[:, 1]), down, group_sizes)
 
     def dropless(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array, gate_up: jax.Array | None = None,
                  down: jax.Array | None = None) -> jax.Array:

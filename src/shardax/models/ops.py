@@ -179,3 +179,92 @@ swiglu = _gated(jax.nn.silu, "swiglu", "SwiGLU's ``silu(gate) * up`` (the Llama 
 geglu = _gated(functools.partial(jax.nn.gelu, approximate=True), "geglu",
                "GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the backward "
                "pass.")
+
+
+
+# the weights' gradient of a grouped matmul: each group's rows of x against the same rows of dy
+_GROUP_WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _batch_in_groups(x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Batched rows ``x`` (b, m, ...) and ``group_sizes`` (b, g) as one batch of b * (g + 1)
+    groups: each batch's rows past its groups (a group of its own, dropped later) keep the next
+    batch's rows in that batch's groups."""
+    b, m = x.shape[:2]
+    rest = m - group_sizes.sum(axis=1, keepdims=True)
+    return x.reshape(b * m, *x.shape[2:]), jnp.concatenate([group_sizes, rest], axis=1).reshape(-1)
+
+
+@jax.custom_batching.custom_vmap
+def _rows_by_group(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, weights, group_sizes)
+
+
+@_rows_by_group.def_vmap
+def _rows_by_group_batched(size: int, batched: list[bool], x: jax.Array, weights: jax.Array,
+                           group_sizes: jax.Array) -> tuple[jax.Array, bool]:
+    x, weights, group_sizes = (a if is_batched else jnp.broadcast_to(a, (size, *a.shape))
+                               for a, is_batched in zip((x, weights, group_sizes), batched))
+    rows, sizes = _batch_in_groups(x, group_sizes)
+    weights = jnp.concatenate([weights, jnp.zeros_like(weights[:, :1])], axis=1)
+    out = _rows_by_group(rows, weights.reshape(-1, *weights.shape[2:]), sizes)
+    return out.reshape(size, -1, out.shape[-1]), True
+
+
+@jax.custom_batching.custom_vmap
+def _group_products(x: jax.Array, y: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot_general(x, y, group_sizes, _GROUP_WEIGHT_GRADIENT)
+
+
+@_group_products.def_vmap
+def _group_products_batched(size: int, batched: list[bool], x: jax.Array, y: jax.Array,
+                            group_sizes: jax.Array) -> tuple[jax.Array, bool]:
+    x, y, group_sizes = (a if is_batched else jnp.broadcast_to(a, (size, *a.shape))
+                         for a, is_batched in zip((x, y, group_sizes), batched))
+    rows, sizes = _batch_in_groups(x, group_sizes)
+    out = _group_products(rows, y.reshape(-1, y.shape[-1]), sizes)  # (b * (g + 1), k, n)
+    return out.reshape(size, -1, *out.shape[1:])[:, :-1], True
+
+
+def grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(x, weights, group_sizes)``: rows (m, k) sorted into groups of
+    ``group_sizes`` (g,), group e's rows times ``weights[e]`` (g, k, n). Under ``vmap`` (a
+    pipeline runs its stages so) the batch joins the groups, one extra group per batch for the
+    rows past its groups, rather than JAX's batched ragged product (which fails on CPU), and the
+    gradient is written with two grouped products that batch the same way. Inside ``shard_map``
+    the weights are first marked as varying over the axes the rows vary over (so the weights'
+    gradient is summed over those axes, as JAX's own rule does)."""
+    if _varying(x) - _varying(weights):
+        weights = jax.lax.pcast(weights, tuple(sorted(_varying(x) - _varying(weights))), to="varying")
+    if _varying(weights) - _varying(x):
+        x = jax.lax.pcast(x, tuple(sorted(_varying(weights) - _varying(x))), to="varying")
+    return _grouped_matmul(x, weights, group_sizes)
+
+
+def _varying(value: jax.Array) -> frozenset[str]:
+    """The ``shard_map`` axes ``value`` varies over (none outside one)."""
+    aval = jax.typeof(value)
+    if hasattr(aval, "vma"):  # JAX's name for them in most releases
+        return frozenset(aval.vma)
+    return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
+
+
+@jax.custom_vjp
+def _grouped_matmul(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return _rows_by_group(x, weights, group_sizes)
+
+
+def _grouped_matmul_forward(x: jax.Array, weights: jax.Array,
+                            group_sizes: jax.Array) -> tuple[jax.Array, Any]:
+    return _rows_by_group(x, weights, group_sizes), (x, weights, group_sizes)
+
+
+def _grouped_matmul_backward(saved: Any, cotangent: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    x, weights, group_sizes = saved
+    dx = _rows_by_group(cotangent, jnp.swapaxes(weights, -1, -2), group_sizes)
+    dw = _group_products(x, cotangent, group_sizes)
+    return dx.astype(x.dtype), dw.astype(weights.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_forward, _grouped_matmul_backward)

@@ -190,14 +190,22 @@ def _chunked(run: PipelineRun, groups: int, spmd: Any, keypath: Any, variable: n
     return variable.replace(value)
 
 
-def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layers: Any, x: jax.Array,
-                 riders: Any = None, *, run: PipelineRun, remat: Any = None) -> jax.Array:
+StageFunction = Callable[[Any, jax.Array, Any], tuple[jax.Array, Any]]  # (chunk, x, riders) -> (x, recorded)
+
+
+def run_pipeline(apply_layers: StageFunction, layers: Any, x: jax.Array, riders: Any = None, *,
+                 run: PipelineRun, remat: Any = None) -> tuple[jax.Array, Any]:
     """``apply_layers(layers, x, riders)`` computed as the pipeline ``run`` (see the module docstring).
 
     ``layers`` is a pytree whose leaves have the stacked-layers dimension first; ``x`` is the
     activations of the global batch, ``(B, ...)``; ``riders`` a pytree of other per-row inputs
     (leading dimension B: positions, masks) or None. ``apply_layers(chunk, x, riders)`` applies
-    a chunk of the stack (the same pytree, fewer layers) to one microbatch and its riders.
+    a chunk of the stack (the same pytree, fewer layers) to one microbatch and its riders and
+    returns ``(x, recorded)``: the new activations and a pytree of what each layer of the chunk
+    recorded about its rows (leading dimension: the chunk's layers; a mixture of experts' router
+    statistics), means over the rows. Returns the activations and ``recorded`` for every layer
+    (leading dimension L), the mean over the microbatches (and data-parallel groups): what one
+    pass over the whole batch records, rows being equal in number in each microbatch.
     ``remat``: the JAX remat policy the layers run under (None: save everything). Under a
     circular schedule (``run.schedule.repeats > 1``) each stage iteration runs under one
     checkpoint with that policy, so ``apply_layers`` should add none of its own (nested, the
@@ -207,17 +215,21 @@ def run_pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], layer
     groups, partitioned over the batch axes): each group accumulates its own gradients through
     the iterations, and they are summed across groups once, after the loop, instead of at
     every iteration."""
-    run.schedule.check_layers(jax.tree.leaves(layers)[0].shape[0])
+    layer_count = jax.tree.leaves(layers)[0].shape[0]
+    run.schedule.check_layers(layer_count)
     rows = x.shape[0]
     groups, spmd = _groups(run, rows)
     chunks = jax.tree_util.tree_map_with_path(functools.partial(_chunked, run, groups, spmd), layers,
                                               is_leaf=lambda node: isinstance(node, nnx.Variable))
     pipeline = functools.partial(_pipeline, apply_layers, run.mesh, run.axis, run.schedule, remat)
+    every_layer = lambda leaf: leaf.reshape(layer_count, *leaf.shape[3:])  # noqa: E731  (R, S, L/(R*S), ...)
     if spmd is None:
-        return pipeline(chunks, x, riders)
+        out, recorded = pipeline(chunks, x, riders)
+        return out, jax.tree.map(every_layer, recorded)
     grouped = lambda leaf: leaf.reshape(groups, rows // groups, *leaf.shape[1:])  # noqa: E731
     pipeline = jax.vmap(pipeline, in_axes=(0, 0, 0), spmd_axis_name=spmd)
-    return pipeline(chunks, grouped(x), jax.tree.map(grouped, riders)).reshape(x.shape)
+    out, recorded = pipeline(chunks, grouped(x), jax.tree.map(grouped, riders))
+    return out.reshape(x.shape), jax.tree.map(lambda leaf: every_layer(leaf.mean(0)), recorded)
 
 
 def _constrain(mesh: Mesh, value: jax.Array, *leading: Any) -> jax.Array:
@@ -234,10 +246,10 @@ def _roll_and_file(mesh: Mesh, axis: str, count: int, buffer: jax.Array, store: 
     return rolled, jnp.where(finished >= 0, filed, store)
 
 
-def _stage_function(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], rider_micro: Any, repeats: int,
-                    remat: Any) -> Callable[..., jax.Array]:
+def _stage_function(apply_layers: StageFunction, rider_micro: Any, repeats: int,
+                    remat: Any) -> Callable[..., tuple[jax.Array, Any]]:
     """One stage's work in an iteration: its chunk of layers on its slot, with its microbatch's riders."""
-    def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> jax.Array:
+    def stage(chunks_of_stage: Any, repeat: jax.Array, which: jax.Array, slot: jax.Array) -> Any:
         if repeats == 1:  # the stage's one chunk: a constant of the loop, never saved per iteration
             chunk = jax.tree.map(lambda leaf: leaf[0], chunks_of_stage)
         else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
@@ -250,8 +262,18 @@ def _stage_function(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], ri
     return stage
 
 
-def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Mesh, axis: str,
-              schedule: Schedule, remat: Any, chunks: Any, x: jax.Array, riders: Any) -> jax.Array:
+def _recorded(total: Any, new: Any, repeat: jax.Array, valid: jax.Array, repeats: int) -> Any:
+    """``total`` (R, S, ...) plus what each stage recorded this iteration (``new``, (S, ...)) at its
+    repeat, where the stage had a microbatch (the bubble's slots are not rows of the batch)."""
+    taken = (jnp.arange(repeats)[:, None] == repeat[None, :]) & valid[None, :]  # (R, S)
+    def add(whole: jax.Array, now: jax.Array) -> jax.Array:
+        return whole + jnp.where(taken.reshape(*taken.shape, *(1,) * (now.ndim - 1)), now[None], 0)
+
+    return jax.tree.map(add, total, new)
+
+
+def _pipeline(apply_layers: StageFunction, mesh: Mesh, axis: str, schedule: Schedule, remat: Any, chunks: Any,
+              x: jax.Array, riders: Any) -> tuple[jax.Array, Any]:
     """The pipeline of one data-parallel group's rows ``x`` (see ``run_pipeline``).
 
     Each iteration the buffer (one slot per stage) rolls by one stage, a collective-permute:
@@ -260,7 +282,8 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
     takes its next microbatch from the store: a new one, or under a circular schedule the
     filed output of one coming round again. After the last iteration the store holds the
     outputs; its microbatches are handed out over the stages, so what follows the layers (the
-    head, the loss) works on rows split over the stages too."""
+    head, the loss) works on rows split over the stages too. What the layers record is summed
+    per chunk (R, S, ...) over the microbatches, and returned as their mean."""
     stages, count, repeats = schedule.stages, schedule.microbatches, schedule.repeats
     constrain = functools.partial(_constrain, mesh)
     roll_and_file = functools.partial(_roll_and_file, mesh, axis, count)
@@ -273,8 +296,8 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
     index = jnp.arange(stages)
     per_stage = lambda flags: flags.reshape(-1, *(1,) * x.ndim)  # noqa: E731
 
-    def iteration(carry: tuple[jax.Array, jax.Array], step: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-        buffer, store = carry
+    def iteration(carry: tuple[jax.Array, jax.Array, Any], step: jax.Array) -> tuple[tuple[Any, ...], None]:
+        buffer, store, recorded = carry
         rolled, store = roll_and_file(buffer, store, step - stages)
         # stage 0 takes its next microbatch from its store: a new one, or one coming round again
         inputs = jnp.where(per_stage(index == 0), store[:, step % count], rolled)
@@ -282,16 +305,20 @@ def _pipeline(apply_layers: Callable[[Any, jax.Array, Any], jax.Array], mesh: Me
         valid = (working >= 0) & (working < repeats * count)
         inputs = constrain(jnp.where(per_stage(valid), inputs, 0), axis, None)
         repeat = jnp.clip(working // count, 0, repeats - 1)
-        buffer = constrain(stages_apply(chunks, repeat, working % count, inputs), axis, None)
-        return (buffer, constrain(store, axis, None, None)), None
+        buffer, now = stages_apply(chunks, repeat, working % count, inputs)
+        recorded = _recorded(recorded, now, repeat, valid, repeats)
+        return (constrain(buffer, axis, None), constrain(store, axis, None, None), recorded), None
 
     buffer = constrain(jnp.zeros((stages, *micro.shape[1:]), x.dtype), axis, None)
     # the microbatches start in stage 0's store (moved there once; their gradients come back once)
     store = jnp.zeros((stages, *micro.shape), x.dtype).at[0].set(micro)
     store = constrain(store, axis, None, None)
-    (buffer, store), _ = jax.lax.scan(iteration, (buffer, store), jnp.arange(schedule.iterations))
+    shapes = jax.eval_shape(stages_apply, chunks, index * 0, index * 0, buffer)[1]
+    recorded = jax.tree.map(lambda leaf: jnp.zeros((repeats, *leaf.shape), leaf.dtype), shapes)
+    (buffer, store, recorded), _ = jax.lax.scan(iteration, (buffer, store, recorded),
+                                                jnp.arange(schedule.iterations))
     _, store = roll_and_file(buffer, store, jnp.asarray(schedule.iterations - stages))
     outputs = store[0]  # (M, b, ...) on stage 0: hand the microbatches out over the stages
     if count % stages == 0:
         outputs = constrain(outputs, axis, None)
-    return outputs.reshape(x.shape)
+    return outputs.reshape(x.shape), jax.tree.map(lambda total: total / count, recorded)
