@@ -434,6 +434,8 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
     done = shardax(*run, "--lora-rank", 4, "--steps", 4, "--dpo-beta", 0.5, "--metrics", tmp_path / "m.jsonl",
                    "--checkpoint-dir", tmp_path / "ckpt")
     assert "preference pairs" in done.stdout and f"rendered with the chat template of {chat_model}" in done.stdout
+    # the summary sets the loss beside DPO's own baseline (log 2), not a unigram entropy
+    assert re.search(r"policy = reference baseline +│ 0\.6931 nats/pair", done.stdout) and "unigram" not in done.stdout
     metrics = read_metrics(tmp_path / "m.jsonl")
     first, last = metrics[0], [r for r in metrics if "loss" in r][-1]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["reward_margin"] == pytest.approx(0, abs=1e-6)

@@ -73,6 +73,10 @@ class ByteText:
     def unigram_nats(self) -> float:
         return self.corpus.unigram_entropy()
 
+    def baselines(self) -> dict[str, float]:
+        """The losses the run's summary and plot set the model's beside."""
+        return {"unigram": self.unigram_nats()}
+
     def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
         sampler = WindowSampler(self.corpus.train, seq_len, batch, seed)
         return lambda step: sampler.global_batch(step, sharding)
@@ -114,6 +118,10 @@ class TokenShards:
 
     def unigram_nats(self) -> float:
         return _unigram_nats(self.data.train.read(0, 1 << 22), self.vocab)  # the first 4M tokens
+
+    def baselines(self) -> dict[str, float]:
+        """The losses the run's summary and plot set the model's beside."""
+        return {"unigram": self.unigram_nats()}
 
     def batches(self, seq_len: int, batch: int, seed: int, sharding: Any):
         packed = PackedBatches(self.data.train, seq_len, batch, seed, self.data.eod_id)
@@ -206,6 +214,10 @@ class Preferences(Conversations):
 
     def use_loss(self, loss: Any) -> None:
         self.eval_loss = loss
+
+    def baselines(self) -> dict[str, float]:
+        """DPO's loss while the policy is still its reference: log 2 (the reward margin is 0)."""
+        return {"policy = reference": math.log(2)}
 
     def header(self) -> str:
         splits = self.data.index["splits"]

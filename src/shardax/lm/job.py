@@ -324,7 +324,7 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: Train
                 "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
         header=_header(data, model, run.train_to, batch, run.init_from) + changes
         + [f"run directory: {where.path} (resume it with: {where.resume_command()})"],
-        summary=False, loss_unit=data.unit, baselines={"unigram": data.unigram_nats()},
+        summary=False, loss_unit=data.unit, baselines=data.baselines(),
     )
 
 
