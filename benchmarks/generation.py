@@ -2,10 +2,12 @@
 
     python benchmarks/generation.py
 
-Three models of the ``small`` preset's shape (6 layers of width 384, rotary positions, a
+Four models of the ``small`` preset's shape (6 layers of width 384, rotary positions, a
 context of 2,304; random weights, float32, greedy): its own 6 key/value heads, 2 (grouped-query
-attention as Llama 3 and Mistral have) and 6 with a sliding window of 256 on every layer (whose
-cache is a ring of 256 positions). One prompt of 16 tokens on one CPU device.
+attention as Llama 3 and Mistral have), 6 with a sliding window of 256 on every layer (whose
+cache is a ring of 256 positions) and 6 with that window on every other layer (Gemma 2's way:
+the windowed layers' ring beside the full layers' growing cache). One prompt of 16 tokens on
+one CPU device.
 
 1. Tokens per second of ``shardax.generate`` (prefill, then one decode step per token from the
    cache) against recomputing (the whole sequence so far run again for every new token, in
@@ -16,7 +18,9 @@ cache is a ring of 256 positions). One prompt of 16 tokens on one CPU device.
    step reads (every weight once, and the keys and values of each layer at the cache's length
    then) in the same ratio.
 3. The cache's bytes per device while decoding, 8 prompts on ``data=4,model=2``, against
-   2 L B T kv_heads head_dim bytes / devices at the cache's length then.
+   2 L B T kv_heads head_dim bytes / devices at the cache's length then; for the alternating
+   model at 1,024 new tokens, against 2 B kv_heads head_dim (L_full T + L_window 256) bytes /
+   devices and against a cache grown whole.
 Writes ``benchmarks/results/generation.json``.
 """
 
@@ -48,7 +52,8 @@ LENGTHS = (128, 512, 2048)
 RECOMPUTED = (128, 512)
 WINDOW = 128  # the recomputing baseline's shape bucket
 TAIL = 64  # decode steps whose median is a length's per-token time
-MODELS = {"6 kv heads": {}, "2 kv heads": {"n_kv_heads": 2}, "window 256": {"sliding_window": 256}}
+MODELS = {"6 kv heads": {}, "2 kv heads": {"n_kv_heads": 2}, "window 256": {"sliding_window": 256},
+          "window 256, alternate layers": {"sliding_window": 256, "sliding_layers": (0, 2, 4)}}
 FORWARD = jax.jit(lambda model, tokens: model(tokens))
 
 
@@ -79,10 +84,9 @@ def cached(model: TransformerLM, prompt: list[int], new: int) -> tuple[float, fl
 def step_bytes(model: TransformerLM, new: int) -> int:
     """Bytes a decode step reads at the end of a run of ``new`` tokens: the weights, and the
     keys and values at the cache's length then."""
-    config = model.config
     weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    length = cache_layout(model, 1, 16, new).length_for(16 + new)
-    return weights + 2 * config.n_layers * length * config.kv_heads * config.head_dim * 4
+    layout = cache_layout(model, 1, 16, new)
+    return weights + layout.bytes_per_device(model.config, layout.length_for(16 + new))
 
 
 def speed_rows(name: str, model: TransformerLM, prompt: list[int]) -> list[dict]:
@@ -106,10 +110,40 @@ def speed_rows(name: str, model: TransformerLM, prompt: list[int]) -> list[dict]
     return rows
 
 
-def cache_bytes(config) -> dict:
+def sharded_model(config) -> TransformerLM:
     mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(), mesh, "fsdp_tp")
-    sharded = parallel.merge(parallel.init(0))
+    return parallel.merge(parallel.init(0))
+
+
+def ring_bytes(config, new: int = 1024) -> dict:
+    """The alternating model's cache on device 0 at its last decode step (every live key/value
+    array of the decoder), against the layout's count and a cache grown whole."""
+    import dataclasses
+
+    sharded = sharded_model(config)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, 16)]
+    layout = cache_layout(sharded, 8, 16, new)
+    seen = []
+
+    def measure(step: int, _: list[int]) -> None:
+        if step == new - 2:
+            live = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[1] == layout.batch
+                    and a.shape[3:] == (config.kv_heads, config.head_dim)]
+            seen.append((sorted(a.shape[:3] for a in live), sum(
+                shard.data.nbytes for a in live for shard in a.addressable_shards if shard.device == jax.devices()[0])))
+
+    generate(sharded, [prompt] * 8, max_new_tokens=new, on_token=measure)
+    shapes, measured = seen[0]
+    theory, whole = (dataclasses.replace(layout, ring=ring).bytes_per_device(sharded.config)
+                     for ring in (layout.ring, None))
+    return {"new_tokens": new, "ring": layout.ring, "length": layout.length, "arrays": shapes,
+            "bytes_per_device": measured, "theory_bytes_per_device": theory, "ratio": measured / theory,
+            "grown_whole_bytes_per_device": whole, "of_grown_whole": measured / whole}
+
+
+def cache_bytes(config) -> dict:
+    sharded = sharded_model(config)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, 16)]
     layout = cache_layout(sharded, 8, 16, 64)
     seen = []
@@ -139,7 +173,9 @@ def main() -> None:
         rows += speed_rows(name, model, prompt)
     result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}",
               "model": "small (6 layers, width 384), rotary, seq_len 2304, float32", "rows": rows,
-              "cache": cache_bytes(get_preset("small").config(positions="rotary", seq_len=2304))}
+              "cache": cache_bytes(get_preset("small").config(positions="rotary", seq_len=2304)),
+              "ring": ring_bytes(get_preset("small").config(positions="rotary", seq_len=2304,
+                                                            **MODELS["window 256, alternate layers"]))}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "generation.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -4,6 +4,8 @@ Each strategy's model is the same (same seed); greedy decoding of a batch of pro
 different lengths must equal the argmax of the whole model re-run over the growing sequence
 (no cache), each prompt decoded alone, and seeded sampling the same tokens on every mesh."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,14 @@ CONFIGS = {
     # every layer windowed (Mistral's way): the cache is a ring of 32 positions (the prompts' bucket)
     "mistral": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
                                        sliding_window=8, d_ff=40),
+    # a windowed layer beside a full one (Gemma 2's way; Qwen2's max_window_layers in a Python loop of
+    # layers): the windowed layer's ring stays at 32 positions while the full layer's cache grows to 64
+    "gemma2": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
+                                      sliding_window=8, sliding_layers=(0,), d_ff=40),
+    "qwen2-loop": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
+                                          sliding_window=8, sliding_layers=(1,), d_ff=40, scan_layers=False),
 }
+RINGED = {"gemma2", "qwen2-loop"}
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17]]
 NEW = 30  # the cache grows once: 32 positions (the prompts' bucket), then 64
 STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2")]
@@ -73,6 +82,13 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     layout = cache_layout(model, len(PROMPTS), max(map(len, PROMPTS)), NEW)
     data = 4 if "model" in mesh else 8
     assert layout.lengths == ((32,) if name == "mistral" else (32, 64)) and layout.prompt_length == 32
+    assert layout.ring == (32 if name in RINGED else None)
+    # what the decoder held at the end is what the layout says: a windowed layer beside a full one
+    # holds 32 positions where the full one holds 64 (3/4 of a cache that grew whole)
+    assert stats.cache_bytes_per_device == layout.bytes_per_device(model.config)
+    if name in RINGED:
+        grown_whole = dataclasses.replace(layout, ring=None).bytes_per_device(model.config)
+        assert stats.cache_bytes_per_device * 4 == grown_whole * 3
     assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None, None)
     if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes, split
         assert layout.bytes_per_device(model.config) == 2 * 2 * data * 64 * 2 * 8 * 4 // 8

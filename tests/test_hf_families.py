@@ -185,11 +185,13 @@ def same(a, b):
     return dataclasses.replace(a, attention_head_dim=a.head_dim) == dataclasses.replace(b, attention_head_dim=b.head_dim)
 
 
-@pytest.mark.parametrize("family", ["mistral-window", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "mixtral"])
 def test_greedy_generation_past_the_window_equals_transformers(family, made):
     """Decoding from the key/value cache (fsdp_tp) attends within each layer's window as
-    transformers' generate does, well past the window of 5."""
+    transformers' generate does, well past the window of 5: a windowed layer beside full ones
+    (Qwen2, Gemma 2 and 3) keeps a ring of 16 positions, which 21 positions wrap."""
     import shardax
+    from shardax.generation import cache_layout
 
     folder, _ = made[family]
     loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", seq_len=48)
@@ -201,6 +203,9 @@ def test_greedy_generation_past_the_window_equals_transformers(family, made):
             theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)
         assert tokens == theirs[0, len(prompt):].tolist()
+    layout = cache_layout(loaded.model(), len(prompts), 7, 14)
+    assert layout.ring == (16 if family in ("qwen2-window", "gemma2", "gemma3") else None)
+    assert ours.stats.cache_bytes_per_device == layout.bytes_per_device(loaded.config)
 
 
 @pytest.mark.parametrize("family, targets", [("gemma2", "q,k,o,gate,down"), ("qwen3-moe", None)])

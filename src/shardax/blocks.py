@@ -19,7 +19,7 @@ device. shardax's own ``TransformerLM`` is built from them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -28,9 +28,10 @@ from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.layers import metadata_only
-from shardax.runtime import context
+from shardax.runtime import context, kv_cache
 from shardax.runtime.attention import allowed, dense_attention
 from shardax.runtime.context import ContextLayout
+from shardax.runtime.kv_cache import CacheLayer  # noqa: F401  (shardax.blocks.CacheLayer, as documented)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.runtime.pipeline import PipelineRun, Specs, run_pipeline
@@ -88,13 +89,6 @@ class StackPlan:
         if compute == storage and gradient == storage:
             return None
         return NamedSharding(self.mesh, compute), NamedSharding(self.mesh, gradient)
-
-
-class CacheLayer(nnx.Cache):
-    """Which layer of a scanned stack an ``Attention`` is at while decoding: its cache holds
-    every layer's keys and values (carried through the scan, so one token is written in place
-    rather than each layer's slice copied in and out); each call reads and writes its own
-    layer, then counts one on."""
 
 
 class LayerSetting(nnx.Variable):
@@ -280,10 +274,8 @@ class Attention(nnx.Module):
     from layer to layer of a stack).
 
     With a key/value cache (``init_cache``), each call writes its keys and values into the
-    cache at their positions (``positions``, contiguous in each row) and its queries attend to
-    every cached token at or before their own position (within the window): a prompt, then one
-    token at a time. Position p goes to slot p modulo the cache's length, so a cache at least
-    as long as a sliding window (and as a prompt written at once) serves any length as a ring."""
+    cache and its queries attend to what it holds: a prompt, then one token at a time (see
+    ``shardax.runtime.kv_cache``)."""
 
     def __init__(self, *, implementation: str = "auto", scale: float | None = None,
                  softcap: float | None = None) -> None:
@@ -294,66 +286,38 @@ class Attention(nnx.Module):
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
                  segments: jax.Array | None = None, window: Any = None) -> jax.Array:
-        if hasattr(self, "cached_keys"):  # set by init_cache
-            return self._from_cache(q, k, v, positions, window)
+        if hasattr(self, "cached_keys") or hasattr(self, "ring_keys"):  # set by init_cache
+            return kv_cache.attend(self, q, k, v, positions, window)
         return attention(q, k, v, positions=positions, segments=segments, implementation=self.implementation,
                          sequence=self.sequence, window=window, scale=self.scale, softcap=self.softcap)
 
-    def _from_cache(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
-                    window: Any) -> jax.Array:
-        if positions is None:
-            raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
-
-        keys, values = self._write(self.cached_keys, k, positions), self._write(self.cached_values, v, positions)
-        if hasattr(self, "cache_layer"):
-            self.cache_layer[...] += 1
-        # slot s holds the latest position p <= q with p = s (mod length): a ring once positions pass the length
-        ahead = positions[:, :, None]
-        held = ahead - (ahead - jnp.arange(keys.shape[1])) % keys.shape[1]  # (B, T, cache length)
-        visible = held >= 0
-        if window is not None:
-            visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
-        return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None], scale=self.scale,
-                               softcap=self.softcap)
-
-    def _write(self, cache: nnx.Cache, new: jax.Array, positions: jax.Array) -> jax.Array:
-        """Write ``new`` (B, T, K, H) into ``cache`` at its positions (B, T) (in place) and
-        return this layer's cache (B, length, K, H)."""
-        new, rows = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None]
-        positions = positions % cache.shape[-3]  # a window's ring (see _from_cache)
-        if not hasattr(self, "cache_layer"):
-            cache[...] = cache[...].at[rows, positions].set(new, mode="promise_in_bounds")
-            return cache[...]
-        layer = self.cache_layer[...]  # the cache is (layers, B, length, K, H)
-        cache[...] = cache[...].at[layer, rows, positions].set(new, mode="promise_in_bounds")
-        return jax.lax.dynamic_index_in_dim(cache[...], layer, 0, keepdims=False)
-
 
 def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
-               sharding: Callable[[tuple[int, ...]], Any] | None = None) -> None:
+               sharding: Callable[[tuple[int, ...]], Any] | None = None, *, windows: Sequence[int] | None = None,
+               ring: int | None = None) -> None:
     """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
     positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
     layers dimension inside a scanned ``LayerStack`` (and a ``CacheLayer`` count there).
-    ``sharding(shape)``: where each cache array is made (straight into its shards; default:
-    JAX's default device)."""
+    ``windows`` (each layer's sliding window, 0 for none, for a stack of as many layers) and
+    ``ring``: the windowed layers keep at most ``ring`` positions (see
+    ``shardax.runtime.kv_cache``). ``sharding(shape)``: where each cache array is made
+    (straight into its shards; default: JAX's default device)."""
 
-    def zeros(shape: tuple[int, ...]) -> nnx.Cache:
-        return nnx.Cache(jnp.zeros(shape, dtype, device=None if sharding is None else sharding(shape)))
+    def make(shape: tuple[int, ...], kind: Any) -> jax.Array:
+        return jnp.zeros(shape, kind, device=None if sharding is None else sharding(shape))
 
-    done = set()
+    shape, done = (batch, length, kv_heads, head_dim), set()
     for _, stack in blocks_of(model, LayerStack):
-        for _, block in blocks_of(stack.layers, Attention):
-            leading = (stack.count,) if stack.scan else ()
-            block.cached_keys = zeros((*leading, batch, length, kv_heads, head_dim))
-            block.cached_values = zeros((*leading, batch, length, kv_heads, head_dim))
-            if stack.scan:
-                block.cache_layer = CacheLayer(jnp.zeros((), jnp.int32, device=None if sharding is None
-                                                         else sharding(())))
-            done.add(id(block))
+        per_layer = windows if windows is not None and len(windows) == stack.count else None
+        layers = [(stack.count, per_layer, stack.layers)] if stack.scan else [
+            (0, None if per_layer is None else per_layer[i:i + 1], layer) for i, layer in enumerate(stack.layers)]
+        for count, layer_windows, layer in layers:
+            for _, block in blocks_of(layer, Attention):
+                kv_cache.allocate(block, make, shape, dtype, layers=count, windows=layer_windows, ring=ring)
+                done.add(id(block))
     for _, block in blocks_of(model, Attention):
         if id(block) not in done:
-            block.cached_keys = zeros((batch, length, kv_heads, head_dim))
-            block.cached_values = zeros((batch, length, kv_heads, head_dim))
+            kv_cache.allocate(block, make, shape, dtype)
 
 
 def blocks_of(model: Any, kind: type) -> list[tuple[str, Any]]:

@@ -11,15 +11,16 @@ written. Shapes come in buckets (prompt length to a multiple of 16), so a new pr
 nothing when its bucket has been seen. The cache grows as it fills, doubling from 16 positions
 (16, 32, 64, ...: one compiled step per length), so each step attends over at most twice the
 tokens so far, not the longest length asked for: a token's cost does not depend on how many
-more are to come. A model whose every layer has the same sliding window keeps a ring of the
-window (and at least the prompt): its cache stops growing there, however long the text. Inside
-a scanned stack of layers the cache travels through the scan whole and each layer writes its
-one new token in place (``shardax.blocks.CacheLayer``).
+more are to come. A windowed layer keeps a ring of its window (and at least the prompt): its
+cache stops growing there, however long the text, while the full layers' grow beside it (Gemma
+2 and 3 alternate the two). Inside a scanned stack of layers the cache travels through the scan
+whole and each layer writes its one new token in place (``shardax.runtime.kv_cache``).
 
 On a mesh (the model's parameters placed by ``parallelize``) the cache is split like the
 attention it serves: rows over the data axes, key/value heads over ``model`` where they divide.
-The model runs its plain forward pass (a pipeline's stages or a context axis only hold rows). Draws are made row by row from ``seed``, the step and the row's index, so
-the same prompts give the same tokens on every mesh.
+The model runs its plain forward pass (a pipeline's stages or a context axis only hold rows).
+Draws are made row by row from ``seed``, the step and the row's index, so the same prompts give
+the same tokens on every mesh.
 """
 
 from __future__ import annotations
@@ -111,13 +112,16 @@ class CacheLayout:
     """The cache ``generate`` makes: ``batch`` rows (the prompts, padded to a multiple of the
     data axes' size) of ``lengths[0]`` positions, grown to each of ``lengths`` in turn as the
     tokens fill it (``length``: the last), prompts run ``prompt_length`` at a time; each
-    layer's keys and values ``(batch, length, kv_heads, head_dim)`` split by ``spec`` on ``mesh``."""
+    layer's keys and values ``(batch, length, kv_heads, head_dim)`` split by ``spec`` on ``mesh``.
+    ``ring``: where windowed layers sit beside full ones, the windowed layers' cache stops
+    growing at this many positions (a ring of the window); None: every layer grows alike."""
 
     mesh: Mesh | None
     batch: int
     lengths: tuple[int, ...]
     prompt_length: int
     spec: tuple[Any, ...]
+    ring: int | None = None
 
     @property
     def length(self) -> int:
@@ -131,8 +135,8 @@ class CacheLayout:
         """Bytes of the keys and values of every layer on one device, at ``length`` positions
         (default: the last)."""
         length = self.length if length is None else length
-        whole = 2 * config.n_layers * self.batch * length * config.kv_heads * config.head_dim * jnp.dtype(
-            config.dtype).itemsize
+        held = sum(min(length, self.ring) if self.ring and window else length for window in config.layer_windows)
+        whole = 2 * held * self.batch * config.kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
         split = 1 if self.mesh is None else math.prod(
             self.mesh.shape[axis] for entry in self.spec if entry for axis in ((entry,) if isinstance(entry, str)
                                                                                else entry))
@@ -152,15 +156,17 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
     batch = _round_up(rows, math.prod(mesh.shape[axis] for axis in data_axes) if mesh is not None else 1)
     last = min(_round_up(longest + max_new_tokens, PROMPT_BUCKET), config.seq_len)
     prompt_length = min(_round_up(longest, PROMPT_BUCKET), last)
-    windows = set(config.layer_windows)
-    if len(windows) == 1 and 0 not in windows:  # every layer windowed alike: a ring of the window (Attention)
-        last = min(last, max(_round_up(windows.pop(), PROMPT_BUCKET), prompt_length))
+    windows, ring = set(config.layer_windows), None
+    if windows - {0}:  # a windowed layer needs its window (and the prompt, written at once): a ring of that
+        ring = max(_round_up(max(windows), PROMPT_BUCKET), prompt_length)
+    if 0 not in windows:  # every layer windowed alike: the whole cache is the ring (Attention)
+        last, ring = min(last, ring), None
     lengths = [PROMPT_BUCKET]
     while lengths[-1] < last:
         lengths.append(lengths[-1] * 2)
     lengths = [length for length in lengths if length >= prompt_length]
     return CacheLayout(mesh, batch, tuple(min(length, last) for length in lengths), prompt_length,
-                       (data_axes or None, None, heads_axis, None))
+                       (data_axes or None, None, heads_axis, None), ring if ring and ring < last else None)
 
 
 _STEPS: dict[Any, Any] = {}
@@ -200,7 +206,8 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
     placed = None if mesh is None else (
         lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)
                                     if len(shape) >= 4 else PartitionSpec()))
-    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, config.dtype, placed)
+    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, config.dtype, placed,
+               windows=config.layer_windows, ring=layout.ring)
     graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
     del work
     if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
@@ -209,22 +216,29 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
     return graphdef, cache, weights
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _grown(cache: Any, length: int) -> Any:
-    """``cache`` with its keys and values padded to ``length`` positions (axis -3 of each)."""
-    def pad(leaf: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _grown(cache: Any, length: int, ring: int | None) -> Any:
+    """``cache`` with its keys and values padded to ``length`` positions (axis -3 of each), a
+    windowed layers' ring to at most ``ring``."""
+    def pad(path: Any, leaf: jax.Array) -> jax.Array:
         if leaf.ndim < 4:
             return leaf
-        return jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 3) + [(0, length - leaf.shape[-3]), (0, 0), (0, 0)])
+        wanted = min(length, ring) if ring and "ring_" in jax.tree_util.keystr(path) else length
+        return jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 3) + [(0, wanted - leaf.shape[-3]), (0, 0), (0, 0)])
 
-    return jax.tree.map(pad, cache)
+    return jax.tree_util.tree_map_with_path(pad, cache)
 
 
 def _with_room(cache: Any, layout: CacheLayout, tokens: int) -> Any:
     """``cache``, grown to the next of the layout's lengths when ``tokens`` positions would not fit."""
     now = max(leaf.shape[-3] for leaf in jax.tree.leaves(cache) if leaf.ndim >= 4)
     wanted = layout.length_for(tokens)
-    return cache if wanted <= now else _grown(cache, wanted)
+    return cache if wanted <= now else _grown(cache, wanted, layout.ring)
+
+
+def cache_bytes_per_device(cache: Any) -> int:
+    """Bytes of a cache's keys and values on its first device (what each device holds)."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache) if leaf.ndim >= 4)
 
 
 def _placer(layout: CacheLayout) -> Callable[[np.ndarray], jax.Array]:
@@ -257,7 +271,8 @@ class GenerationStats:
     ``time_to_first_token_s``: from the call to every row's first new token (the prompts' prefill,
     and its compilation when the shapes are new). ``decode_step_s``: the median time of a decode
     step, each of which adds one token to every row (a new shape's first step compiles; the
-    median leaves it out); ``tokens_per_s`` is the rows over it."""
+    median leaves it out); ``tokens_per_s`` is the rows over it. ``cache_bytes_per_device``:
+    the key/value cache's bytes on each device when the last token came."""
 
     rows: int
     prompt_tokens: int
@@ -266,6 +281,7 @@ class GenerationStats:
     decode_steps: int
     decode_step_s: float | None
     total_s: float
+    cache_bytes_per_device: int = 0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -344,5 +360,5 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     steps = np.diff(times)
     out.stats = GenerationStats(rows, sum(map(len, prompts)), sum(map(len, out)), times[0] - started,
                                 len(steps), float(np.median(steps)) if len(steps) else None,
-                                time.perf_counter() - started)
+                                time.perf_counter() - started, cache_bytes_per_device(cache))
     return out

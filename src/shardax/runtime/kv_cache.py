@@ -1,0 +1,121 @@
+"""The key/value cache an ``Attention`` decodes from (``shardax.blocks.init_cache`` gives it one).
+
+Each call writes its keys and values at their positions (``positions``, contiguous in each row)
+and its queries attend to every cached token at or before their own position (within the
+layer's window): a prompt, then one token at a time. Position p goes to slot p modulo the
+cache's length, so a cache at least as long as a sliding window (and as a prompt written at
+once) serves any length as a ring.
+
+Arrays are ``(batch, length, kv_heads, head_dim)``, with a leading layers dimension inside a
+scanned ``LayerStack``, whose caches travel through the scan whole: ``CacheLayer`` counts which
+layer a call is at, and each layer writes its new tokens in place. A stack that mixes windowed
+and full layers (Gemma 2 and 3, Qwen2's ``max_window_layers``) keeps two caches: the full
+layers' (``cached_keys``), which grows with the text, and the windowed layers' ring
+(``ring_keys``), which stops at the window; each layer writes and reads only its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.errors import UsageError
+from shardax.runtime.attention import dense_attention
+
+
+class CacheLayer(nnx.Cache):
+    """Which layer of a scanned stack an ``Attention`` is at while decoding: its cache holds
+    every layer's keys and values (carried through the scan, so one token is written in place
+    rather than each layer's slice copied in and out); each call reads and writes its own
+    layer, then counts one on."""
+
+
+def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shape: tuple[int, int, int, int],
+             dtype: Any, *, layers: int = 0, windows: Sequence[int] | None = None, ring: int | None = None) -> None:
+    """Give ``block`` (an ``Attention``) an empty cache of ``shape`` ``(batch, length, kv_heads,
+    head_dim)``: one per layer of a scanned stack of ``layers`` (0: the block is one layer);
+    ``make(shape, dtype)`` makes each array, zeros where they belong.
+    With ``windows`` (each layer's sliding window, 0 for none; one entry for a lone layer) and
+    ``ring``, windowed layers keep ``min(length, ring)`` positions apart from the others."""
+    def zeros(shape: tuple[int, ...]) -> nnx.Cache:
+        return nnx.Cache(make(shape, dtype))
+
+    batch, length, kv_heads, head_dim = shape
+    ringed = tuple(w > 0 for w in windows) if windows is not None and ring is not None else ()
+    if not layers:
+        name = "ring" if any(ringed) else "cached"
+        setattr(block, f"{name}_keys", zeros((batch, min(length, ring) if any(ringed) else length, *shape[2:])))
+        setattr(block, f"{name}_values", zeros((batch, min(length, ring) if any(ringed) else length, *shape[2:])))
+        return
+    block.cache_layer = CacheLayer(make((), jnp.int32))
+    if not any(ringed) or all(ringed):
+        block.cached_keys, block.cached_values = zeros((layers, *shape)), zeros((layers, *shape))
+        return
+    # each layer's place in its own group: (in the ring?, index among that group's layers)
+    block.cache_groups = (ringed, tuple(sum(r == ringed[i] for r in ringed[:i]) for i in range(layers)))
+    full, ringed_count = layers - sum(ringed), sum(ringed)
+    block.cached_keys, block.cached_values = zeros((full, *shape)), zeros((full, *shape))
+    kept = (batch, min(length, ring), kv_heads, head_dim)
+    block.ring_keys, block.ring_values = zeros((ringed_count, *kept)), zeros((ringed_count, *kept))
+
+
+def attend(block: Any, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None,
+           window: Any) -> jax.Array:
+    """``block``'s attention of ``q`` to its cache, once ``k`` and ``v`` are written into it."""
+    if positions is None:
+        raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
+    look = lambda keys, values: _attend(block, q, keys, values, positions, window)  # noqa: E731
+    if not hasattr(block, "cache_layer"):  # one layer's own cache: full, or a ring
+        name = "ring" if hasattr(block, "ring_keys") else "cached"
+        keys, values = getattr(block, f"{name}_keys"), getattr(block, f"{name}_values")
+        return look(_write(keys, k, positions), _write(values, v, positions))
+    layer = block.cache_layer[...]
+    block.cache_layer[...] += 1
+    if not hasattr(block, "ring_keys"):
+        _write(block.cached_keys, k, positions, layer)
+        _write(block.cached_values, v, positions, layer)
+        return look(_layer(block.cached_keys, layer), _layer(block.cached_values, layer))
+    ringed, slots = (jnp.asarray(table) for table in block.cache_groups)
+    in_ring, slot = ringed[layer], slots[layer]
+    for cache, new in ((block.cached_keys, k), (block.cached_values, v)):  # the other group keeps its tokens
+        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=in_ring)
+    for cache, new in ((block.ring_keys, k), (block.ring_values, v)):
+        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=~in_ring)
+    full = (block.cached_keys[...], block.cached_values[...])
+    kept = (block.ring_keys[...], block.ring_values[...])
+    return jax.lax.cond(in_ring, lambda: look(_layer(kept[0], slot), _layer(kept[1], slot)),
+                        lambda: look(_layer(full[0], slot), _layer(full[1], slot)))
+
+
+def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
+            window: Any) -> jax.Array:
+    # slot s holds the latest position p <= q with p = s (mod length): a ring once positions pass the length
+    ahead = positions[:, :, None]
+    held = ahead - (ahead - jnp.arange(keys.shape[1])) % keys.shape[1]  # (B, T, cache length)
+    visible = held >= 0
+    if window is not None:
+        visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
+    return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None], scale=block.scale,
+                           softcap=block.softcap)
+
+
+def _layer(cache: Any, layer: jax.Array) -> jax.Array:
+    value = cache[...] if isinstance(cache, nnx.Variable) else cache
+    return jax.lax.dynamic_index_in_dim(value, layer, 0, keepdims=False)
+
+
+def _write(cache: nnx.Cache, new: jax.Array, positions: jax.Array, layer: jax.Array | None = None,
+           keep: jax.Array | None = None) -> jax.Array:
+    """Write ``new`` (B, T, K, H) into ``cache`` (at ``layer`` of its leading dimension, if given)
+    at its positions (B, T), in place, and return the cache; where ``keep`` is true, what the
+    cache holds there stays (the write of a layer whose tokens belong to the other group)."""
+    new, rows = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None]
+    index = (rows, positions % cache.shape[-3]) if layer is None else (layer, rows, positions % cache.shape[-3])
+    if keep is not None:
+        new = jnp.where(keep, cache[...][index], new)
+    cache[...] = cache[...].at[index].set(new, mode="promise_in_bounds")
+    return cache[...]
