@@ -27,8 +27,8 @@ sys.path.insert(0, str(HERE))
 
 def train(tokenizer: list[str], steps: int, folder: Path) -> dict:
     metrics = folder / f"{tokenizer[1]}.jsonl"
-    command = [sys.executable, "-m", "shardax.cli", "train", *tokenizer, "--steps", str(steps), "--seq-len", "128",
-               "--eval-every", "0",
+    command = [sys.executable, "-m", "shardax.cli", "train", *tokenizer, "--steps", str(steps), "--seq-len",
+               "128", "--eval-every", "0",
                "--eval-batches", "1000", "--metrics", str(metrics), "--sample-bytes", "200"]
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env={**os.environ,
@@ -39,7 +39,8 @@ def train(tokenizer: list[str], steps: int, folder: Path) -> dict:
     final = [r for r in records if "val_loss" in r][-1]
     sample = result.stdout[result.stdout.index("sample (") :].split("\n", 1)[1].strip()
     return {"wall_s": time.perf_counter() - start, "val_loss_nats_per_token": final["val_loss"],
-            "val_bits_per_token": final["val_bits_per_token"], "val_bits_per_byte": final["val_bits_per_byte"],
+            "val_bits_per_token": final["val_bits_per_token"],
+            "val_bits_per_byte": final["val_bits_per_byte"],
             "train_loss": final["loss"], "tokens_per_s": final.get("tokens_per_sec"), "sample": sample[:400],
             "data": next(line for line in result.stdout.splitlines() if line.startswith("data:"))}
 
@@ -56,13 +57,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="shardax-bpe-") as folder:
         byte_run = train(["--tokenizer", "bytes"], options.steps, Path(folder))
-        bpe_run = train(["--tokenizer", "bpe", "--vocab-size", str(options.vocab_size)], options.steps, Path(folder))
+        bpe_run = train(["--tokenizer", "bpe", "--vocab-size", str(options.vocab_size)], options.steps,
+                        Path(folder))
     for name, run in (("bytes", byte_run), ("bpe", bpe_run)):
-        print(f"{name}: {run['val_bits_per_byte']:.3f} bits/byte ({run['val_bits_per_token']:.3f} bits/token), "
-              f"{run['wall_s']:.0f} s\n{run['sample']}\n")
+        print(f"{name}: {run['val_bits_per_byte']:.3f} bits/byte ({run['val_bits_per_token']:.3f} "
+              f"bits/token), {run['wall_s']:.0f} s\n{run['sample']}\n")
     save("bpe_vs_bytes", {"preset": "tiny", "steps": options.steps, "vocab_size": options.vocab_size,
                           "bytes": byte_run, "bpe": bpe_run,
-                          "bits_per_byte_ratio": bpe_run["val_bits_per_byte"] / byte_run["val_bits_per_byte"]})
+                          "bits_per_byte_ratio": bpe_run["val_bits_per_byte"]
+                                                 / byte_run["val_bits_per_byte"]})
 
 
 if __name__ == "__main__":

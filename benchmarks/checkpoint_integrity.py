@@ -81,7 +81,8 @@ def whole_files_one_thread(checkpoint: Path) -> float:
 
 def shared_over_processes(checkpoint: Path, processes: int) -> dict[str, float]:
     start = time.time() + 3.0  # every process imports first, then all begin together
-    children = [subprocess.Popen([sys.executable, "-c", CHECK, str(checkpoint), str(i), str(start), str(processes)],
+    children = [subprocess.Popen([sys.executable, "-c", CHECK, str(checkpoint), str(i), str(start),
+                                  str(processes)],
                                  stdout=subprocess.PIPE, text=True) for i in range(processes)]
     times = []
     for child in children:
@@ -151,7 +152,8 @@ def main() -> None:
                    "steps_while_saving": len(during), "step_s_idle": statistics.median(idle)}
             rows.append(row)
             print(json.dumps(row))
-    result = {"machine": f"{os.cpu_count()} cores, jax {jax.__version__}", "block_bytes": manifest.BLOCK, "rows": rows}
+    result = {"machine": f"{os.cpu_count()} cores, jax {jax.__version__}", "block_bytes": manifest.BLOCK,
+              "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "checkpoint_integrity.json").write_text(json.dumps(result, indent=1))
 

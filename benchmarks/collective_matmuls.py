@@ -63,7 +63,8 @@ def main() -> None:
     fitted = json.loads((RESULTS / "plan_fit_tpu_heap.json").read_text())
     done_path = RESULTS / "collective_matmuls.json"
     whole = json.loads(done_path.read_text()).get("whole_peaks", {}) if done_path.exists() else {}
-    labels = {json.dumps(case, sort_keys=True): label for label, cases in held_out_sets(True).items() for case in cases}
+    labels = {json.dumps(case, sort_keys=True): label for label, cases in held_out_sets(True).items()
+              for case in cases}
     strategies = options.strategies.split(",")
     rows = []
     for part in ("training", "held_out"):
@@ -78,12 +79,14 @@ def main() -> None:
             factors = working_set_factors(row["class"], "tpu")
             rows.append({"set": "training" if part == "training" else labels.get(key, "held_out"),
                          "class": row["class"], "strategy": row["strategy"], "settings": row["settings"],
-                         "batch_size": row["batch_size"], "peak": cached["hbm_peak"], "whole_peak": whole[key],
+                         "batch_size": row["batch_size"], "peak": cached["hbm_peak"],
+                         "whole_peak": whole[key],
                          "predicted_over_peak": ratio({**row, "peak": cached["hbm_peak"]}, factors),
                          "predicted_over_whole_peak": ratio({**row, "peak": whole[key]}, factors)})
             print(f"{row['class']:12} {row['strategy']:6} {row['batch_size']:4} {row['settings']}: "
                   f"{cached['hbm_peak'] / 1e6:.0f} MB, {whole[key] / 1e6:.0f} MB without collective matmuls; "
-                  f"predicted {rows[-1]['predicted_over_peak']:.3f}x, {rows[-1]['predicted_over_whole_peak']:.3f}x",
+                  f"predicted {rows[-1]['predicted_over_peak']:.3f}x, "
+                  f"{rows[-1]['predicted_over_whole_peak']:.3f}x",
                   flush=True)
     summary = summarize([row for row in rows if row["set"] != "training"])
     steps = {without: {part: [with_terms({**row, "peak": whole.get(case_key(row), row["hbm_peak"]) if without
@@ -91,9 +94,11 @@ def main() -> None:
                               for row in fitted[part] if row["hbm_peak"] >= TPU_FLOOR]
                        for part in ("training", "held_out")} for without in (False, True)}
     refits = {name: refit(steps, name) for name in WORKING_SET_TERMS}
-    save("collective_matmuls", {"target": TARGET, "strategies": strategies, "whole_peaks": whole, "rows": rows,
-                                "held_out_within_5_percent": summary, "refit_without_collective_matmuls": refits})
-    print(json.dumps({"held_out_within_5_percent": summary, "refit_without_collective_matmuls": refits}, indent=1))
+    save("collective_matmuls", {"target": TARGET, "strategies": strategies, "whole_peaks": whole,
+                                "rows": rows, "held_out_within_5_percent": summary,
+                                "refit_without_collective_matmuls": refits})
+    print(json.dumps({"held_out_within_5_percent": summary, "refit_without_collective_matmuls": refits},
+                     indent=1))
 
 
 def refit(steps: dict[bool, dict[str, list[dict]]], name: str) -> dict:
@@ -121,7 +126,8 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, int]]:
         count["steps"] += 1
         count["costly_collective_matmuls"] += row["peak"] > 1.02 * row["whole_peak"]
         count["within_5_percent"] += abs(row["predicted_over_peak"] - 1) <= 0.05
-        count["within_5_percent_without_collective_matmuls"] += abs(row["predicted_over_whole_peak"] - 1) <= 0.05
+        count["within_5_percent_without_collective_matmuls"] += (abs(row["predicted_over_whole_peak"] - 1)
+                                                                 <= 0.05)
     return {name: dict(count) for name, count in counts.items()}
 
 

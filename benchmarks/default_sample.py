@@ -1,17 +1,18 @@
 """Benchmark 20: does the default ``shardax train`` end with text made of real words?
 
     python benchmarks/default_sample.py after                  # the default run as it is
-    python benchmarks/default_sample.py before --source DIR    # another checkout's src/ (e.g. the previous default)
+    python benchmarks/default_sample.py before --source DIR
+        # another checkout's src/ (e.g. the previous default)
 
 Trains the default run (``shardax train`` with no flags: ``lm.job.run(TrainConfig())``) in a
 fresh process, from an empty data cache (so a BPE default pays for training its tokenizer and
 tokenizing the corpus), then samples it as the run's closing sample does (``sample_tokens`` at
 the version's default temperature and top-k) from 8 prompts of validation text, 200 tokens each,
-seeds 0-7 (prompts as long as the closing sample's: 48 tokens or half the context). The figure: the share of the samples' words (runs of two or more letters, lower-cased:
-``shardax.lm.sampling.words``) that occur in the training corpus (the standard library's source),
-pooled over the 8 samples, with the lowest and highest single sample (one sample varies a lot;
-the pool is what to compare). Also the wall time to the end of training and the validation loss.
-Keeps each label's row in ``benchmarks/results/default_sample.json``.
+seeds 0-7 (prompts as long as the closing sample's: 48 tokens or half the context). The figure: the share of
+the samples' words (runs of two or more letters, lower-cased: ``shardax.lm.sampling.words``) that occur in the
+training corpus (the standard library's source), pooled over the 8 samples, with the lowest and highest single
+sample (one sample varies a lot; the pool is what to compare). Also the wall time to the end of training and
+the validation loss. Keeps each label's row in ``benchmarks/results/default_sample.json``.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ for seed in range({SAMPLES}):
     prompt = data.prompt(length + 300 * seed)[-length:]
     while len(prompt) > 8 and not data.decode(prompt).endswith("\\n"):  # start the sample on a new line
         prompt = prompt[:-1]
-    ids = sample_tokens(result.parallel, result.state, prompt, {NEW_TOKENS}, run.model.seq_len, vocab=data.vocab,
-                        temperature=config.sample_temperature, top_k=config.sample_top_k, seed=seed)
+    ids = sample_tokens(result.parallel, result.state, prompt, {NEW_TOKENS}, run.model.seq_len,
+                        vocab=data.vocab, temperature=config.sample_temperature, top_k=config.sample_top_k,
+                        seed=seed)
     samples.append(data.decode(ids))
 print("RESULT " + json.dumps({{"samples": samples, "wall_s": wall, "val_loss": result.final_val_loss,
                               "unigram": result.unigram_loss, "tokenizer": run.tokenizer, "vocab": data.vocab,
@@ -62,14 +64,16 @@ print("RESULT " + json.dumps({{"samples": samples, "wall_s": wall, "val_loss": r
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("label")
-    parser.add_argument("--source", help="a checkout's src/ directory to run instead of the installed shardax")
+    parser.add_argument("--source",
+                        help="a checkout's src/ directory to run instead of the installed shardax")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.source:
         env["PYTHONPATH"] = str(Path(args.source).resolve())
     with tempfile.TemporaryDirectory() as work:
         env["SHARDAX_DATA_CACHE"] = str(Path(work) / "cache")  # a first run: a tokenizer is trained afresh
-        done = subprocess.run([sys.executable, "-c", CHILD], cwd=work, env=env, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", CHILD], cwd=work, env=env, capture_output=True,
+                              text=True)
     if done.returncode:
         sys.exit(done.stderr[-3000:])
     found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -86,11 +90,12 @@ def main() -> None:
            "lowest": round(min(shares), 3), "highest": round(max(shares), 3), "samples": found.pop("samples"),
            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in found.items()},
            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
-    rows = [r for r in (json.loads(RESULTS.read_text()) if RESULTS.exists() else []) if r["label"] != args.label]
+    rows = [r for r in (json.loads(RESULTS.read_text()) if RESULTS.exists() else [])
+            if r["label"] != args.label]
     RESULTS.write_text(json.dumps(rows + [row], indent=1) + "\n")
-    print(f"{args.label}: {100 * pooled:.1f}% of {words} sampled words are words of the corpus (single samples "
-          f"{100 * min(shares):.0f}-{100 * max(shares):.0f}%); trained in {found['wall_s']:.0f} s; validation "
-          f"{found['val_loss']:.4f} vs unigram {found['unigram']:.4f}")
+    print(f"{args.label}: {100 * pooled:.1f}% of {words} sampled words are words of the corpus (single "
+          f"samples {100 * min(shares):.0f}-{100 * max(shares):.0f}%); trained in {found['wall_s']:.0f} s; "
+          f"validation {found['val_loss']:.4f} vs unigram {found['unigram']:.4f}")
     print(row["samples"][0])
 
 

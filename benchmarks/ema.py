@@ -21,21 +21,21 @@ import statistics
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
+import sys  # noqa: E402
+
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from lora import device0_bytes, time_interleaved  # noqa: E402  (benchmarks/lora.py, beside this one)
 
 from shardax import DeviceMeshManager, ema_params, parallelize  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss  # noqa: E402
 from shardax.step.ema import EmaState  # noqa: E402
-
-from lora import device0_bytes, time_interleaved  # noqa: E402  (benchmarks/lora.py, beside this one)
-
-import sys  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 # --accelerator: a model whose optimizer update is a visible part of a step on one GPU (0.2B parameters)
@@ -56,7 +56,8 @@ def average_of(opt_state):
 def measure(strategy: str, mesh, tokens, model: dict = MODEL, steps: int = STEPS) -> dict:
     config = TransformerConfig(**model)
     runs = {}
-    for name, tx in (("without", optax.adamw(1e-4)), ("with", optax.chain(optax.adamw(1e-4), ema_params(0.999)))):
+    for name, tx in (("without", optax.adamw(1e-4)),
+                     ("with", optax.chain(optax.adamw(1e-4), ema_params(0.999)))):
         parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, mesh, strategy)
         state = parallel.init(0)
         batch = parallel.place_batch({"tokens": tokens})
@@ -78,11 +79,14 @@ def measure(strategy: str, mesh, tokens, model: dict = MODEL, steps: int = STEPS
 
 def main() -> None:
     mesh = DeviceMeshManager().create_device_mesh("data=8")
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1)),
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL["vocab_size"],
+                                                           (BATCH, MODEL["seq_len"] + 1)),
                          jnp.int32)
-    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU devices",
+    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated "
+                         "CPU devices",
               "model": MODEL, "batch": BATCH, "decay": 0.999, "mesh": "data=8",
-              "strategies": {strategy: measure(strategy, mesh, tokens) for strategy in ("dp", "zero2", "fsdp")}}
+              "strategies": {strategy: measure(strategy, mesh, tokens)
+                             for strategy in ("dp", "zero2", "fsdp")}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ema.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["strategies"], indent=1))

@@ -25,6 +25,7 @@ import statistics
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
@@ -32,14 +33,13 @@ simulate_cpu_devices(8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from lora import device0_bytes, time_interleaved  # noqa: E402  (benchmarks/lora.py, beside this one)
 
 from shardax import parallelize  # noqa: E402
 from shardax.analysis.collectives import find_collectives  # noqa: E402
 from shardax.analysis.theory import expert_exchange_bytes  # noqa: E402
 from shardax.analysis.traffic import wire_bytes  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss  # noqa: E402
-
-from lora import device0_bytes, time_interleaved  # noqa: E402  (benchmarks/lora.py, beside this one)
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = dict(vocab_size=4096, d_model=256, n_heads=8, n_kv_heads=4, n_layers=4, d_ff=512, positions="rotary",
@@ -51,7 +51,8 @@ LAYOUTS = {"dp": "data=8", "ep": "data=2,expert=4", "fsdp_ep": "data=2,expert=4"
 
 def all_to_all_bytes(step, state, batch, devices: int) -> float:
     text = step.lower(state, batch).compile().as_text()
-    return sum(wire_bytes(c, devices) * c.executions for c in find_collectives(text) if c.kind == "all-to-all")
+    return sum(wire_bytes(c, devices) * c.executions
+               for c in find_collectives(text) if c.kind == "all-to-all")
 
 
 def main() -> None:
@@ -59,7 +60,8 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1))
     runs, rows = {}, {}
     for strategy, mesh in LAYOUTS.items():
-        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh, strategy)
+        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh,
+                               strategy)
         state, step = parallel.init(0), parallel.train_step(next_token_loss)
         batch = parallel.place_batch({"tokens": jnp.asarray(tokens, jnp.int32)})
         experts = state.params["blocks"]["layers"]["experts"]
@@ -78,8 +80,10 @@ def main() -> None:
         rows[strategy]["step_s"] = statistics.median(run["times"])
         rows[strategy]["step_time_vs_dp"] = rows[strategy]["step_s"] / statistics.median(runs["dp"]["times"])
         theory = rows[strategy]["all_to_all_bytes_theory"]
-        rows[strategy]["all_to_all_vs_theory"] = rows[strategy]["all_to_all_bytes_compiled"] / theory if theory else None
-    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU devices",
+        rows[strategy]["all_to_all_vs_theory"] = (rows[strategy]["all_to_all_bytes_compiled"] / theory
+                                                  if theory else None)
+    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated "
+                         "CPU devices",
               "model": MODEL, "batch": BATCH, "strategies": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "experts.json").write_text(json.dumps(result, indent=1) + "\n")

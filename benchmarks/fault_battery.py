@@ -26,8 +26,19 @@ import time
 from pathlib import Path
 
 from faults import damaged, data, interrupted, launch  # noqa: F401 - each registers its cases
-from faults.battery import (BASE, BIG_CORPUS, CASES, CORPUS, RESULTS, SHARDS, WORK, _REFERENCE, final_params,
-                            shardax, train_args)
+from faults.battery import (
+    _REFERENCE,
+    BASE,
+    BIG_CORPUS,
+    CASES,
+    CORPUS,
+    RESULTS,
+    SHARDS,
+    WORK,
+    final_params,
+    shardax,
+    train_args,
+)
 
 
 def main() -> None:
@@ -49,9 +60,10 @@ def main() -> None:
             problem, lost_steps = CASES[name](folder)
         except Exception as error:  # a case that cannot be carried out fails, with why
             problem, lost_steps = f"{type(error).__name__}: {error}", 0
-        rows.append({"case": name, "passed": problem is None, "lost_checkpoints": lost_steps, "problem": problem,
-                     "seconds": round(time.time() - began, 1)})
-        print(f"{'PASS' if problem is None else 'FAIL'} {name} (lost {lost_steps}){'' if problem is None else ': ' + problem}",
+        rows.append({"case": name, "passed": problem is None, "lost_checkpoints": lost_steps,
+                     "problem": problem, "seconds": round(time.time() - began, 1)})
+        print(f"{'PASS' if problem is None else 'FAIL'} {name} (lost {lost_steps})"
+              f"{'' if problem is None else ': ' + problem}",
               flush=True)
     result = {"cases": len(rows), "passed": sum(r["passed"] for r in rows),
               "lost_checkpoints": sum(r["lost_checkpoints"] for r in rows), "rows": rows}

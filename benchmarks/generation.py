@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
@@ -77,7 +78,8 @@ def cached(model: TransformerLM, prompt: list[int], new: int) -> tuple[float, fl
     generate(model, [prompt], max_new_tokens=new)  # compiles every cache length on the way
     stamps = []
     began = time.perf_counter()
-    out = generate(model, [prompt], max_new_tokens=new, on_token=lambda *_: stamps.append(time.perf_counter()))
+    out = generate(model, [prompt], max_new_tokens=new,
+                   on_token=lambda *_: stamps.append(time.perf_counter()))
     return time.perf_counter() - began, float(np.median(np.diff(stamps)[-TAIL:])), out[0]
 
 
@@ -131,7 +133,8 @@ def ring_bytes(config, new: int = 1024) -> dict:
             live = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[1] == layout.batch
                     and a.shape[3:] == (config.kv_heads, config.head_dim)]
             seen.append((sorted(a.shape[:3] for a in live), sum(
-                shard.data.nbytes for a in live for shard in a.addressable_shards if shard.device == jax.devices()[0])))
+                shard.data.nbytes for a in live for shard in a.addressable_shards
+                if shard.device == jax.devices()[0])))
 
     generate(sharded, [prompt] * 8, max_new_tokens=new, on_token=measure)
     shapes, measured = seen[0]
@@ -153,7 +156,8 @@ def cache_bytes(config) -> dict:
             live = [a for a in jax.live_arrays() if a.ndim == 5 and a.shape[0] == config.n_layers
                     and a.shape[1] == layout.batch and a.shape[3:] == (config.kv_heads, config.head_dim)]
             assert len(live) == 2, [a.shape for a in live]  # keys and values
-            seen.append((live[0].shape[2], sum(shard.data.nbytes for a in live for shard in a.addressable_shards
+            seen.append((live[0].shape[2], sum(shard.data.nbytes for a in live
+                                               for shard in a.addressable_shards
                                                if shard.device == jax.devices()[0])))
 
     generate(sharded, [prompt] * 8, max_new_tokens=64, on_token=measure)

@@ -59,7 +59,8 @@ def loss_and_grads(config: TransformerConfig, batch: dict) -> tuple[float, dict,
 
     loss, grads = run(params, batch)
     text = run.lower(params, batch).compile().as_text()
-    return float(loss), {"/".join(map(str, path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(
+    return float(loss), {"/".join(map(str, path)): leaf
+                         for path, leaf in jax.tree_util.tree_flatten_with_path(
         nnx.to_pure_dict(grads))[0]}, text
 
 
@@ -88,7 +89,8 @@ def cudnn_attention() -> dict:
             loss, grads, text = loss_and_grads(config, batch)
             result[kernel] = {
                 "loss_error": abs(loss - reference_loss) / abs(reference_loss),
-                "worst_gradient_error": max(relative_error(grads[path], reference[path]) for path in reference),
+                "worst_gradient_error": max(relative_error(grads[path], reference[path])
+                                            for path in reference),
                 "fused_kernels": sorted(set(re.findall(r"__cudnn\$fmha\w*", text))),
             }
         worst = result["xla"]["worst_gradient_error"]
@@ -97,13 +99,15 @@ def cudnn_attention() -> dict:
                             and len(result["cudnn"]["fused_kernels"]) >= 2)
         rows.append(result)
         print(json.dumps(result), flush=True)
-    return {"config": "small preset, seq 512, batch 8, bfloat16 against a float32 XLA reference", "cases": rows}
+    return {"config": "small preset, seq 512, batch 8, bfloat16 against a float32 XLA reference",
+            "cases": rows}
 
 
 def plan_on_this_device(memory_limit: int | None) -> dict:
     rows = []
     cases = [(f"preset {name}", get_preset(name).config(), get_preset(name).batch_size) for name in PRESETS]
-    cases += [(f"held-out {overrides}", TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **overrides}),
+    cases += [(f"held-out {overrides}", TransformerConfig(**{"vocab_size": 256, "positions": "rotary",
+                                                             **overrides}),
                batch) for overrides, batch in HELD_OUT_SHAPES]
     for name, config, batch in cases:
         try:
@@ -114,7 +118,8 @@ def plan_on_this_device(memory_limit: int | None) -> dict:
             continue
         peak = plan.compiled["peak"]
         if memory_limit is not None and peak > memory_limit:
-            rows.append({"case": name, "skipped": f"compiled peak {peak / 1e9:.1f} GB over the device's memory"})
+            rows.append({"case": name,
+                         "skipped": f"compiled peak {peak / 1e9:.1f} GB over the device's memory"})
             continue
         rows.append({"case": name, "batch_size": batch, "predicted_peak": plan.predicted["total"],
                      "compiled_peak": peak, "peak_ratio": plan.predicted["total"] / peak})
@@ -127,7 +132,8 @@ def plan_on_this_device(memory_limit: int | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--allow-cpu", action="store_true", help="run the plan part on a CPU to check the script")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run the plan part on a CPU to check the script")
     parser.add_argument("--only", choices=["attention", "plan"], help="run one part")
     options = parser.parse_args()
     device, on_gpu = first_device(options.allow_cpu, "these checks need a GPU",

@@ -28,14 +28,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
-
 from gpu_device import first_device
 from mfu import peak_flops
+from step_variants import no_remat_on_plain_loops, plain_autodiff, remat_every_loop, select_update
+
 from shardax import DeviceMeshManager, parallelize
 from shardax.analysis.plan import compile_step, compiled_memory
 from shardax.models.presets import flops_per_token, get_preset
 from shardax.models.transformer import TransformerLM
-from step_variants import no_remat_on_plain_loops, plain_autodiff, remat_every_loop, select_update
 
 RESULTS = Path(__file__).parent / "results" / "gpu_decisions.json"
 NONE = contextlib.nullcontext
@@ -111,7 +111,8 @@ def main() -> None:
               "loops": (options.largest, options.largest_batch, LOOPS)}
     for group in options.only or list(groups):
         preset, batch_size, choices = groups[group]
-        rows = results.setdefault(f"{preset} batch {batch_size}" if group != "loops" else f"{preset} loops", {})
+        rows = results.setdefault(f"{preset} batch {batch_size}" if group != "loops" else f"{preset} loops",
+                                  {})
         for label, variant, settings in choices:
             try:
                 row = timed(preset, batch_size, variant, settings, options.steps, peak)

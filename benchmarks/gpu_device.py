@@ -12,5 +12,6 @@ def first_device(allow_cpu: bool, needs: str, with_cpu: str) -> tuple[jax.Device
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
     if not on_gpu and not allow_cpu:
-        raise SystemExit(f"{needs}; this machine's first device is {device.platform!r} (--allow-cpu {with_cpu})")
+        raise SystemExit(f"{needs}; this machine's first device is {device.platform!r} (--allow-cpu "
+                         f"{with_cpu})")
     return device, on_gpu

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import jax
-
 from gpu_device import first_device
+
 from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy, transformer_for
 from shardax.analysis.targets import parse_target
 from shardax.models.presets import flops_per_token, get_preset
@@ -78,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--allow-cpu", action="store_true", help="compile the deviceless side only, on a CPU")
     options = parser.parse_args()
-    device, on_gpu = first_device(options.allow_cpu, "this check needs an H100", "compiles the deviceless side here")
+    device, on_gpu = first_device(options.allow_cpu, "this check needs an H100",
+                                  "compiles the deviceless side here")
     rows = [one_case(preset, batch, on_gpu) for preset, batch in CASES]
     result = {"benchmark": "h100_aot", "machine": f"{device.device_kind}, jax {jax.__version__}",
               "strategy": "dp on data=1, bfloat16 compute", "cases": rows, "h100_8": eight_gpus()}

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=20, d_ff=5632, positions="rotary",
-             norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=2048)
+MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=20, d_ff=5632,
+             positions="rotary", norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=2048)
 MEASURE = """
 import json, os, sys, time
 import jax
@@ -47,10 +47,11 @@ loaded = hf.load(folder, "data=8", "fsdp")
 jax.block_until_ready(loaded.state.params)
 seconds = time.perf_counter() - began
 # the high-water mark of this process's own memory (ru_maxrss would carry the parent's over exec)
-peak = int(next(line for line in open(f"/proc/{os.getpid()}/status") if line.startswith("VmHWM")).split()[1]) * 1024
+peak = int(next(line for line in open(f"/proc/{os.getpid()}/status")
+                if line.startswith("VmHWM")).split()[1]) * 1024
 state = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state.params))
-print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state, "largest_tensor_bytes": largest,
-                  "load_s": seconds, "bytes_read": loaded.bytes_read}))
+print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state,
+                  "largest_tensor_bytes": largest, "load_s": seconds, "bytes_read": loaded.bytes_read}))
 """
 
 
@@ -60,15 +61,16 @@ def make(folder: Path) -> int:
     from shardax.cpu_devices import simulate_cpu_devices
 
     simulate_cpu_devices(8)
+    import optax
+
     from shardax import hf
     from shardax.model_parallel import parallelize
     from shardax.models.presets import parameter_count
     from shardax.models.transformer import TransformerConfig, TransformerLM
-    import optax
 
     config = TransformerConfig(**MODEL)
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(), jax.make_mesh((8,), ("data",)),
-                           "fsdp")
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(),
+                           jax.make_mesh((8,), ("data",)), "fsdp")
     hf.save(folder, parallel.init(0).params, config, dtype="bfloat16", max_shard_bytes=1 << 30)
     return parameter_count(config)
 
@@ -89,7 +91,8 @@ def main() -> None:
         files = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         raw_read(folder)  # warm the page cache
         raw_s, _ = raw_read(folder)
-        out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", MEASURE, str(folder)], capture_output=True, text=True,
+                             check=True)
         measured = json.loads(out.stdout.strip().splitlines()[-1])
     added = measured["peak_rss"] - measured["baseline_rss"] - measured["state_bytes"]
     result = {"parameters": parameters, "model": MODEL, "files_bytes": files, "raw_read_s": raw_s,

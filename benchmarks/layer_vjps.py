@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--preset", default=None, help="the timed preset (default: notebook on CPU, medium on GPU)")
+parser.add_argument("--preset", default=None,
+                    help="the timed preset (default: notebook on CPU, medium on GPU)")
 parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
 parser.add_argument("--steps", type=int, default=40, help="timed pairs after 3 warm-up pairs")
 parser.add_argument("--memory-presets", default="small,medium", help="presets compiled for memory only")
@@ -37,7 +38,8 @@ parser.add_argument("--devices", type=int, default=8, help="simulated CPU device
 args = parser.parse_args()
 
 import jax  # noqa: E402
-from shardax.cpu_devices import simulate_cpu_devices
+
+from shardax.cpu_devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(args.devices)  # only the CPU backend reads it
 
@@ -78,7 +80,8 @@ def build(preset: str, batch_size: int, plain: bool):
     overrides = {"compute_dtype": "bfloat16"} if ON_GPU else {}
     config = preset_named(preset).config(**overrides)
     mesh = DeviceMeshManager().create_device_mesh("data=1" if ON_GPU else "data=-1")
-    parallel = parallelize(lambda rngs: transformer.TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh, "dp")
+    parallel = parallelize(lambda rngs: transformer.TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh,
+                           "dp")
     with plain_autodiff() if plain else contextlib.nullcontext():
         compiled = compile_step(parallel, batch_size, config.seq_len)
     return config, parallel, compiled
@@ -108,7 +111,8 @@ for index in range(3 + args.steps):
         seconds = timed(runs[name]["compiled"], runs[name]["holder"], batch)
         if index >= 3:
             times[name].append(seconds)
-ratios = [plain / custom for custom, plain in zip(times["custom"], times["autodiff"])]  # > 1: custom is faster
+# > 1: custom is faster
+ratios = [plain / custom for custom, plain in zip(times["custom"], times["autodiff"])]
 quartiles = statistics.quantiles(ratios, n=4)
 
 memory = {}
@@ -121,7 +125,8 @@ for extra in [name for name in args.memory_presets.split(",") if name]:
 device = jax.devices()[0]
 result = {
     "benchmark": "layer_vjps",
-    "machine": f"{device.device_kind}, {jax.device_count()} {device.platform} device(s), jax {jax.__version__}",
+    "machine": f"{device.device_kind}, {jax.device_count()} {device.platform} device(s), jax "
+               f"{jax.__version__}",
     "preset": preset, "batch_size": batch_size, "compute_dtype": config.compute_dtype,
     "attention": transformer.attention_implementation(config)[0],
     "mesh": "data=1" if ON_GPU else f"data={jax.device_count()}",

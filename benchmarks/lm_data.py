@@ -115,7 +115,8 @@ for s in range(20):
 print(json.dumps({{"rounds": {rounds}, "steps_per_round": {steps}, "ratio": statistics.median(ratios),
                   "ratios": ratios, "step_s_reading": statistics.median(shard_times),
                   "step_s_fixed_batch": statistics.median(fixed_times),
-                  "batch_fn_alone_s": statistics.median(alone), "batch_fn_in_loop_s": statistics.median(inside)}}))
+                  "batch_fn_alone_s": statistics.median(alone),
+                  "batch_fn_in_loop_s": statistics.median(inside)}}))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode:
@@ -152,7 +153,8 @@ def main() -> None:
     parts = sorted(corpus.iterdir())
     tenth = parts[: max(1, len(parts) // 10)]
     input_bytes = sum(p.stat().st_size for p in parts)
-    print(f"corpus: {text_bytes / 1e6:.0f} MB of text in {len(parts)} files ({input_bytes / 1e6:.0f} MB as JSON lines)")
+    print(f"corpus: {text_bytes / 1e6:.0f} MB of text in {len(parts)} files ({input_bytes / 1e6:.0f} MB as "
+          "JSON lines)")
 
     bytes_s, bytes_index = time_prepare(parts, work / "shards_bytes")
     print(f"prepare, bytes: {bytes_s:.1f} s, {input_bytes / 1e6 / bytes_s:.1f} MB/s")
@@ -161,11 +163,13 @@ def main() -> None:
     _, small_index = time_prepare(tenth, work / "shards_small")
 
     def shard_bytes(index: dict) -> int:
-        return sum(split["tokens"] for split in index["splits"].values()) * (2 if index["dtype"] == "uint16" else 4)
+        return (sum(split["tokens"] for split in index["splits"].values())
+                * (2 if index["dtype"] == "uint16" else 4))
 
     share = loading_share(work / "shards_bytes", options.steps)
-    print(f"loading: step {1000 * share['step_s_reading']:.1f} ms reading shards vs {1000 * share['step_s_fixed_batch']:.1f} "
-          f"ms on one batch (ratio {share['ratio']:.4f}); batch function {1000 * share['batch_fn_alone_s']:.2f} ms alone, "
+    print(f"loading: step {1000 * share['step_s_reading']:.1f} ms reading shards vs "
+          f"{1000 * share['step_s_fixed_batch']:.1f} ms on one batch (ratio {share['ratio']:.4f}); batch "
+          f"function {1000 * share['batch_fn_alone_s']:.2f} ms alone, "
           f"{1000 * share['batch_fn_in_loop_s']:.2f} ms in the loop")
     small_rss = peak_rss(work / "shards_small", options.steps)
     large_rss = peak_rss(work / "shards_bytes", options.steps)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
@@ -57,18 +58,20 @@ def time_interleaved(runs: dict, steps: int) -> None:
 def main() -> None:
     mesh = DeviceMeshManager().create_device_mesh("data=8")
     base = TransformerConfig(**MODEL)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL["vocab_size"], (BATCH, MODEL["seq_len"] + 1)),
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, MODEL["vocab_size"],
+                                                           (BATCH, MODEL["seq_len"] + 1)),
                          jnp.int32)
     runs = {}
     for name, config in (("full", base), ("lora", LoRA(RANK, 2 * RANK).applied(base))):
-        parallel = parallelize(lambda rngs, config=config: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh,
-                               "fsdp")
+        parallel = parallelize(lambda rngs, config=config: TransformerLM(config, rngs=rngs),
+                               optax.adamw(1e-4), mesh, "fsdp")
         state = parallel.init(0)
         batch = parallel.place_batch({"tokens": tokens})
         step = parallel.train_step(next_token_loss)
         compiled = step.lower(state, batch).compile()
         memory = compiled.memory_analysis()
-        runs[name] = {"parallel": parallel, "state": state, "batch": batch, "step": step, "times": [], "row": {
+        runs[name] = {"parallel": parallel, "state": state, "batch": batch, "step": step, "times": [],
+                      "row": {
             "parameters_trained": adapter_count(config) if name == "lora" else parameter_count(base),
             "param_bytes_per_device": device0_bytes(state.params),
             "optimizer_bytes_per_device": device0_bytes(state.opt_state),
@@ -77,9 +80,10 @@ def main() -> None:
             runs[name]["state"], metrics = step(runs[name]["state"], batch)
         jax.block_until_ready(metrics)
     time_interleaved(runs, STEPS)
-    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU devices",
-              "model": MODEL, "parameters": parameter_count(base), "rank": RANK, "batch": BATCH, "strategy": "fsdp",
-              "mesh": "data=8"}
+    result = {"machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated "
+                         "CPU devices",
+              "model": MODEL, "parameters": parameter_count(base), "rank": RANK, "batch": BATCH,
+              "strategy": "fsdp", "mesh": "data=8"}
     for name, run in runs.items():
         result[name] = {**run["row"], "step_s": statistics.median(run["times"]), "step_s_all": run["times"]}
     result["optimizer_bytes_ratio"] = result["lora"]["optimizer_bytes_per_device"] / result["full"][

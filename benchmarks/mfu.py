@@ -31,14 +31,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
-
-from shardax import DeviceMeshManager, parallelize
-from shardax.models.presets import PRESETS, blocks_in_a_loop, flops_per_token, get_preset, parameter_count
-from shardax.analysis.plan import compile_step, compiled_memory
-from shardax.models.transformer import TransformerLM, attention_implementation
-
 from gpu_device import first_device
 from profile_ops import markdown, profile_top_ops
+
+from shardax import DeviceMeshManager, parallelize
+from shardax.analysis.plan import compile_step, compiled_memory
+from shardax.models.presets import PRESETS, blocks_in_a_loop, flops_per_token, get_preset, parameter_count
+from shardax.models.transformer import TransformerLM, attention_implementation
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -58,8 +57,10 @@ def peak_flops(device: jax.Device, override_tflops: float | None) -> float:
 
 
 def build(preset: str, batch_size: int, remat: str | None, attention: str):
-    overrides = {"compute_dtype": "bfloat16", "attention": attention,  # blocks laid as shardax train lays them
-                 "scan_layers": not blocks_in_a_loop(jax.default_backend(), "dp")} | ({"remat": remat} if remat else {})
+    overrides = {"compute_dtype": "bfloat16", "attention": attention,
+                 # blocks laid as shardax train lays them
+                 "scan_layers": not blocks_in_a_loop(jax.default_backend(), "dp")} | ({"remat": remat}
+                                                                                      if remat else {})
     config = get_preset(preset).config(**overrides)
     mesh = DeviceMeshManager().create_device_mesh("data=1")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-4), mesh, "dp")
@@ -71,7 +72,8 @@ def choose(device: jax.Device, presets: list[str], remat: str | None, attention:
     """The first (largest) preset and batch size whose compiled step fits 95% of the device."""
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if limit is None and not allow_cpu:
-        raise SystemExit(f"device {device.device_kind!r} reports no memory limit; pass --allow-cpu to run anyway")
+        raise SystemExit(f"device {device.device_kind!r} reports no memory limit; pass --allow-cpu to run "
+                         "anyway")
     for preset in presets:
         full = get_preset(preset).batch_size
         for batch_size in (full, full // 2, full // 4, full // 8):
@@ -84,13 +86,16 @@ def choose(device: jax.Device, presets: list[str], remat: str | None, attention:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=list(PRESETS), help="measure this preset (default: the largest that fits)")
+    parser.add_argument("--preset", choices=list(PRESETS),
+                        help="measure this preset (default: the largest that fits)")
     parser.add_argument("--remat", help="override the preset's remat policy")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
     parser.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                         help="attention kernel (auto: cuDNN on a GPU in bfloat16)")
-    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if not an H100/H200/A100")
-    parser.add_argument("--allow-cpu", action="store_true", help="run on a CPU to check the script (prints only)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's dense bf16 peak, if not an H100/H200/A100")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run on a CPU to check the script (prints only)")
     options = parser.parse_args()
 
     device, on_gpu = first_device(options.allow_cpu, "MFU needs a GPU", "checks the script here")
@@ -98,7 +103,8 @@ def main() -> None:
     presets = [options.preset] if options.preset else sorted(PRESETS, key=lambda name: -parameter_count(
         get_preset(name).config()))
     preset, batch_size, config, parallel, compiled, compiled_peak = choose(device, presets, options.remat,
-                                                                          options.attention, options.allow_cpu)
+                                                                          options.attention,
+                                                                          options.allow_cpu)
 
     state = parallel.init(seed=0)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=(batch_size, config.seq_len + 1))

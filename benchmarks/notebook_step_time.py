@@ -30,11 +30,13 @@ parser.add_argument("--devices", type=int, default=8)
 parser.add_argument("--steps", type=int, default=60)
 parser.add_argument("--notebook", default=str(Path(__file__).resolve().parents[2] / "shared" / "seeds"
                                                 / "notebook-data-parallelism-in-jax.txt"))
-parser.add_argument("--profile", action="store_true", help="also profile 5 steps of each (where the compute goes)")
+parser.add_argument("--profile", action="store_true",
+                    help="also profile 5 steps of each (where the compute goes)")
 args = parser.parse_args()
 
 import jax  # noqa: E402
-from shardax.cpu_devices import simulate_cpu_devices
+
+from shardax.cpu_devices import simulate_cpu_devices  # noqa: E402
 
 simulate_cpu_devices(args.devices)
 
@@ -82,10 +84,12 @@ def shardax_stepper(mesh, cfg):
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(cfg.lr), mesh, "dp")
     state = {"state": parallel.init(seed=0)}
     step = parallel.train_step(next_token_loss)
-    tokens = np.random.RandomState(1234).randint(0, model.vocab_size, size=(cfg.batch_size, model.seq_len + 1))
+    tokens = np.random.RandomState(1234).randint(0, model.vocab_size,
+                                                 size=(cfg.batch_size, model.seq_len + 1))
 
     def run_one():
-        state["state"], metrics = step(state["state"], parallel.place_batch({"tokens": tokens.astype(np.int32)}))
+        state["state"], metrics = step(state["state"],
+                                       parallel.place_batch({"tokens": tokens.astype(np.int32)}))
         return metrics["loss"]
 
     return run_one
@@ -111,11 +115,13 @@ for index in range(args.steps):  # step for step, which goes first alternating
     else:
         notebook_times.append(timed(notebook_step))
         shardax_times.append(timed(shardax_step))
-ratios = [theirs / ours for theirs, ours in zip(notebook_times, shardax_times)]  # tokens/s, shardax / notebook
+# tokens/s, shardax / notebook
+ratios = [theirs / ours for theirs, ours in zip(notebook_times, shardax_times)]
 tokens = cfg.batch_size * cfg.seq_len
 result = {
     "benchmark": "notebook_step_time",
-    "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} {jax.devices()[0].platform} devices",
+    "machine": f"{platform.processor() or platform.machine()}, {jax.device_count()} "
+               f"{jax.devices()[0].platform} devices",
     "jax": jax.__version__,
     "config": "vocab 512, seq 64, d_model 256, 8 heads, 4 layers in a loop, d_ff 1024, global batch 32, dp",
     "notebook_step_s": statistics.median(notebook_times),
@@ -137,10 +143,11 @@ if args.profile:
         kinds = compute_by_kind(profile_top_ops(run_one, "", steps=5, top=None))
         result[f"{name}_compute_ms_per_device_step"] = sum(kinds.values())
         result[f"{name}_compute_by_kind_ms"] = {kind: round(ms, 2) for kind, ms in list(kinds.items())[:10]}
-        print(name, f"{sum(kinds.values()):.1f} ms of compute per device per step:", result[f"{name}_compute_by_kind_ms"])
+        print(name, f"{sum(kinds.values()):.1f} ms of compute per device per step:",
+              result[f"{name}_compute_by_kind_ms"])
 out = Path(__file__).parent / "results" / "notebook_step_time.json"
 out.parent.mkdir(exist_ok=True)
 out.write_text(json.dumps(result, indent=2) + "\n")
 print(f"| notebook config, {result['machine']} | notebook {1000 * result['notebook_step_s']:.0f} ms/step "
-      f"({result['notebook_tokens_per_s']:,.0f} tok/s) | shardax {1000 * result['shardax_step_s']:.0f} ms/step "
-      f"({result['shardax_tokens_per_s']:,.0f} tok/s) | ratio {result['tokens_per_s_ratio']:.2f} |")
+      f"({result['notebook_tokens_per_s']:,.0f} tok/s) | shardax {1000 * result['shardax_step_s']:.0f} "
+      f"ms/step ({result['shardax_tokens_per_s']:,.0f} tok/s) | ratio {result['tokens_per_s_ratio']:.2f} |")

@@ -29,6 +29,7 @@ MODEL = dict(vocab_size=512, seq_len=256, d_model=512, n_heads=8, n_layers=16, d
 def measure(variant: str) -> dict:
     """One fresh compile of the pipeline step with the stages applied by ``variant``."""
     import jax
+
     from shardax.cpu_devices import simulate_cpu_devices
 
     simulate_cpu_devices(8)
@@ -57,7 +58,8 @@ def measure(variant: str) -> dict:
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3),
                            DeviceMeshManager().create_device_mesh(MESH), STRATEGY)
     step = parallel.train_step(next_token_loss, microbatches=MICROBATCHES, donate=False)
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, config.seq_len + 1), dtype=np.int32)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, config.seq_len + 1),
+                                               dtype=np.int32)
     batch = parallel.place_batch({"tokens": tokens})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -68,7 +70,8 @@ def measure(variant: str) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     _, metrics = compiled(parallel.init(seed=0), batch)
     return {"variant": variant, "lower_s": lowered_at - start, "compile_s": compiled_at - lowered_at,
-            "peak_rss_growth_mb": (peak - before) / 1024, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "peak_rss_growth_mb": (peak - before) / 1024,
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
             "stablehlo_chars": len(lowered.as_text()), "loss": float(metrics["loss"])}
 
 
@@ -80,20 +83,22 @@ def main() -> None:
     for round_ in range(options.rounds):
         order = ["jax.vmap", "nnx.vmap"] if round_ % 2 == 0 else ["nnx.vmap", "jax.vmap"]
         for variant in order:
-            out = subprocess.run([sys.executable, __file__, "--one", variant], check=True, capture_output=True,
-                                 text=True, cwd=Path(__file__).parent.parent).stdout
+            out = subprocess.run([sys.executable, __file__, "--one", variant], check=True,
+                                 capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
             runs[variant].append(json.loads(out.strip().splitlines()[-1]))
             print(runs[variant][-1], flush=True)
-    median = {variant: {key: statistics.median(run[key] for run in found) for key in found[0] if key != "variant"}
+    median = {variant: {key: statistics.median(run[key] for run in found) for key in found[0]
+                        if key != "variant"}
               for variant, found in runs.items()}
     jax_, nnx_ = median["jax.vmap"], median["nnx.vmap"]
     import jax
 
     result = {"benchmark": "pipeline_vmap", "machine": f"{jax.__version__}; 8 simulated CPU devices",
-              "mesh": MESH, "strategy": STRATEGY, "microbatches": MICROBATCHES, "batch": BATCH, "model": MODEL,
-              "rounds": options.rounds, "median": median, "runs": runs,
-              "nnx_over_jax": {key: nnx_[key] / jax_[key] for key in ("lower_s", "compile_s", "peak_rss_growth_mb",
-                                                                      "temp_bytes", "stablehlo_chars")},
+              "mesh": MESH, "strategy": STRATEGY, "microbatches": MICROBATCHES, "batch": BATCH,
+              "model": MODEL, "rounds": options.rounds, "median": median, "runs": runs,
+              "nnx_over_jax": {key: nnx_[key] / jax_[key]
+                               for key in ("lower_s", "compile_s", "peak_rss_growth_mb", "temp_bytes",
+                                           "stablehlo_chars")},
               "same_loss": jax_["loss"] == nnx_["loss"]}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline_vmap.json").write_text(json.dumps(result, indent=1) + "\n")

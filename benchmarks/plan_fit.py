@@ -42,14 +42,28 @@ import optax  # noqa: E402
 from scipy.optimize import linprog  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suite import (HELD_OUT_SHAPES, STRATEGY_MESHES, held_out_large_rows, held_out_tpu_cases,  # noqa: E402
-                   held_out_tpu_cases_2, save)
+from suite import (  # noqa: E402
+    HELD_OUT_SHAPES,
+    STRATEGY_MESHES,
+    held_out_large_rows,
+    held_out_tpu_cases,
+    held_out_tpu_cases_2,
+    save,
+)
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
+from shardax.analysis.memory import (  # noqa: E402
+    WORKING_SET,
+    WORKING_SET_TERMS,
+    WORKING_SET_TPU,
+    held_on_chip,
+    predict_memory,
+    working_set_class,
+    working_set_factors,
+    working_set_terms,
+)
 from shardax.analysis.plan import compile_step, compiled_memory, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target  # noqa: E402
-from shardax.analysis.memory import (WORKING_SET, WORKING_SET_TERMS, WORKING_SET_TPU, held_on_chip,  # noqa: E402
-                                     predict_memory, working_set_class, working_set_factors, working_set_terms)
 from shardax.models.presets import PRESETS_0_1  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa: E402
 
@@ -80,7 +94,8 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
                "positions": "learned", "remat": "dots_saveable"}, "fsdp", "data=8", 16, 1)]
     for name in ("tiny", "notebook", "small"):
         for remat in ("none", "full"):
-            cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m, PRESETS_0_1[name].batch_size, 1)
+            cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m,
+                       PRESETS_0_1[name].batch_size, 1)
                       for s, m in every]
     for name in PRESET_NAMES:
         preset = PRESETS_0_1[name]
@@ -91,18 +106,22 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
         for remat in ("none", "full", "dots_saveable"):
             cases += [({**shape, "remat": remat}, s, m, 16, 1) for s, m in some]
     for remat in ("none", "full"):
-        cases += [({"preset": name, "remat": remat}, "fsdp_tp", "data=2,model=4", 32, 1) for name in ("small", "medium")]
-        cases += [({"preset": "small", "remat": remat}, s, m, 64, 4) for s, m in [("zero2", "data=8"), *some[:2]]]
+        cases += [({"preset": name, "remat": remat}, "fsdp_tp", "data=2,model=4", 32, 1)
+                  for name in ("small", "medium")]
+        cases += [({"preset": "small", "remat": remat}, s, m, 64, 4)
+                  for s, m in [("zero2", "data=8"), *some[:2]]]
         cases += [({"preset": "large", "remat": remat}, s, m, 16, 1) for s, m in every]
     # many rows per device (one device holding the whole batch, as on a single GPU)
     for name in ("tiny", "notebook", "small"):
         batch = PRESETS_0_1[name].batch_size
         for remat in ("none", "full", "dots_saveable"):
-            cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for s, m in (("dp", "data=1"), ("fsdp", "data=2"))]
+            cases += [({"preset": name, "remat": remat}, s, m, batch, 1)
+                      for s, m in (("dp", "data=1"), ("fsdp", "data=2"))]
         cases += [({"preset": name, "remat": remat, "scan_layers": False}, "dp", "data=1", batch, 1)
                   for remat in ("none", "full")]
     for shape in [*SEQUENCES, WIDE]:
-        cases += [({**shape, "remat": remat}, "dp", "data=1", 16, 1) for remat in ("none", "full", "dots_saveable")]
+        cases += [({**shape, "remat": remat}, "dp", "data=1", 16, 1)
+                  for remat in ("none", "full", "dots_saveable")]
     return cases
 
 
@@ -121,7 +140,8 @@ def tpu_training_cases() -> list[tuple[dict, str, str, int, int]]:
         cases += [({"preset": name, "remat": remat}, s, m, batch, 1) for remat in policies for s, m in every]
         cases += [({"preset": name, "remat": remat}, "dp", "data=1", batch, 1) for remat in policies]
     cases += [({"preset": "medium", "remat": remat}, s, m, 64, 1) for remat in policies for s, m in some]
-    cases += [({**shape, "remat": remat}, "fsdp", "data=8", 16, 1) for shape in [*SEQUENCES, WIDE] for remat in policies]
+    cases += [({**shape, "remat": remat}, "fsdp", "data=8", 16, 1) for shape in [*SEQUENCES, WIDE]
+              for remat in policies]
     cases += [({"preset": "small", "remat": remat}, "fsdp", "data=8", 64, 4) for remat in ("none", "full")]
     # Added with the floor (TPU_FLOOR), before the refit, so that every class has steps above it:
     # four times small's batch under every strategy and policy, blocks in a loop too, and the long
@@ -134,7 +154,8 @@ def tpu_training_cases() -> list[tuple[dict, str, str, int, int]]:
     # Added with the fit to XLA:TPU's heap, after benchmark 21's 1b (one row per chip, 2048 wide)
     # read 0.91-0.94 under fsdp and pp_fsdp: layers whose weights rival their activations, which
     # no case above had, at one and four rows per chip.
-    cases += [({**WIDER, "remat": remat}, s, m, batch, 1) for remat in policies for s, m in some for batch in (8, 32)]
+    cases += [({**WIDER, "remat": remat}, s, m, batch, 1) for remat in policies for s, m in some
+              for batch in (8, 32)]
     return cases
 
 
@@ -154,8 +175,8 @@ def measure(settings: dict, strategy: str, mesh: str, batch: int, microbatches: 
     memory = compiled_memory(compile_step(parallel, batch, model.seq_len, microbatches))
     peak = memory["peak"]
     print(f"{settings} {strategy} {mesh} batch {batch}/{microbatches}: {peak / 1e6:.1f} MB", flush=True)
-    row = {"settings": settings, "strategy": strategy, "mesh": mesh, "batch_size": batch, "grad_accum": microbatches,
-           "peak": peak}
+    row = {"settings": settings, "strategy": strategy, "mesh": mesh, "batch_size": batch,
+           "grad_accum": microbatches, "peak": peak}
     if "hbm_peak" in memory:  # XLA:TPU's heap-based peak (shardax.analysis.heap), kept for a fit to it
         row["hbm_peak"] = memory["hbm_peak"]
     return with_terms(row, *compiler_of(target))
@@ -193,7 +214,8 @@ def with_terms(row: dict, compiler: str = "cpu", on_chip: int = 0) -> dict:
                                 compiler=compiler)
     terms = working_set_terms(parallel.layout, model, row["batch_size"], row["grad_accum"], compiler)
     kept = terms.pop("kept")
-    return {**row, "class": working_set_class(model, compiler), "base": prediction.total - prediction.activations + kept,
+    return {**row, "class": working_set_class(model, compiler),
+            "base": prediction.total - prediction.activations + kept,
             "temporaries": prediction.gradients + kept, "on_chip": on_chip, "terms": terms}
 
 
@@ -259,8 +281,10 @@ def ratio(row: dict, factors: list[float], names: tuple[str, ...] | None = None)
 def held_out_sets(tpu: bool = False) -> dict[str, list[tuple[dict, str, str, int, int]]]:
     """The held-out cases by set: XLA:CPU's shapes, the same with many rows per device, and for a
     TPU target the shapes fixed for XLA:TPU's fit (``suite.HELD_OUT_TPU_SHAPES``)."""
-    sets = {"held_out": [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES for s, m in STRATEGY_MESHES],
-            "held_out_large_rows": [(dict(shape), s, m, batch, 1) for shape, s, m, batch in held_out_large_rows()]}
+    sets = {"held_out": [(dict(shape), s, m, batch, 1) for shape, batch in HELD_OUT_SHAPES
+                         for s, m in STRATEGY_MESHES],
+            "held_out_large_rows": [(dict(shape), s, m, batch, 1)
+                                    for shape, s, m, batch in held_out_large_rows()]}
     if tpu:
         sets["held_out_tpu"] = [(shape, s, m, batch, 1) for shape, s, m, batch in held_out_tpu_cases()]
         sets["held_out_tpu_2"] = [(shape, s, m, batch, 1) for shape, s, m, batch in held_out_tpu_cases_2()]
@@ -273,8 +297,10 @@ def held_out_cases(tpu: bool = False) -> list[tuple[dict, str, str, int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fresh", action="store_true", help="compile every case again (after a model change)")
-    parser.add_argument("--no-held-out", action="store_true", help="fit only; do not compile the held-out shapes")
+    parser.add_argument("--fresh", action="store_true",
+                        help="compile every case again (after a model change)")
+    parser.add_argument("--no-held-out", action="store_true",
+                        help="fit only; do not compile the held-out shapes")
     parser.add_argument("--target", help="compile for this TPU slice (8 chips, e.g. tpu-v5p-16) instead")
     parser.add_argument("--heap", action="store_true", help="with --target: fit to XLA:TPU's heap-based peak "
                         "(shardax.analysis.heap), compiling the cached cases that lack it")
@@ -284,7 +310,8 @@ def main() -> None:
     target = parse_target(options.target) if options.target else None
     if target is not None:  # libtpu starts here, with the flags that write the heap (shardax.analysis.heap),
         target.devices()    # before anything else starts JAX's backends, libtpu among them, without them
-    report_name = "plan_fit" if target is None else f"plan_fit_{target.chip.platform}" + ("_heap" if options.heap else "")
+    report_name = ("plan_fit" if target is None
+                   else f"plan_fit_{target.chip.platform}" + ("_heap" if options.heap else ""))
     results = RESULTS.parent / f"{report_name}.json"
     saved = {} if options.fresh or not results.exists() else json.loads(results.read_text())
     cache = {case_key(row): row for row in saved.get("training", []) + saved.get("held_out", [])}
@@ -294,16 +321,20 @@ def main() -> None:
     if options.heap:
         cache = {key: row for key, row in cache.items() if "hbm_peak" in row}
     training = measured(training_cases() if target is None else tpu_training_cases(), cache, target, partial)
-    held_out = [] if options.no_held_out else measured(held_out_cases(target is not None), cache, target, partial)
-    report = {"target": options.target, "training": training, "held_out": held_out, "factors": {}, "errors": {}}
+    held_out = ([] if options.no_held_out
+                else measured(held_out_cases(target is not None), cache, target, partial))
+    report = {"target": options.target, "training": training, "held_out": held_out, "factors": {},
+              "errors": {}}
     if options.heap:  # fitted to the heap-based peak; the report keeps both
-        training, held_out = ([{**row, "peak": row["hbm_peak"]} for row in rows] for rows in (training, held_out))
+        training, held_out = ([{**row, "peak": row["hbm_peak"]} for row in rows]
+                              for rows in (training, held_out))
     if target is not None:  # fitted and tested where HBM holds the temporaries
         report["floor"] = TPU_FLOOR
         training = [row for row in training if row["peak"] >= TPU_FLOOR]
         held_out = [row for row in held_out if row["peak"] >= TPU_FLOOR]
     compiler = "cpu" if target is None else target.chip.platform
-    shipped_factors = {name: working_set_factors(name, compiler) for name in (WORKING_SET_TPU if target else WORKING_SET)}
+    shipped_factors = {name: working_set_factors(name, compiler)
+                       for name in (WORKING_SET_TPU if target else WORKING_SET)}
     for name in ("none", "full", "dots", "looped") + (("looped_remat",) if target is not None else ()):
         rows = [row for row in training if row["class"] == name]
         factors, worst = fit(rows, WORKING_SET_TERMS[name])
@@ -328,7 +359,8 @@ def main() -> None:
               flush=True)
     save(report_name, report)
     partial.unlink(missing_ok=True)
-    print(("WORKING_SET = " if target is None else "factors fitted to XLA:TPU: ") + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
+    print(("WORKING_SET = " if target is None else "factors fitted to XLA:TPU: ")
+          + json.dumps({k: tuple(v) for k, v in report["factors"].items()}))
 
 
 if __name__ == "__main__":

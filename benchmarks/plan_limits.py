@@ -64,7 +64,8 @@ def main() -> None:
     fitted = json.loads((RESULTS / "plan_fit_tpu_heap.json").read_text())
     whole = json.loads((RESULTS / "collective_matmuls.json").read_text())["whole_peaks"]
     on_chip = CHIPS["v5p"].on_chip_bytes  # plan_fit.py's XLA:TPU steps are compiled for a v5p-16
-    cached = [row for part in ("training", "held_out") for row in fitted[part] if row["hbm_peak"] >= TPU_FLOOR]
+    cached = [row for part in ("training", "held_out") for row in fitted[part]
+              if row["hbm_peak"] >= TPU_FLOOR]
     rows = [with_terms(row, "tpu", on_chip) for row in cached]
     report = {"target": fitted["target"], "floor": TPU_FLOOR, "classes": {}}
     for name in WORKING_SET_TERMS:
@@ -73,10 +74,11 @@ def main() -> None:
             "peaks_without_collective_matmuls": limits(
                 [{**row, "peak": whole.get(case_key(row), row["hbm_peak"])} for row in rows], name)}
         for label, result in report["classes"][name].items():
-            print(f"{name:12} {label:32} {result['steps']:3} steps: shipped {result['shipped']['within_5_percent']} "
-                  f"within 5% (worst {result['shipped']['worst']}); fitted to all at once: worst "
-                  f"{result['all_steps_at_once']['worst']}, {result['all_steps_at_once']['within_5_percent']} within "
-                  f"5%; a factor per strategy too: worst {result['with_a_factor_per_strategy']['worst']}, "
+            print(f"{name:12} {label:32} {result['steps']:3} steps: shipped "
+                  f"{result['shipped']['within_5_percent']} within 5% (worst {result['shipped']['worst']}); "
+                  f"fitted to all at once: worst {result['all_steps_at_once']['worst']}, "
+                  f"{result['all_steps_at_once']['within_5_percent']} within 5%; a factor per strategy too: "
+                  f"worst {result['with_a_factor_per_strategy']['worst']}, "
                   f"{result['with_a_factor_per_strategy']['within_5_percent']} within 5%", flush=True)
     save("plan_limits", report)
 

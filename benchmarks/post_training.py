@@ -26,23 +26,28 @@ import statistics
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 simulate_cpu_devices(8)
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from lora import time_interleaved  # noqa: E402  (benchmark 18's: the runs' steps alternate)
 
 from shardax import DeviceMeshManager, LoRA, dpo_loss, parallelize  # noqa: E402
 from shardax.data.chat import BUILT_IN  # noqa: E402
-from shardax.data.conversations import (assistant_text, lay_rows, plan_rows, preference_texts,  # noqa: E402
-                                        supervised_tokens)
+from shardax.data.conversations import (  # noqa: E402
+    assistant_text,
+    lay_rows,
+    plan_rows,
+    preference_texts,
+    supervised_tokens,
+)
 from shardax.data.python_chats import conversations, preference_pairs  # noqa: E402
 from shardax.data.tokenizer import ByteTokenizer  # noqa: E402
 from shardax.models.preference import sequence_logprobs  # noqa: E402
 from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss  # noqa: E402
-
-from lora import time_interleaved  # noqa: E402  (benchmark 18's: the runs' steps alternate)
 
 RESULTS = Path(__file__).parent / "results"
 LENGTH, ROWS, PAIRS, STEPS = 513, 16, 8, 7
@@ -51,7 +56,8 @@ MODEL = dict(vocab_size=320, d_model=256, n_heads=4, n_kv_heads=4, n_layers=4, d
 
 
 def examples(records, texts) -> list:
-    return [supervised_tokens(ByteTokenizer(), text, spans) for record in records for text, spans in texts(record)]
+    return [supervised_tokens(ByteTokenizer(), text, spans) for record in records
+            for text, spans in texts(record)]
 
 
 def sft_batches(chats: list) -> dict:
@@ -92,7 +98,8 @@ def main() -> None:
                               ("dpo_base_reference", dpo_loss(0.1), dpo),
                               ("dpo_given_reference", dpo_loss(0.1), given)):
         placed = parallel.place_batch({key: jnp.asarray(value) for key, value in batch.items()})
-        runs[name] = {"state": parallel.init(0), "step": parallel.train_step(loss), "batch": placed, "times": []}
+        runs[name] = {"state": parallel.init(0), "step": parallel.train_step(loss), "batch": placed,
+                      "times": []}
         for _ in range(2):  # compile and warm up
             runs[name]["state"], metrics = runs[name]["step"](runs[name]["state"], placed)
         jax.block_until_ready(metrics)
@@ -100,8 +107,10 @@ def main() -> None:
     steps = {name: statistics.median(run["times"]) for name, run in runs.items()}
     learned = {name: int(sft[name]["batch"]["mask"][:, 1:].sum()) for name in ("packed", "unpacked")}
     result = {
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU devices",
-        "model": MODEL, "lora_rank": 8, "rows": ROWS, "row_tokens": LENGTH, "pairs": PAIRS, "conversations": len(chats),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, jax {jax.__version__}, 8 simulated CPU "
+                   "devices",
+        "model": MODEL, "lora_rank": 8, "rows": ROWS, "row_tokens": LENGTH, "pairs": PAIRS,
+        "conversations": len(chats),
         "step_s": steps, "step_s_all": {name: run["times"] for name, run in runs.items()},
         "learned_tokens_per_step": learned,
         "learned_tokens_per_s": {name: learned[name] / steps[f"sft_{name}"] for name in learned},
@@ -109,7 +118,8 @@ def main() -> None:
         "epoch_s": {name: sft[name]["rows"] / ROWS * steps[f"sft_{name}"] for name in learned},
         "dpo_vs_sft": {name: steps[name] / steps["sft_unpacked"] for name in ("dpo_base_reference",
                                                                             "dpo_given_reference")}}
-    result["packed_vs_unpacked"] = result["learned_tokens_per_s"]["packed"] / result["learned_tokens_per_s"]["unpacked"]
+    result["packed_vs_unpacked"] = (result["learned_tokens_per_s"]["packed"]
+                                    / result["learned_tokens_per_s"]["unpacked"])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "post_training.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("model", "step_s_all")}, indent=1))

@@ -60,7 +60,8 @@ def _trace_events(directory: str) -> list[dict[str, Any]]:
 
 def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int | None = 5) -> list[dict[str, Any]]:
     events = _trace_events(directory)
-    devices = {event["pid"] for event in events if event.get("ph") == "M" and event.get("name") == "process_name"
+    devices = {event["pid"] for event in events
+               if event.get("ph") == "M" and event.get("name") == "process_name"
                and "/device:" in str(event.get("args", {}).get("name", "")) and "CPU" not in
                str(event.get("args", {}).get("name", ""))}
     totals: collections.Counter = collections.Counter()
@@ -83,7 +84,8 @@ def top_ops_in_trace(directory: str, hlo_text: str, steps: int, top: int | None 
     per_device = max(1, len({event.get("args", {}).get("device_ordinal") for event in events
                              if event.get("args", {}).get("hlo_op")} - {None})) if not devices else 1
     return [{"hlo_op": op, "kernel": kernels[op], "jax_op": names.get(op, ""), "share": seconds / whole,
-             "ms_per_step": seconds / 1e3 / steps / per_device, "runs_per_step": counts[op] / steps / per_device}
+             "ms_per_step": seconds / 1e3 / steps / per_device,
+             "runs_per_step": counts[op] / steps / per_device}
             for op, seconds in totals.most_common(top)]
 
 
@@ -113,7 +115,8 @@ def compute_by_kind(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    return "; ".join(f"{row['hlo_op']} ({row['jax_op'].split('/')[-1] or row['kernel']}) {100 * row['share']:.1f}%"
+    return "; ".join(f"{row['hlo_op']} ({row['jax_op'].split('/')[-1] or row['kernel']}) "
+                     f"{100 * row['share']:.1f}%"
                      for row in rows)
 
 

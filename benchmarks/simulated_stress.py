@@ -7,10 +7,10 @@ Three commands on 8 simulated devices: the fine-tuning guide's LoRA run under fs
 batch 32) and a context-parallel run (ring attention over ``data=2,context=4``, 50 steps), as a
 user types them, and the smallest program that stalled (``tests/test_cpu_devices.py``: a loop
 of all-gathers beside an all-reduce, 300 steps), whose stall does not depend on how the
-model's step happens to be scheduled (a change to the LM's MLP made the LoRA run's stall rare). Each runs beside a CPU load of twice the cores (busy
-processes), in two thread pools: XLA's default (``PJRT_NPROC`` = max(cores, devices), what the
-process had before ``shardax.simulate_cpu_devices``) and shardax's (2 threads per device). The
-runs of the two pools alternate, so both see the same machine. A run that ends with XLA's
+model's step happens to be scheduled (a change to the LM's MLP made the LoRA run's stall rare). Each runs
+beside a CPU load of twice the cores (busy processes), in two thread pools: XLA's default (``PJRT_NPROC`` =
+max(cores, devices), what the process had before ``shardax.simulate_cpu_devices``) and shardax's (2 threads
+per device). The runs of the two pools alternate, so both see the same machine. A run that ends with XLA's
 rendezvous abort ("Termination timeout") counts as an abort; any other failure is listed.
 Writes ``benchmarks/results/simulated_stress.json``.
 """
@@ -80,7 +80,8 @@ def busy() -> None:
 def run_once(args: list[str], pool: int, work: Path, index: int) -> tuple[str, float]:
     env = {**os.environ, "PJRT_NPROC": str(pool), "JAX_PLATFORMS": "cpu"}
     began = time.time()
-    command = [*args] if args[0] == "-c" else ["-m", "shardax.cli", *args, "--run-dir", str(work / f"run{index}")]
+    command = [*args] if args[0] == "-c" else ["-m", "shardax.cli", *args, "--run-dir",
+                                               str(work / f"run{index}")]
     done = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=900)
     seconds = time.time() - began
     if done.returncode == 0:
@@ -93,7 +94,8 @@ def run_once(args: list[str], pool: int, work: Path, index: int) -> tuple[str, f
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     work = Path(tempfile.mkdtemp(prefix="shardax-stress-"))
-    subprocess.run([sys.executable, "-c", CHECKPOINT, str(work / "tiny-llama")], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-c", CHECKPOINT, str(work / "tiny-llama")], check=True,
+                   capture_output=True)
     load = [multiprocessing.Process(target=busy, daemon=True) for _ in range(2 * (os.cpu_count() or 1))]
     for process in load:
         process.start()
@@ -114,8 +116,9 @@ def main() -> None:
         "runs": sum(r["command"] == name and r["pool"] == pool_name for r in rows),
         "aborts": sum(r["command"] == name and r["pool"] == pool_name and r["outcome"].startswith("aborted")
                       for r in rows),
-        "other failures": sum(r["command"] == name and r["pool"] == pool_name and r["outcome"].startswith("failed")
-                              for r in rows)} for name in commands(work) for pool_name in POOLS}
+        "other failures": sum(r["command"] == name and r["pool"] == pool_name
+                              and r["outcome"].startswith("failed") for r in rows)}
+        for name in commands(work) for pool_name in POOLS}
     result = {"cores": os.cpu_count(), "load processes": len(load), "devices": DEVICES, "summary": summary,
               "rows": rows}
     print(json.dumps(summary, indent=1))

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 if __name__ == "__main__":
@@ -39,7 +40,8 @@ STRATEGY_MESHES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), (
 
 
 def machine() -> str:
-    return f"{platform.machine()} CPU, {jax.device_count()} simulated {jax.devices()[0].platform} devices, jax {jax.__version__}"
+    return (f"{platform.machine()} CPU, {jax.device_count()} simulated {jax.devices()[0].platform} devices, "
+            f"jax {jax.__version__}")
 
 
 def save(name: str, result: dict) -> dict:
@@ -86,7 +88,8 @@ def overhead(steps: int = 60) -> dict:
     tokens = np.random.default_rng(0).integers(0, 256, size=(32, 65)).astype(np.int32)
     batch = parallel.place_batch({"tokens": tokens})
     states = {"shardax": parallel.init(), "hand-written": parallel.init()}
-    runners = {"shardax": parallel.train_step(next_token_loss), "hand-written": hand_written_step(parallel, tx)}
+    runners = {"shardax": parallel.train_step(next_token_loss),
+               "hand-written": hand_written_step(parallel, tx)}
     times: dict[str, list[float]] = {name: [] for name in runners}
     for index in range(steps + 3):
         for name in (list(runners) if index % 2 == 0 else list(runners)[::-1]):
@@ -99,7 +102,8 @@ def overhead(steps: int = 60) -> dict:
     quartiles = statistics.quantiles(ratios, n=4)
     return save("overhead", {"shardax_step_s": statistics.median(times["shardax"]),
                              "hand_written_step_s": statistics.median(times["hand-written"]),
-                             "ratio": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]],
+                             "ratio": statistics.median(ratios),
+                             "ratio_quartiles": [quartiles[0], quartiles[2]],
                              "steps": steps, "target": "<= 1.03"})
 
 
@@ -116,18 +120,23 @@ def memory_and_communication() -> dict:
         rematted = plan_strategy(preset.config(remat="full", seq_len=128), strategy, mesh,
                                  batch_size=preset.batch_size)
         rows.append({"strategy": strategy, "mesh": plan.mesh,
-                     "state_bytes_predicted": plan.predicted["state"], "state_bytes_compiled": plan.compiled["arguments"],
+                     "state_bytes_predicted": plan.predicted["state"],
+                     "state_bytes_compiled": plan.compiled["arguments"],
                      "memory_ratio": plan.compiled["arguments"] / plan.predicted["state"],
-                     "peak_bytes_compiled": plan.compiled["peak"], "peak_bytes_predicted": plan.predicted["total"],
+                     "peak_bytes_compiled": plan.compiled["peak"],
+                     "peak_bytes_predicted": plan.predicted["total"],
                      "peak_ratio": plan.compiled["peak"] / plan.predicted["total"],
                      "remat_full_peak_bytes_compiled": rematted.compiled["peak"],
                      "remat_full_peak_bytes_predicted": rematted.predicted["total"],
                      "remat_full_peak_ratio": rematted.compiled["peak"] / rematted.predicted["total"],
-                     "collective_bytes": plan.collective_bytes, "theoretical_collective_bytes": plan.theoretical_collective_bytes,
+                     "collective_bytes": plan.collective_bytes,
+                     "theoretical_collective_bytes": plan.theoretical_collective_bytes,
                      "communication_ratio": plan.collective_bytes / plan.theoretical_collective_bytes,
                      "collectives": plan.collectives})
-    return save("memory_and_communication", {"preset": "tiny", "batch_size": preset.batch_size, "strategies": rows,
-                                             "targets": {"memory_ratio": "within 2%", "peak_ratio": "within 5%",
+    return save("memory_and_communication", {"preset": "tiny", "batch_size": preset.batch_size,
+                                             "strategies": rows,
+                                             "targets": {"memory_ratio": "within 2%",
+                                                         "peak_ratio": "within 5%",
                                                          "communication_ratio": "<= 1.05"}})
 
 
@@ -140,7 +149,8 @@ def compile_time(depths: tuple[int, int] = (4, 32), rounds: int = 5) -> dict:
     paired ratios, with each depth's median seconds."""
 
     def seconds_for(depth: int) -> float:
-        model = TransformerConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=depth, d_ff=512)
+        model = TransformerConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=depth,
+                                  d_ff=512)
         return plan_strategy(model, "fsdp", "data=8", batch_size=32).compile_s
 
     seconds_for(2)
@@ -163,10 +173,11 @@ def largest_model(budget_bytes: int = 2 * 10**9, only: list[str] | None = None) 
     (remat full; pipelines with one sequence per microbatch). ``only``: strategies to (re)measure, keeping
     the saved rows of the others."""
     candidates = [(d, layers) for d in (512, 768, 1024, 1536, 2048) for layers in (8, 16, 24)]
-    candidates.sort(key=lambda c: parameter_count(TransformerConfig(d_model=c[0], n_layers=c[1], d_ff=4 * c[0],
-                                                                    n_heads=c[0] // 64)))
+    candidates.sort(key=lambda c: parameter_count(TransformerConfig(d_model=c[0], n_layers=c[1],
+                                                                    d_ff=4 * c[0], n_heads=c[0] // 64)))
     saved = {} if not (RESULTS / "largest_model.json").exists() else {
-        (row["strategy"], row["mesh"]): row for row in json.loads((RESULTS / "largest_model.json").read_text())["strategies"]}
+        (row["strategy"], row["mesh"]): row
+        for row in json.loads((RESULTS / "largest_model.json").read_text())["strategies"]}
     rows = []
     for strategy, mesh in STRATEGY_MESHES + PIPELINE_MESHES:
         if only is not None and strategy not in only and (strategy, mesh) in saved:
@@ -203,7 +214,8 @@ def plan_accuracy() -> dict:
         ("large, remat full, every strategy", "large", STRATEGY_MESHES, [{"remat": "full"}], 64, 1),
         ("fsdp_tp on data=2,model=4, remat none and full", "small", fsdp_tp_4, remat_none_and_full, 32, 1),
         ("fsdp_tp on data=2,model=4, remat none and full", "medium", fsdp_tp_4, remat_none_and_full, 32, 1),
-        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), *some], remat_none_and_full, 64, 4),
+        ("--grad-accum 4, remat none and full", "small", [("zero2", "data=8"), *some], remat_none_and_full,
+         64, 4),
         ("bfloat16, remat none and full", "small", [*some, ("tp", "data=4,model=2")],
          [{"compute_dtype": "bfloat16", **remat} for remat in remat_none_and_full], 64, 1),
     ]
@@ -228,7 +240,8 @@ def plan_accuracy() -> dict:
 # vocabularies, untied heads, learned positions, remat policies and blocks in a loop.
 HELD_OUT_SHAPES = [
     (dict(d_model=320, n_heads=5, n_layers=3, d_ff=1280, seq_len=96), 24),
-    (dict(d_model=448, n_heads=7, n_layers=5, d_ff=1344, seq_len=192, positions="learned", tie_embeddings=False), 16),
+    (dict(d_model=448, n_heads=7, n_layers=5, d_ff=1344, seq_len=192, positions="learned",
+          tie_embeddings=False), 16),
     (dict(d_model=640, n_heads=10, n_layers=4, d_ff=1600, seq_len=384, vocab_size=4096), 8),
     (dict(d_model=256, n_heads=2, n_layers=9, d_ff=768, seq_len=256), 40),
     (dict(d_model=576, n_heads=9, n_layers=6, d_ff=2304, seq_len=160, remat="full"), 32),
@@ -243,7 +256,8 @@ HELD_OUT_SHAPES = [
 # on two, tp on data=2,model=4 with twice the batch.
 def held_out_large_rows() -> list[tuple[dict, str, str, int]]:
     return [case for shape, batch in HELD_OUT_SHAPES for case in (
-        (shape, "dp", "data=1", batch), (shape, "fsdp", "data=2", batch), (shape, "tp", "data=2,model=4", 2 * batch))]
+        (shape, "dp", "data=1", batch), (shape, "fsdp", "data=2", batch),
+        (shape, "tp", "data=2,model=4", 2 * batch))]
 
 
 # Held-out shapes for XLA:TPU's working-set fit, fixed (2026-11-26) before the change to its model
@@ -261,7 +275,8 @@ def held_out_tpu_cases() -> list[tuple[dict, str, str, int]]:
     layouts = [(remat, {}) for remat in ("none", "full", "dots_saveable")]
     looped = [(remat, {"scan_layers": False}) for remat in ("none", "full")]
     return [({**shape, "remat": remat, **layout}, strategy, mesh, batch)
-            for shape, batch, loops in HELD_OUT_TPU_SHAPES for remat, layout in layouts + (looped if loops else [])
+            for shape, batch, loops in HELD_OUT_TPU_SHAPES
+            for remat, layout in layouts + (looped if loops else [])
             for strategy, mesh in STRATEGY_MESHES]
 
 
@@ -295,14 +310,17 @@ def plan_held_out() -> dict:
             (case, True) for case in held_out_large_rows()]:
         model = TransformerConfig(**{"vocab_size": 256, "positions": "rotary", **overrides})
         plan = plan_strategy(model, strategy, mesh, batch_size=batch)
-        rows.append({**overrides, "batch_size": batch, "strategy": strategy, "mesh": mesh, "large_rows": large,
+        rows.append({**overrides, "batch_size": batch, "strategy": strategy, "mesh": mesh,
+                     "large_rows": large,
                      "predicted_peak": plan.predicted["total"], "compiled_peak": plan.compiled["peak"],
                      "peak_ratio": plan.predicted["total"] / plan.compiled["peak"]})
         print(f"{overrides} batch {batch} {strategy} {mesh}: {rows[-1]['peak_ratio']:.3f}", flush=True)
     errors = sorted(abs(row["peak_ratio"] - 1) for row in rows)
     return save("plan_held_out", {
-        "cases": rows, "ratio_range": [min(r["peak_ratio"] for r in rows), max(r["peak_ratio"] for r in rows)],
-        "median_abs_error": statistics.median(errors), "within_5_percent": sum(e <= 0.05 for e in errors) / len(errors),
+        "cases": rows, "ratio_range": [min(r["peak_ratio"] for r in rows),
+                                       max(r["peak_ratio"] for r in rows)],
+        "median_abs_error": statistics.median(errors),
+        "within_5_percent": sum(e <= 0.05 for e in errors) / len(errors),
         "within_10_percent": sum(e <= 0.10 for e in errors) / len(errors)})
 
 
@@ -312,13 +330,14 @@ def plan_held_out() -> dict:
 PIPELINE_HELD_OUT = [
     (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp", "stage=2,data=4", 32, 4, 1),
     (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp_fsdp", "stage=4,data=2", 32, 4, 1),
-    (dict(d_model=384, n_heads=6, n_layers=6, d_ff=1536, seq_len=256), "pp_tp", "stage=2,data=2,model=2", 16, 2, 1),
+    (dict(d_model=384, n_heads=6, n_layers=6, d_ff=1536, seq_len=256), "pp_tp", "stage=2,data=2,model=2", 16,
+     2, 1),
     (dict(d_model=512, n_heads=8, n_layers=8, d_ff=2048, seq_len=128), "pp", "stage=2,data=4", 32, 8, 1),
     (dict(d_model=320, n_heads=5, n_layers=4, d_ff=1280, seq_len=96), "pp_fsdp", "stage=2,data=4", 24, 3, 1),
     (dict(d_model=256, n_heads=4, n_layers=8, d_ff=1024, seq_len=128), "pp", "stage=4,data=2", 32, 4, 2),
     (dict(d_model=640, n_heads=10, n_layers=4, d_ff=2560, seq_len=256), "pp", "stage=2,data=4", 16, 2, 1),
-    (dict(d_model=256, n_heads=4, n_layers=12, d_ff=1024, seq_len=64, remat="full"), "pp_fsdp", "stage=2,data=4",
-     64, 4, 1),
+    (dict(d_model=256, n_heads=4, n_layers=12, d_ff=1024, seq_len=64, remat="full"), "pp_fsdp",
+     "stage=2,data=4", 64, 4, 1),
 ]
 
 
@@ -334,10 +353,12 @@ def pipeline_held_out(target_name: str | None = None) -> dict:
         plan = plan_strategy(model, strategy, mesh, batch_size=batch, microbatches=microbatches,
                              pipeline_repeats=repeats, target=target)
         rows.append({**overrides, "strategy": strategy, "mesh": mesh, "batch_size": batch,
-                     "microbatches": microbatches, "repeats": repeats, "predicted_peak": plan.predicted["total"],
+                     "microbatches": microbatches, "repeats": repeats,
+                     "predicted_peak": plan.predicted["total"],
                      "compiled_peak": plan.compiled_bytes_per_device, "estimated_peak": plan.compiled["peak"],
                      "peak_ratio": plan.predicted["total"] / plan.compiled_bytes_per_device})
-        print(f"{overrides} {strategy} {mesh} M{microbatches} R{repeats}: {rows[-1]['peak_ratio']:.3f}", flush=True)
+        print(f"{overrides} {strategy} {mesh} M{microbatches} R{repeats}: {rows[-1]['peak_ratio']:.3f}",
+              flush=True)
     name = "pipeline_held_out" + (f"_{target_name}" if target_name else "")
     return save(name.replace("-", "_"), {"target": target_name or "XLA:CPU, 8 devices", "cases": rows,
                                          "ratio_range": [min(r["peak_ratio"] for r in rows),
@@ -357,10 +378,12 @@ def pipeline_bubble() -> dict:
         parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3), mesh, "pp")
         from shardax.analysis.plan import compile_step
 
-        compiled = compile_step(parallel, 32, model.seq_len, microbatches=microbatches, pipeline_repeats=repeats)
+        compiled = compile_step(parallel, 32, model.seq_len, microbatches=microbatches,
+                                pipeline_repeats=repeats)
         trips = [int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', compiled.as_text())]
         iterations = max(trips)
-        rows.append({"stages": 4, "microbatches": microbatches, "repeats": repeats, "compiled_iterations": iterations,
+        rows.append({"stages": 4, "microbatches": microbatches, "repeats": repeats,
+                     "compiled_iterations": iterations,
                      "bubble_compiled": 1 - repeats * microbatches / iterations,
                      "bubble_formula": 3 / (repeats * microbatches + 3)})
         print(rows[-1], flush=True)
@@ -373,9 +396,9 @@ def longest_sequence(budget_bytes: int = 2 * 10**9) -> dict:
     ``context`` axis of 8 with each attention variant. Sequence lengths are multiples of 256,
     found by doubling from 1024 and then bisection. Besides: each variant's communication per step,
     compiled against theory, at 8192 tokens."""
+    from shardax.analysis.collectives import find_collectives
     from shardax.analysis.plan import compile_step, compiled_memory
     from shardax.analysis.theory import theoretical_collective_bytes
-    from shardax.analysis.collectives import find_collectives
     from shardax.analysis.traffic import wire_bytes
     from shardax.models.presets import get_preset
 
@@ -416,17 +439,17 @@ def longest_sequence(budget_bytes: int = 2 * 10**9) -> dict:
         collectives = find_collectives(compile_step(parallel, 1, 8192, context_attention=variant).as_text())
         sent = sum(wire_bytes(c, 8) * c.executions for c in collectives)
         theory = theoretical_collective_bytes(parallel.layout, model, 1, None, variant)
-        communication.append({"attention": variant, "seq_len": 8192, "compiled_bytes": sent, "theory_bytes": theory,
-                              "compiled_over_theory": sent / theory})
-    return save("longest_sequence", {"preset": "small", "budget_bytes_per_device": budget_bytes, "batch_size": 1,
-                                     "rows": rows, "communication": communication})
+        communication.append({"attention": variant, "seq_len": 8192, "compiled_bytes": sent,
+                              "theory_bytes": theory, "compiled_over_theory": sent / theory})
+    return save("longest_sequence", {"preset": "small", "budget_bytes_per_device": budget_bytes,
+                                     "batch_size": 1, "rows": rows, "communication": communication})
 
 
 BENCHMARKS = {"overhead": overhead, "memory_and_communication": memory_and_communication,
               "compile_time": compile_time, "largest_model": largest_model, "plan_accuracy": plan_accuracy,
               "plan_held_out": plan_held_out, "pipeline_held_out": pipeline_held_out,
-              "pipeline_held_out_tpu": lambda: pipeline_held_out("tpu-v5p-16"), "pipeline_bubble": pipeline_bubble,
-              "longest_sequence": longest_sequence}
+              "pipeline_held_out_tpu": lambda: pipeline_held_out("tpu-v5p-16"),
+              "pipeline_bubble": pipeline_bubble, "longest_sequence": longest_sequence}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(BENCHMARKS):

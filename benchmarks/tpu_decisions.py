@@ -27,12 +27,13 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from step_variants import cond_update, plain_autodiff, remat_every_loop  # noqa: E402
+
 from shardax.analysis.plan import compile_step, compiled_memory, step_cost, transformer_for  # noqa: E402
 from shardax.analysis.targets import parse_target, roofline  # noqa: E402
 from shardax.models import transformer  # noqa: E402
 from shardax.models.presets import flops_per_token, get_preset  # noqa: E402
 from shardax.sharding.strategies import get_strategy  # noqa: E402
-from step_variants import cond_update, plain_autodiff, remat_every_loop  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "tpu_decisions.json"
 
@@ -47,18 +48,20 @@ def measure(target, preset: str, variant, **settings) -> dict:
     model_flops = flops_per_token(config) * batch * config.seq_len / len(target.devices())
     bound = roofline(target, flops, hbm, 0.0, model_flops)  # dp's gradient all-reduce is the same both ways
     return {"peak_bytes": compiled_memory(compiled)["peak"], "flops": flops, "hbm_bytes": hbm,
-            "compute_ms": bound.compute_s * 1e3, "memory_ms": bound.memory_s * 1e3, "step_ms": bound.step_s * 1e3}
+            "compute_ms": bound.compute_s * 1e3, "memory_ms": bound.memory_s * 1e3,
+            "step_ms": bound.step_s * 1e3}
 
 
 def update_by_strategy(target) -> dict:
     """The select around the update against a ``lax.cond`` under each strategy (8 chips), on
     ``small`` (activations dominate) and a wide, shallow model on short sequences (parameters
     and optimizer state dominate), in float32: XLA:TPU's compiled peak per chip both ways."""
-    wide = transformer.TransformerConfig(vocab_size=256, seq_len=16, d_model=512, n_heads=4, n_layers=2, d_ff=2048)
+    wide = transformer.TransformerConfig(vocab_size=256, seq_len=16, d_model=512, n_heads=4, n_layers=2,
+                                         d_ff=2048)
     rows = []
     for name, config, batch in [("small", get_preset("small").config(), 64), ("wide and shallow", wide, 16)]:
-        for strategy, mesh in [("dp", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"),
-                               ("hsdp", "replica=2,data=4")]:
+        for strategy, mesh in [("dp", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
+                               ("tp", "data=4,model=2"), ("hsdp", "replica=2,data=4")]:
             peaks = []
             for variant in (contextlib.nullcontext, cond_update):
                 with variant():
@@ -67,8 +70,8 @@ def update_by_strategy(target) -> dict:
                 peaks.append(compiled_memory(compiled)["peak"])
             rows.append({"model": name, "strategy": strategy, "mesh": mesh, "select_peak_bytes": peaks[0],
                          "cond_peak_bytes": peaks[1], "select_vs_cond": peaks[0] / peaks[1]})
-            print(f"{target.name} {name:<16} {strategy:<6} select {peaks[0] / 1e6:.1f} MB, cond {peaks[1] / 1e6:.1f} MB "
-                  f"({peaks[0] / peaks[1]:.3f}x)", flush=True)
+            print(f"{target.name} {name:<16} {strategy:<6} select {peaks[0] / 1e6:.1f} MB, cond "
+                  f"{peaks[1] / 1e6:.1f} MB ({peaks[0] / peaks[1]:.3f}x)", flush=True)
     return {"rows": rows}
 
 
@@ -76,7 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="tpu-v5p-8")
     parser.add_argument("--preset", action="append", help="default: small, medium")
-    parser.add_argument("--update-only", action="store_true", help="only the select against a cond, per strategy")
+    parser.add_argument("--update-only", action="store_true",
+                        help="only the select against a cond, per strategy")
     args = parser.parse_args()
     target = parse_target(args.target)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

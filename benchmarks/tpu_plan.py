@@ -3,7 +3,8 @@
     python benchmarks/tpu_plan.py                                  # tiny..large on tpu-v5p-8
     python benchmarks/tpu_plan.py --target tpu-v5e-64 --preset 1b  # one preset on another slice
     python benchmarks/tpu_plan.py --analytic-only  # the analytic peak again, against the stored compiles
-    python benchmarks/tpu_plan.py --heap-only      # XLA:TPU's heap-based peak of each stored row (one compile each)
+    python benchmarks/tpu_plan.py --heap-only
+        # XLA:TPU's heap-based peak of each stored row (one compile each)
 
 Needs ``pip install "shardax[tpu-plan]"`` (libtpu; no TPU). For each preset (its own batch and
 sequence length, float32 weights) and strategy (its default mesh over the slice), ``shardax
@@ -33,9 +34,11 @@ def main() -> None:
     parser.add_argument("--preset", action="append", help="default: tiny, small, medium, large")
     parser.add_argument("--strategy", action="append", help="default: all")
     parser.add_argument("--analytic-only", action="store_true",
-                        help="recompute the analytic peak of every stored row (no compile), after a change to it")
+                        help="recompute the analytic peak of every stored row (no compile), after a change "
+                             "to it")
     parser.add_argument("--heap-only", action="store_true",
-                        help="compile each stored row's step again for XLA:TPU's heap-based peak and what fits by it")
+                        help="compile each stored row's step again for XLA:TPU's heap-based peak and what "
+                             "fits by it")
     args = parser.parse_args()
     if args.analytic_only:
         return reanalyse()
@@ -55,7 +58,8 @@ def main() -> None:
         for strategy in args.strategy or list(STRATEGIES):
             began = time.perf_counter()
             try:
-                plan = plan_strategy(preset.config(), strategy, None, batch_size=preset.batch_size, target=target)
+                plan = plan_strategy(preset.config(), strategy, None, batch_size=preset.batch_size,
+                                     target=target)
             except Exception as error:  # noqa: BLE001 - a row that says why
                 if not out_of_memory(error):
                     raise
@@ -66,7 +70,8 @@ def main() -> None:
                    "hbm_peak_gb": plan.compiled_bytes_per_device / 1e9,
                    "fits": plan.fits, "sent_mb": plan.collective_bytes / 1e6,
                    "sent_vs_theory": plan.collective_bytes / max(plan.theoretical_collective_bytes, 1),
-                   "flops_vs_model": (plan.cost["flops"] / plan.cost["model_flops"]) if plan.cost["flops"] else None,
+                   "flops_vs_model": ((plan.cost["flops"] / plan.cost["model_flops"]) if plan.cost["flops"]
+                                      else None),
                    "step_ms": plan.roofline["step_s"] * 1e3, "bound": plan.roofline["bound"],
                    "mfu": plan.roofline["mfu"],
                    "predicted_vs_compiled": plan.predicted["total"] / plan.compiled_bytes_per_device,
@@ -79,8 +84,10 @@ def main() -> None:
         kept = [row for row in results.get(f"{args.target} {name}", {}).get("rows", [])
                 if row["strategy"] not in {new["strategy"] for new in rows}]  # rows of strategies not rerun
         order = list(STRATEGIES)
-        results[f"{args.target} {name}"] = {"batch_size": preset.batch_size, "seq_len": preset.config().seq_len,
-                                           "rows": sorted(kept + rows, key=lambda row: order.index(row["strategy"]))}
+        results[f"{args.target} {name}"] = {"batch_size": preset.batch_size,
+                                            "seq_len": preset.config().seq_len,
+                                            "rows": sorted(kept + rows,
+                                                           key=lambda row: order.index(row["strategy"]))}
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 
@@ -96,7 +103,8 @@ def stored_steps(results: dict):
         target, model = parse_target(target_name), get_preset(name).config()
         for row in entry["rows"]:
             if "peak_gb" in row:
-                yield key, entry, target, model, row, transformer_for(model, row["strategy"], row["mesh"], None, target)
+                yield key, entry, target, model, row, transformer_for(model, row["strategy"], row["mesh"],
+                                                                      None, target)
 
 
 def reanalyse() -> None:
@@ -105,12 +113,14 @@ def reanalyse() -> None:
 
     results = json.loads(RESULTS.read_text())
     for key, entry, target, model, row, parallel in stored_steps(results):
-        schedule = parallel.schedule(microbatches=None, pipeline_repeats=1) if parallel.strategy.pipeline_axis else None
+        schedule = (parallel.schedule(microbatches=None, pipeline_repeats=1)
+                    if parallel.strategy.pipeline_axis else None)
         predicted = predict_memory(parallel, model, entry["batch_size"], model.seq_len, 1, schedule,
                                    compiler=target.chip.platform, on_chip=target.chip.on_chip_bytes)
         compiled = row.get("hbm_peak_gb", row["peak_gb"]) * 1e9  # what XLA:TPU allocates, where known
         before, row["predicted_vs_compiled"] = row["predicted_vs_compiled"], predicted.total / compiled
-        print(f"{key} {row['strategy']:<8} analytic peak {before:.3f}x -> {row['predicted_vs_compiled']:.3f}x",
+        print(f"{key} {row['strategy']:<8} analytic peak {before:.3f}x -> "
+              f"{row['predicted_vs_compiled']:.3f}x",
               flush=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import jax
+
 from shardax.cpu_devices import simulate_cpu_devices
 
 if __name__ == "__main__":
@@ -45,7 +46,8 @@ LOG_EVERY = 10
 
 def lm_case(steps: int) -> tuple[Trainer, list[dict]]:
     model = get_preset("tiny").config(seq_len=64)
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3), next_token_loss, strategy="dp")
+    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(1e-3), next_token_loss,
+                      strategy="dp")
     rng = np.random.default_rng(0)
     return trainer, [{"tokens": rng.integers(0, 256, size=(32, 65)).astype(np.int32)} for _ in range(steps)]
 
@@ -53,7 +55,8 @@ def lm_case(steps: int) -> tuple[Trainer, list[dict]]:
 def cnn_case(steps: int) -> tuple[Trainer, list[dict]]:
     trainer = Trainer(DigitsCNN, optax.adamw(1e-3), loss_fn, strategy="fsdp")
     rng = np.random.default_rng(0)
-    return trainer, [{"images": rng.random((64, 8, 8, 1), np.float32), "labels": rng.integers(0, 10, 64).astype(np.int32)}
+    return trainer, [{"images": rng.random((64, 8, 8, 1), np.float32),
+                      "labels": rng.integers(0, 10, 64).astype(np.int32)}
                      for _ in range(steps)]
 
 
@@ -65,7 +68,8 @@ def trainer_round(trainer: Trainer, batches: list[dict]) -> float:
     logged: list[float] = []
     start = int(jax.device_get(trainer.state.step))
     trainer.fit(batches, steps=start + len(batches), log_every=LOG_EVERY,
-                on_log=lambda record: logged.append(time.perf_counter()) if record["step"] % LOG_EVERY == 0 else None)
+                on_log=lambda record: (logged.append(time.perf_counter()) if record["step"] % LOG_EVERY == 0
+                                       else None))
     return per_step(logged)
 
 

@@ -1,16 +1,15 @@
 """Run ``shardax`` as a user does: a real process, its exit code, what it printed."""
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
-
-import fcntl
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -55,8 +54,8 @@ def subprocess_env():
 
 def shardax(*args, timeout=300, check=True, env=None):
     env = dict(subprocess_env(), **(env or {}))
-    result = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True, text=True,
-                            timeout=timeout, env=env)
+    result = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True,
+                            text=True, timeout=timeout, env=env)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -63,8 +63,8 @@ def exported_for_cuda(monkeypatch):
     monkeypatch.setattr(transformer, "attention_implementation",
                         lambda config, platform=None: on_this_machine(config, "gpu"))
     monkeypatch.setattr(blocks, "attention_kernel",
-                        lambda implementation, dtype, head_dim, platform=None, **how: kernel_here(implementation, dtype,
-                                                                                            head_dim, "gpu", **how))
+                        lambda implementation, dtype, head_dim, platform=None, **how:
+                            kernel_here(implementation, dtype, head_dim, "gpu", **how))
     kernels = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
 
     def run(step, *args):

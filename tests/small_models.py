@@ -75,7 +75,8 @@ def assert_trained_like(losses, state, reference, parallel, share=0.98):
         relative = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert relative <= 2e-5, f"{jax.tree_util.keystr(path)} is {relative:.2g} off one device's (relative)"
     assert_trees_close(ours, theirs, rtol=1e-5, atol=1e-4)
-    close = [np.isclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))]
+    close = [np.isclose(a, b, rtol=1e-5, atol=1e-7)
+             for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))]
     assert sum(c.sum() for c in close) >= share * sum(c.size for c in close)
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
 

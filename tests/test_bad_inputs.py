@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from cli_helpers import QUICK, built_once, shardax
+
 from shardax.cli import main
 from shardax.trainer.manifest import MANIFEST
 
@@ -38,7 +38,8 @@ def _make_workspace(root, small_corpus):
     cli(*run, "--checkpoint-dir", root / "other_run", "--metrics", root / "other_run.jsonl")
     shutil.copytree(root / "other_run", root / "damaged")
     shutil.copytree(root / "other_run", root / "a_run" / "checkpoints")  # a run directory
-    (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": {"bytes": 1, "sha256": "0"}}}')
+    (root / "damaged" / "2" / MANIFEST).write_text('{"files": {"state/missing": '
+                                                   '{"bytes": 1, "sha256": "0"}}}')
     cli("prepare", root / "text", "--out", root / "shards_bpe", "--tokenizer", "bpe", "--vocab-size", 300)
     cli("prepare", root / "text", "--out", root / "swapped")  # bytes; a run trains on them ...
     cli(*run[:-2], "--data", root / "swapped", "--checkpoint-dir", root / "swapped_run")
@@ -74,7 +75,9 @@ CASES = [
     (["--steps", "-3"], "--steps -3 must be at least 1"),
     (["--steps", "many"], "argument --steps: invalid int value: 'many'"),
     (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
-    (["--batch-size", "12"], "a global batch of 12 rows (--batch-size 12) does not split over the batch axes ('data',) of mesh data=8"),
+    (["--batch-size", "12"],
+     ("a global batch of 12 rows (--batch-size 12) does not split over the batch axes ('data',) of mesh "
+      "data=8")),
     (["--lr", "-1"], "--lr -1.0 must be a positive learning rate"),
     (["--lr", "0"], "--lr 0.0 must be a positive learning rate"),
     (["--log-every", "0"], "--log-every 0 must be at least 1"),
@@ -100,7 +103,8 @@ CASES = [
     (["--data", "{root}/binary"], "no usable text in --data"),
     (["--data", "{root}/unreadable"], "holds no text files"),  # its only .txt is a link to nothing
     (["--data", "{root}/short.txt"], "bytes of training text, fewer than the 33"),
-    (["--data", "{root}/shards_bpe", "--tokenizer", "bytes"], "holds shards made with bpe (trained, vocabulary 300)"),
+    (["--data", "{root}/shards_bpe", "--tokenizer", "bytes"],
+     "holds shards made with bpe (trained, vocabulary 300)"),
     (["--data", "{root}/swapped", "--checkpoint-dir", "{root}/swapped_run", "--resume", "--extend-to", "4"],
      "was trained on bytes tokens (model vocabulary 320), but its data now gives bpe-"),
     (["--vocab-size", "300"], "--vocab-size 300 needs --tokenizer bpe"),
@@ -120,17 +124,21 @@ CASES = [
     (["--checkpoint-dir", "{root}/a_file"], "is a file; give a directory"),
     (["--checkpoint-dir", "{root}/other_run"], "already holds checkpoints (latest step 2); pass --resume"),
     (["--checkpoint-dir", "{root}/damaged", "--resume"], "no good checkpoint in"),
-    (["--checkpoint-dir", "{root}/not_shardax", "--resume"], "step 7 is damaged (it is not a checkpoint written by"),
+    (["--checkpoint-dir", "{root}/not_shardax", "--resume"],
+     "step 7 is damaged (it is not a checkpoint written by"),
     (["--checkpoint-dir", "{root}/empty", "--resume"], "resume: no checkpoint in"),
     (["--checkpoint-dir", "/proc/shardax/ckpt"], "cannot be created (No such file or directory)"),
     (["--resume"], "--resume continues a saved run: name it with --run-dir DIR"),
     (["--run-dir", "{root}/a_file"], "--run-dir {root}/a_file is a file; give a directory"),
     (["--run-dir", "{root}/empty", "--resume"], "--run-dir {root}/empty holds no checkpoints to resume"),
-    (["--run-dir", "{root}/a_run"], "--run-dir {root}/a_run already holds checkpoints (latest step 2); pass --resume"),
-    (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"], "--seed 5 contradicts the checkpoint's --seed 0"),
+    (["--run-dir", "{root}/a_run"],
+     "--run-dir {root}/a_run already holds checkpoints (latest step 2); pass --resume"),
+    (["--checkpoint-dir", "{root}/other_run", "--resume", "--seed", "5"],
+     "--seed 5 contradicts the checkpoint's --seed 0"),
     (["--metrics", "{root}/empty"], "is a directory; give a file name"),
-    (["--tracker", "neptune:{root}/runs"], "--tracker got 'neptune:{root}/runs'; write it as KIND:DIRECTORY with KIND "
-                                           "one of tensorboard, mlflow, wandb"),
+    (["--tracker", "neptune:{root}/runs"],
+     "--tracker got 'neptune:{root}/runs'; write it as KIND:DIRECTORY with KIND "
+     "one of tensorboard, mlflow, wandb"),
     (["--tracker", "mlflow:/proc/shardax/mlflow"], "mlflow directory /proc/shardax/mlflow cannot be created"),
     # refused by the first step's trace, before the metrics file or a checkpoint is written
     (["--mesh", "data=2,context=4", "--seq-len", "30", "--metrics", "{root}/new.jsonl", "--checkpoint-dir",
@@ -156,7 +164,8 @@ def test_bad_train_input(args, message, workspace, capsys):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("shardax train: error: ") and message.replace("{root}", str(workspace)) in lines[0], lines[0]
+    assert (lines[0].startswith("shardax train: error: ")
+            and message.replace("{root}", str(workspace)) in lines[0]), lines[0]
     assert snapshot(workspace) == before
 
 
@@ -165,10 +174,13 @@ def test_bad_train_input(args, message, workspace, capsys):
     ("latin1.txt", [], "latin1.txt is not UTF-8 text (byte 3: b'\\xe9'); convert it"),
     ("other.jsonl", [], "other.jsonl line 1 has no field 'text' (it has body); pass --field NAME"),
     ("other.parquet", [], "other.parquet has no column 'text' (it has body); pass --field NAME"),
-    ("noreply.jsonl", [], "noreply.jsonl line 2: the conversation has no assistant turn, so nothing in it would"),
-    ("noreply.jsonl", ["--tokenizer", "bpe"], "--tokenizer bpe trains on documents, and --data holds conversations"),
+    ("noreply.jsonl", [],
+     "noreply.jsonl line 2: the conversation has no assistant turn, so nothing in it would"),
+    ("noreply.jsonl", ["--tokenizer", "bpe"],
+     "--tokenizer bpe trains on documents, and --data holds conversations"),
     ("noreply.jsonl", ["--chat-template", "{root}/text"], "has no chat template (no chat_template in"),
-    ("other.jsonl", ["--chat-template", "{root}/text"], "--chat-template {root}/text applies to conversations"),
+    ("other.jsonl", ["--chat-template", "{root}/text"],
+     "--chat-template {root}/text applies to conversations"),
     ("other.parquet", ["--tokenizer", "bpe", "--vocab-size", "9"], "--vocab-size 9: a byte-level BPE needs"),
     ("latin1.txt", ["--tokenizer", "{root}/shards_bpe/index.json"], "is not a Hugging Face tokenizer.json"),
 ])
@@ -189,7 +201,8 @@ def test_bad_prepare_input(name, extra, message, workspace, capsys):
     (["launch", "-n", "two", "--", "true"], "argument -n/--num-processes: invalid int value: 'two'"),
     (["plan", "--device-memory", "lots"], "--device-memory lots is not a size"),
     (["plan", "--strategy", "zero4"], "argument --strategy: invalid choice: 'zero4'"),
-    (["plan", "--target", "tpu-v9-8"], "--target 'tpu-v9-8' is not a TPU slice or GPU host; write it like tpu-v5p-8"),
+    (["plan", "--target", "tpu-v9-8"],
+     "--target 'tpu-v9-8' is not a TPU slice or GPU host; write it like tpu-v5p-8"),
     (["plan", "--target", "tpu-v5p-6"], "v5p slices come in powers of two from v5p-8"),
     (["plan", "--fit", "--strategy", "dp"], "--fit searches against a chip's memory; add --target"),
 ])

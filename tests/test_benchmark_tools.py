@@ -17,7 +17,8 @@ from profile_ops import profile_top_ops
 big, small = jnp.ones((768, 768)), jnp.ones((768,))
 step = jax.jit(lambda m, v: (jnp.tanh(m @ m) + v, v * 2.0))
 jax.block_until_ready(step(big, small))
-print(json.dumps(profile_top_ops(lambda: step(big, small), step.lower(big, small).compile().as_text(), steps=3, top=5)))
+print(json.dumps(profile_top_ops(lambda: step(big, small), step.lower(big, small).compile().as_text(),
+                                 steps=3, top=5)))
 """
 
 

@@ -17,7 +17,8 @@ HEADERS = (  # Llama 3's style: a header per turn, each turn closed by <|eot_id|
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 CHATML = (  # Qwen's style, with a default system turn
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 INST = (  # Mistral's style: user and assistant alternate, or the template refuses
@@ -41,7 +42,8 @@ def transformers_render(source, messages, add_generation_prompt):
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
         bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     tokenizer.chat_template = source
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 @pytest.mark.parametrize("prompt", [False, True])
@@ -73,7 +75,8 @@ def test_a_template_is_read_from_tokenizer_config_with_its_special_tokens(tmp_pa
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}],
      "the chat template failed to render this conversation (turns must alternate user/assistant)"),
-    ([{"role": "robot", "content": "beep"}], "message 0 has role 'robot'; use one of system, user, assistant, tool"),
+    ([{"role": "robot", "content": "beep"}],
+     "message 0 has role 'robot'; use one of system, user, assistant, tool"),
     ([{"role": "user"}], "message 0 is not {'role': ..., 'content': ...}"),
     ([], "give a non-empty list of {'role': ..., 'content': ...} messages"),
 ])
@@ -96,7 +99,8 @@ def _chatml_bpe():
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<eod>"],
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300,
+                                             special_tokens=["<|im_start|>", "<|im_end|>", "<eod>"],
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([ChatTemplate(CHATML, TOKENS).render(CONVERSATION)] * 20, trainer)
     return BPETokenizer(tokenizer, "test", "<eod>")
@@ -118,12 +122,14 @@ def test_the_tokens_an_example_trains_on_are_the_assistants_or_the_completions(t
     examples = list(supervised_examples(path, tokens, ChatTemplate(CHATML, TOKENS)))
     def decode(ids):  # special tokens kept
         ids = [int(i) for i in ids]
-        return tokens.decode(ids) if tokenizer == "bytes" else tokens.tokenizer.decode(ids, skip_special_tokens=False)
+        return (tokens.decode(ids) if tokenizer == "bytes"
+                else tokens.tokenizer.decode(ids, skip_special_tokens=False))
 
     marked = [decode([i for i, m in zip(ids, mask) if m]) for ids, mask in examples]
     assert marked == ["Seven.<|im_end|>\nΔύο (two).<|im_end|>\n", " 4", "Δύο (two).<|im_end|>\n"]
     whole = decode(examples[0][0])
-    assert whole == ChatTemplate(CHATML, TOKENS).render(CONVERSATION)  # nothing added to what the template wrote
+    # nothing added to what the template wrote
+    assert whole == ChatTemplate(CHATML, TOKENS).render(CONVERSATION)
 
 
 @pytest.mark.parametrize("record, message", [
@@ -135,9 +141,10 @@ def test_the_tokens_an_example_trains_on_are_the_assistants_or_the_completions(t
     ({"prompt": "Hi", "completion": "  "}, "line 2: the completion is empty"),
     ({"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": ""}]},
      "line 2: the completion has no assistant turn with text"),
-    ({"messages": [{"role": "assistant", "content": "Hi"}]}, "line 2: the chat template of the test failed to "
-                                                             "render this conversation (turns must alternate"),
-], ids=["json", "neither-form", "preference", "no-assistant", "role", "empty-completion", "empty-reply", "render"])
+    ({"messages": [{"role": "assistant", "content": "Hi"}]},
+     "line 2: the chat template of the test failed to render this conversation (turns must alternate"),
+], ids=["json", "neither-form", "preference", "no-assistant", "role", "empty-completion", "empty-reply",
+        "render"])
 def test_examples_that_cannot_train_are_one_line_naming_file_and_line(record, message, tmp_path):
     from shardax.data.conversations import supervised_examples
     from shardax.data.tokenizer import ByteTokenizer
@@ -153,7 +160,8 @@ def test_examples_that_cannot_train_are_one_line_naming_file_and_line(record, me
 
     (tmp_path / "inst.jinja").write_text(INST)
     with pytest.raises(UsageError) as error:
-        prepare([path], tmp_path / "out", template=str(tmp_path / "inst.jinja"), workers=1, show_progress=False)
+        prepare([path], tmp_path / "out", template=str(tmp_path / "inst.jinja"), workers=1,
+                show_progress=False)
     message = message.replace("of the test", str(tmp_path / "inst.jinja"))
     assert f"{path} {message}" in str(error.value) and not (tmp_path / "out").exists()
 
@@ -188,7 +196,8 @@ def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(
     for split, wanted in expected.items():
         examples = Examples(done.root, splits[split]["shards"], "uint16", 257)
         got = [examples.example(i, 1 << 20) for i in range(len(examples))]
-        assert len(got) == len(wanted) > 0 and splits[split]["trained"] == sum(int(m.sum()) for _, m in wanted)
+        assert (len(got) == len(wanted) > 0
+                and splits[split]["trained"] == sum(int(m.sum()) for _, m in wanted))
         for (ids, mask), (want_ids, want_mask) in zip(got, wanted):
             np.testing.assert_array_equal(ids, want_ids)
             np.testing.assert_array_equal(mask, want_mask)
@@ -210,7 +219,8 @@ def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(
     other = ExampleRows(train, 127, 8, seed=4).global_batch(1, NamedSharding(mesh, PartitionSpec("data")))
     assert not np.array_equal(np.asarray(other["tokens"]), np.asarray(batch["tokens"]))
     held = validation_rows(Examples(done.root, splits["validation"]["shards"], "uint16", 257), 127, 8, 4)
-    assert sum(int(b["mask"].sum()) for b in held) == sum(int(m[1:128].sum()) for _, m in expected["validation"])
+    assert (sum(int(b["mask"].sum()) for b in held)
+            == sum(int(m[1:128].sum()) for _, m in expected["validation"]))
     parquet = pytest.importorskip("pyarrow.parquet")  # the same conversations from Parquet: the same examples
     parquet.write_table(__import__("pyarrow").Table.from_pylist(records[:-1]), tmp_path / "chats.parquet")
     again = prepare([tmp_path / "chats.parquet"], tmp_path / "parquet", workers=1, show_progress=False,
@@ -224,7 +234,8 @@ def test_prepared_conversations_keep_each_example_its_mask_and_a_row_of_its_own(
         return sorted(found)
 
     from_parquet, from_lines = held_examples(again.root, again.index), held_examples(done.root, done.index)
-    assert set(from_parquet) <= set(from_lines) and len(from_parquet) == len(from_lines) - 1  # all but "2 + 2 ="
+    # all but "2 + 2 ="
+    assert set(from_parquet) <= set(from_lines) and len(from_parquet) == len(from_lines) - 1
 
 
 def test_prepared_preference_pairs_keep_both_sides_together(tmp_path):
@@ -254,7 +265,8 @@ def test_prepared_preference_pairs_keep_both_sides_together(tmp_path):
             sides[bytes(examples.example(i, 1 << 20)[0].astype(np.uint8))] = (split, examples, i)
     assert len(sides) == len(records) and {split for split, _, _ in sides.values()} == {"train", "validation"}
     for number, record in enumerate(records, 1):
-        (chosen, chosen_spans), (rejected, rejected_spans) = preference_texts(record, BUILT_IN, f"line {number}")
+        (chosen, chosen_spans), (rejected, rejected_spans) = preference_texts(record, BUILT_IN,
+                                                                              f"line {number}")
         split, examples, i = sides[chosen.encode()]  # the chosen side names the pair
         for offset, (text, spans) in enumerate(((chosen, chosen_spans), (rejected, rejected_spans))):
             ids, mask = supervised_tokens(ByteTokenizer(), text, spans)
@@ -275,7 +287,8 @@ def test_prepared_preference_pairs_keep_both_sides_together(tmp_path):
     held = prepare([two], tmp_path / "two", workers=1, show_progress=False, validation_fraction=1e-9)
     assert [held.index["splits"][split]["documents"] for split in ("train", "validation")] == [2, 2]
     path.write_text(json.dumps(records[0]) + "\n" + json.dumps({**records[1], "rejected": []}) + "\n")
-    with pytest.raises(UsageError, match=f"{path} line 2: the rejected completion is empty, so the pair compares"):
+    with pytest.raises(UsageError,
+                       match=f"{path} line 2: the rejected completion is empty, so the pair compares"):
         prepare([path], tmp_path / "bad", workers=1, show_progress=False)
 
 

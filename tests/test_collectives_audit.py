@@ -134,7 +134,8 @@ def test_combined_tuple_all_reduce(mesh8, bias_sharded):
         assert scattered.name == whole.name  # one instruction, two roles
         assert scattered.kind == REDUCE_SCATTER_PATTERN and len(scattered.shapes) == 2  # the two weights
         assert scattered.bytes == (64 * 32 + 32 * 16) * F32 and scattered.shard_bytes == scattered.bytes // 8
-        assert whole.kind == "all-reduce" and whole.shapes == ("f32[32]",) and whole.bytes == whole.shard_bytes == 32 * F32
+        assert (whole.kind == "all-reduce" and whole.shapes == ("f32[32]",)
+                and whole.bytes == whole.shard_bytes == 32 * F32)
 
 
 def test_summarize_totals_per_kind(mesh8):

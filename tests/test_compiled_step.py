@@ -8,13 +8,13 @@ import math
 import jax
 import optax
 import pytest
+from small_models import tiny_transformer_config, token_batches
 
 from shardax import DeviceMeshManager
 from shardax.analysis.collectives import REDUCE_SCATTER_PATTERN, find_collectives
 from shardax.model_parallel import parallelize
 from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.sharding.report import report
-from small_models import tiny_transformer_config, token_batches
 
 CONFIG = tiny_transformer_config(tie_embeddings=False)  # V=64, S=16, D=32, F=64, L=2, untied head
 BATCH, LENGTH = 16, 17
@@ -72,7 +72,8 @@ def test_bytes_per_device_match_theory(strategy, mesh_shape):
         for shard in leaf.addressable_shards:
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     assert len(per_device) == 8
-    assert all(held == pytest.approx(expected, rel=0.02) for held in per_device.values()), (per_device, expected)
+    assert all(held == pytest.approx(expected, rel=0.02)
+               for held in per_device.values()), (per_device, expected)
     # 2. what XLA's compiled step takes as arguments per device (state + this device's rows)
     batch_rows = BATCH // (sizes.get("data", 1) * sizes.get("replica", 1))
     arguments = compiled.memory_analysis().argument_size_in_bytes

@@ -9,19 +9,19 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, train_transformer
 
 from shardax import DeviceMeshManager, parallelize
 from shardax.analysis.collectives import find_collectives
 from shardax.analysis.plan import compile_step, compiled_memory, plan_strategy
-from shardax.analysis.traffic import wire_bytes
 from shardax.analysis.theory import theoretical_collective_bytes
+from shardax.analysis.traffic import wire_bytes
+from shardax.blocks import split_sequences
 from shardax.errors import UsageError
 from shardax.models.presets import get_preset
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss, token_losses
-from shardax.blocks import split_sequences
 from shardax.runtime.attention import allowed
 from shardax.runtime.context import ContextLayout, attention, zigzag_order
-from small_models import MLP, assert_trained_like, mse_loss, tiny_transformer_config, train_transformer
 
 pytestmark = pytest.mark.xdist_group("test_context")
 
@@ -48,7 +48,8 @@ def test_zigzag_gives_share_i_chunks_i_and_2C_minus_1_minus_i_and_every_share_th
     # and in the plain order the last share has more than C times the first's
     pairs = [int((share[:, None] >= np.arange(length)[None, :]).sum()) for share in shares]
     assert len(set(pairs)) == 1
-    plain = [int((s[:, None] >= np.arange(length)[None, :]).sum()) for s in np.arange(length).reshape(shards, -1)]
+    plain = [int((s[:, None] >= np.arange(length)[None, :]).sum())
+             for s in np.arange(length).reshape(shards, -1)]
     assert plain[-1] > shards * plain[0]
     # ring attention computes a quarter block only if it holds an allowed pair: in zig-zag order
     # each share computes 3 on the hop of its own keys and exactly 2 on every other hop
@@ -82,7 +83,8 @@ def test_attention_and_its_gradients_equal_full_attention(variant, mesh_shape, h
     """Sliding window: 11 tokens, so that on 4 or 8 shares a window reaches back across shares."""
     mesh = mesh_of(mesh_shape)
     batch, length, n, h = 2, 64, 4, 8
-    q, k, v = (jax.random.normal(key, (batch, length, n, h)) for key in jax.random.split(jax.random.key(1), 3))
+    q, k, v = (jax.random.normal(key, (batch, length, n, h))
+               for key in jax.random.split(jax.random.key(1), 3))
     if packed is True:
         segments, positions = _documents(batch, length)
     else:
@@ -145,15 +147,17 @@ def test_packed_per_token_losses_equal_one_device():
 # --- training ----------------------------------------------------------------------------------------
 
 def train(config, strategy, mesh_shape, count=None, **options):
-    return train_transformer(config, mesh_of(mesh_shape, count), strategy, steps=STEPS, batch_size=BATCH, lr=LR,
-                             **options)
+    return train_transformer(config, mesh_of(mesh_shape, count), strategy, steps=STEPS, batch_size=BATCH,
+                             lr=LR, **options)
 
 
 _REFERENCE = {}
 
-TRAIN_CASES = [("dp", "data=2,context=4", "all-gather", "learned"), ("dp", "data=2,context=4", "ring", "learned"),
+TRAIN_CASES = [("dp", "data=2,context=4", "all-gather", "learned"),
+               ("dp", "data=2,context=4", "ring", "learned"),
                ("fsdp_tp", "data=2,context=2,model=2", "ring", "rotary"),
-               ("tp", "data=2,context=2,model=2", "all-gather", "rotary"), ("fsdp", "data=1,context=8", "ring", "learned")]
+               ("tp", "data=2,context=2,model=2", "all-gather", "rotary"),
+               ("fsdp", "data=1,context=8", "ring", "learned")]
 
 
 @pytest.mark.parametrize("strategy, mesh_shape, variant, positions", TRAIN_CASES,
@@ -175,32 +179,38 @@ def test_context_parallel_trains_like_one_device(strategy, mesh_shape, variant, 
 def _temporaries(shards, length, variant="all-gather"):
     config = TransformerConfig(vocab_size=256, seq_len=length, d_model=64, n_heads=4, n_layers=2, d_ff=256)
     shape = "data=1" if shards == 1 else f"data=1,context={shards}"
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh_of(shape, shards),
-                           "dp")
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3),
+                           mesh_of(shape, shards), "dp")
     options = {} if shards == 1 else {"context_attention": variant}
     return compiled_memory(compile_step(parallel, 2, length, **options))["temporaries"]
 
 
-def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mask_for_a_gpu(exported_for_cuda):
+def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mask_for_a_gpu(
+        exported_for_cuda):
     """The training step as JAX would hand it to a GPU (see ``exported_for_cuda``): each
     layer's attention is cuDNN's fused kernel, forward and backward, fed the device's queries,
     the gathered keys and values and the causal, per-document mask as a bias of (rows, 1, t, T)."""
     from conftest import cudnn_calls
 
-    config = tiny_transformer_config(compute_dtype="bfloat16", attention="cudnn", seq_len=64, positions="rotary")
+    config = tiny_transformer_config(compute_dtype="bfloat16", attention="cudnn", seq_len=64,
+                                     positions="rotary")
     mesh = DeviceMeshManager().create_device_mesh("data=2,context=4")
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh, "dp")
     batch = {name: jax.ShapeDtypeStruct((8, 65), jnp.int32, sharding=parallel.layout.batch())
              for name in ("tokens", "segments")}
-    calls = cudnn_calls(exported_for_cuda(parallel.train_step(next_token_loss, context_attention="all-gather"),
+    calls = cudnn_calls(exported_for_cuda(parallel.train_step(next_token_loss,
+                                                              context_attention="all-gather"),
                                           parallel.abstract_state, batch))
     rows, share, heads, head_dim = 8 // 2, 64 // 4, config.n_heads, config.head_dim
-    queries, keys = f"tensor<{rows}x{share}x{heads}x{head_dim}xbf16>", f"tensor<{rows}x64x{heads}x{head_dim}xbf16>"
+    queries, keys = (f"tensor<{rows}x{share}x{heads}x{head_dim}xbf16>",
+                     f"tensor<{rows}x64x{heads}x{head_dim}xbf16>")
     bias = f"tensor<{rows}x1x{share}x64xbf16>"
     # once each, in the loop over the layers
-    assert [name for name, _, _ in calls] == ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"]
+    assert [name for name, _, _ in calls] == ["__cudnn$fmhaScaleBiasSoftmax",
+                                              "__cudnn$fmhaScaleBiasSoftmaxBackward"]
     for name, mask_type, operands in calls:
-        assert operands[:3] == [queries, keys, keys] and bias in operands and mask_type == "NO_MASK", (name, operands)
+        assert (operands[:3] == [queries, keys, keys] and bias in operands
+                and mask_type == "NO_MASK"), (name, operands)
 
 
 def test_activation_bytes_per_device_fall_as_one_over_C():
@@ -220,7 +230,8 @@ def test_ring_activations_are_planned_for_every_class_on_every_compiler(scan_lay
     from shardax.analysis.memory import context_activation_bytes
     from shardax.analysis.plan import transformer_for
 
-    model = tiny_transformer_config(seq_len=64, remat="dots_saveable", positions="rotary", scan_layers=scan_layers)
+    model = tiny_transformer_config(seq_len=64, remat="dots_saveable", positions="rotary",
+                                    scan_layers=scan_layers)
     layout = transformer_for(model, "dp", "data=2,context=4").layout
     for compiler in ("cpu", "tpu"):
         ring = context_activation_bytes(layout, model, 8, 1, "ring", compiler)
@@ -228,7 +239,8 @@ def test_ring_activations_are_planned_for_every_class_on_every_compiler(scan_lay
 
 
 COMM_CASES = [("dp", "data=2,context=4", "all-gather", "none"), ("dp", "data=2,context=4", "ring", "none"),
-              ("fsdp", "data=1,context=8", "ring", "none"), ("tp", "data=2,context=2,model=2", "all-gather", "none"),
+              ("fsdp", "data=1,context=8", "ring", "none"),
+              ("tp", "data=2,context=2,model=2", "all-gather", "none"),
               ("dp", "data=2,context=4", "all-gather", "dots_saveable")]
 
 
@@ -240,13 +252,17 @@ def test_communication_equals_theory(strategy, mesh_shape, variant, remat):
     forward and C hops back), the whole step within 12% (XLA all-reduces the tied embedding's
     two gradient parts separately, and sums gradients over context, then data). A remat policy
     that does not save everything gathers the keys and values again for the backward pass."""
-    config = TransformerConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256, remat=remat)
+    config = TransformerConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256,
+                               remat=remat)
     mesh = mesh_of(mesh_shape)
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh, strategy)
-    collectives = find_collectives(compile_step(parallel, 8, config.seq_len, context_attention=variant).as_text())
+    collectives = find_collectives(compile_step(parallel, 8, config.seq_len,
+                                                context_attention=variant).as_text())
     shards, rows = mesh.shape["context"], 8 // mesh.shape["data"]
-    keys = rows * config.seq_len // shards * config.n_heads // mesh.shape.get("model", 1) * config.head_dim * 4
-    floats = [c for c in collectives if c.shapes and all(s.startswith("f32[") and s.count(",") == 3 for s in c.shapes)]
+    keys = (rows * config.seq_len // shards * config.n_heads // mesh.shape.get("model", 1)
+            * config.head_dim * 4)
+    floats = [c for c in collectives
+              if c.shapes and all(s.startswith("f32[") and s.count(",") == 3 for s in c.shapes)]
     if variant == "ring":
         hops = [c for c in floats if c.kind == "collective-permute"]
         # forward: keys, values per hop; backward: keys, values and their gradients, then the gradients home
@@ -270,7 +286,8 @@ def test_plan_covers_context_meshes():
     for variant in ("all-gather", "ring"):
         plan = plan_strategy(config, "dp", "data=2,context=4", batch_size=8, context_attention=variant)
         assert plan.mesh == "data=2,context=4" and [line[:13] for line in plan.lint] == ["a SwiGLU MLP "]
-        assert plan.theoretical_collective_bytes <= plan.collective_bytes <= 1.12 * plan.theoretical_collective_bytes
+        assert (plan.theoretical_collective_bytes <= plan.collective_bytes
+                <= 1.12 * plan.theoretical_collective_bytes)
         assert 0.8 <= plan.predicted_bytes_per_device / plan.compiled_bytes_per_device <= 1.05
 
 
@@ -290,7 +307,8 @@ def test_bad_context_settings_are_one_line_errors():
     with pytest.raises(UsageError, match="use one of all-gather, ring"):
         parallel.train_step(next_token_loss, context_attention="ulysses")
     with pytest.raises(UsageError, match="does not combine with pipeline strategies"):
-        parallelize(factory, optax.adamw(1e-3), mesh_of("stage=2,context=4"), "pp").train_step(next_token_loss)
+        parallelize(factory, optax.adamw(1e-3), mesh_of("stage=2,context=4"),
+                    "pp").train_step(next_token_loss)
     # a model of the user's with no context attention: every device of context would repeat the work
     mlp = parallelize(lambda rngs: MLP(rngs), optax.adamw(1e-3), mesh_of("data=2,context=4"), "dp")
     with pytest.raises(UsageError, match="attend through shardax.blocks.Attention, and this model has none"):
@@ -303,12 +321,12 @@ def test_shardax_train_splits_4096_token_sequences_over_context_and_resumes(smal
     from cli_helpers import read_metrics, shardax
 
     common = ["train", "--data", small_corpus, "--seq-len", 4096, "--batch-size", 2, "--log-every", 1,
-              "--eval-every", 0, "--eval-batches", 1, "--sample-bytes", 0, "--checkpoint-dir", tmp_path / "ckpt",
-              "--metrics", tmp_path / "m.jsonl"]
+              "--eval-every", 0, "--eval-batches", 1, "--sample-bytes", 0, "--checkpoint-dir",
+              tmp_path / "ckpt", "--metrics", tmp_path / "m.jsonl"]
     first = shardax(*common, "--mesh", "data=2,context=4", "--steps", 2, timeout=600)
     assert "on mesh data=2,context=4" in first.stdout and "2 steps x 2 sequences x 4096 bytes" in first.stdout
-    assert ("context: each sequence split 4 ways over context, zig-zag order (8 chunks, each device two), keys and "
-            "values all-gathered") in first.stdout
+    assert ("context: each sequence split 4 ways over context, zig-zag order (8 chunks, each device two), "
+            "keys and values all-gathered") in first.stdout
     # the checkpoint goes on with ring attention on another context mesh
     onward = shardax(*common, "--mesh", "data=1,context=8", "--context-attention", "ring", "--resume",
                      "--extend-to", 3, timeout=600)

@@ -104,7 +104,8 @@ def test_a_pool_too_small_for_its_devices_is_said_once_in_a_line(monkeypatch):
     monkeypatch.setenv(POOL_VARIABLE, "16")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        parallel = shardax.parallelize(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1), "data=8", "fsdp")
+        parallel = shardax.parallelize(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1), "data=8",
+                                       "fsdp")
     assert describe_devices(parallel.layout.mesh) == "8 cpu devices, 8 simulated here on 16 threads"
     with pytest.raises(ValueError, match=r"simulate_cpu_devices\(0\): the count must be at least 1"):
         shardax.simulate_cpu_devices(0)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cli_helpers import last_logged_step, read_metrics, sealed, stalled, subprocess_env
+
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 
 pytestmark = pytest.mark.xdist_group("test_examples")
@@ -36,7 +36,8 @@ def example(name, *args, launch=(), timeout=300):
 @pytest.mark.slow
 def test_classify_digits_reaches_95_percent_held_out_accuracy_with_fsdp():
     out = example("classify_digits.py")
-    assert "strategy fsdp" in out and re.search(r"on mesh data=8 \(8 cpu devices, 8 simulated here on \d+ threads\)", out)
+    assert "strategy fsdp" in out and re.search(r"on mesh data=8 \(8 cpu devices, 8 simulated here on \d+ "
+                                                r"threads\)", out)
     accuracy = float(re.search(r"held-out accuracy: ([\d.]+) on 360 images", out).group(1))
     assert accuracy >= 0.95, out[-2000:]
 
@@ -48,8 +49,8 @@ def test_vae_digits_improves_its_held_out_elbo(strategy):
     fsdp and tp alike)."""
     out = example("vae_digits.py", "--strategy", strategy)
     assert f"strategy {strategy}" in out
-    before, after = map(float, re.search(r"held-out ELBO: ([-\d.]+) nats/image before training, ([-\d.]+) after",
-                                         out).groups())
+    before, after = map(float, re.search(r"held-out ELBO: ([-\d.]+) nats/image before training, "
+                                         r"([-\d.]+) after", out).groups())
     assert after - before >= 15, out[-2000:]
 
 
@@ -61,8 +62,10 @@ def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
     Fréchet distance to the held-out digits 11.76 before, 0.83 after (the training images 0.10)."""
     out = example("gan_digits.py", "--strategy", strategy, "--steps", 1000, "--samples-dir", tmp_path,
                   "--sample-every", 500)
-    assert f"strategy {strategy}" in out and "parts: generator (Generator), discriminator (Discriminator)" in out
-    before, after = map(float, re.search(r"digit score: ([\d.]+) before training, ([\d.]+) after", out).groups())
+    assert (f"strategy {strategy}" in out
+            and "parts: generator (Generator), discriminator (Discriminator)" in out)
+    before, after = map(float, re.search(r"digit score: ([\d.]+) before training, ([\d.]+) after",
+                                         out).groups())
     assert before < 1.6 and after >= 3.0, out[-2000:]
     distance_before, distance_after = map(float, re.search(
         r"Fréchet distance to the held-out digits: ([\d.]+) before training, ([\d.]+) after", out).groups())
@@ -71,7 +74,8 @@ def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
 
     grids = sorted(path.name for path in tmp_path.glob("*.png"))
     assert grids == ["samples_step_000500.png", "samples_step_001000.png"]
-    assert matplotlib.image.imread(tmp_path / grids[-1]).shape[:2] == (6 * 9 + 1, 6 * 9 + 1)  # 36 digits of 8x8
+    # 36 digits of 8x8
+    assert matplotlib.image.imread(tmp_path / grids[-1]).shape[:2] == (6 * 9 + 1, 6 * 9 + 1)
 
 
 @pytest.mark.slow
@@ -99,7 +103,8 @@ def test_distill_digits_teaches_a_small_student_from_a_frozen_teacher(strategy):
     out = example("distill_digits.py", "--strategy", strategy)
     assert "parts: teacher (MLP, frozen), student (MLP)" in out
     teacher, student, agreement = map(float, re.search(
-        r"held-out accuracy: teacher ([\d.]+), student ([\d.]+) \(agrees with the teacher on ([\d.]+)", out).groups())
+        r"held-out accuracy: teacher ([\d.]+), student ([\d.]+) \(agrees with the teacher on ([\d.]+)",
+        out).groups())
     assert teacher >= 0.95 and student >= 0.9 and agreement >= 0.9, out[-2000:]
 
 
@@ -115,8 +120,8 @@ def run_until_killed(folder, launch=()):
     """Start the run paused after step 4; SIGKILL it (one of its processes) once step 3 is sealed."""
     command = [*launch, *stalled(4, 3600, EXAMPLES / RUN[0], *RUN[1:], "--checkpoint-dir", folder / "ckpt",
                                  "--metrics", folder / "m.jsonl")]
-    process = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=subprocess_env())
+    process = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env())
     lines: list[str] = []
     threading.Thread(target=_collect, args=(process.stdout, lines), daemon=True).start()
     deadline = time.time() + 240
@@ -142,7 +147,8 @@ def test_trainer_killed_with_sigkill_resumes_bit_identically(launch, tmp_path):
                   launch=launch)
     assert f"resumed from step {resumed_from}" in out
     losses = [r["loss"] for r in read_metrics(straight / "m.jsonl") if "loss" in r]
-    assert [r["loss"] for r in read_metrics(killed / "m.jsonl") if "loss" in r] == losses  # bit-identical floats
+    # bit-identical floats
+    assert [r["loss"] for r in read_metrics(killed / "m.jsonl") if "loss" in r] == losses
     assert len(losses) == 8
     expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(killed / "ckpt", 8)
     assert expected.keys() == got.keys()

@@ -8,15 +8,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_models import tiny_transformer_config
 
 from shardax import parallelize
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.sharding.paths import path_to_str
-from small_models import tiny_transformer_config
 
 # 4 experts of 24 hidden units, 3 per token (more than one device's share of experts under expert=4)
-CONFIG = tiny_transformer_config(positions="rotary", norm="rms", mlp="swiglu", n_experts=4, experts_per_token=3,
+CONFIG = tiny_transformer_config(positions="rotary", norm="rms", mlp="swiglu",
+                                 n_experts=4, experts_per_token=3,
                                  expert_d_ff=24, router_aux_loss=0.01, router_z_loss=0.001)
 TOKENS = np.random.default_rng(0).integers(0, 64, (8, 17))
 
@@ -35,7 +36,8 @@ def reference():
     return one_device()
 
 
-@pytest.mark.parametrize("strategy, mesh", [("fsdp_ep", "data=2,expert=4"), ("ep_tp", "data=2,expert=2,model=2"),
+@pytest.mark.parametrize("strategy, mesh", [("fsdp_ep", "data=2,expert=4"),
+                                            ("ep_tp", "data=2,expert=2,model=2"),
                                             ("ep", "data=2,expert=2,context=2"), ("pp", "stage=2,data=4"),
                                             ("pp_tp", "stage=2,data=2,model=2")])
 def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh, reference):
@@ -48,7 +50,8 @@ def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh,
     parallel = parallelize(lambda rngs: TransformerLM(CONFIG, rngs=rngs), optax.sgd(1.0), mesh, strategy)
     state = parallel.init(0)
     before = {path_to_str(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(state.params)}
-    step = parallel.train_step(next_token_loss, context_attention="ring" if "context" in mesh else "all-gather")
+    step = parallel.train_step(next_token_loss,
+                               context_attention="ring" if "context" in mesh else "all-gather")
     new, got = step(state, parallel.place_batch({"tokens": TOKENS}))
     np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5)
     for name in ("router_balance", "router_z"):
@@ -56,8 +59,8 @@ def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh,
     for (path, leaf) in jax.tree_util.tree_leaves_with_path(new.params):
         name = path_to_str(path)
         scale = np.abs(grads[name]).max()
-        np.testing.assert_allclose(before[name] - np.asarray(leaf), grads[name], rtol=0, atol=1e-5 * scale + 1e-7,
-                                   err_msg=name)
+        np.testing.assert_allclose(before[name] - np.asarray(leaf), grads[name], rtol=0,
+                                   atol=1e-5 * scale + 1e-7, err_msg=name)
     experts = parallel.mesh.shape.get("expert", 1)
     for shard in new.params["blocks"]["layers"]["experts"]["gate_up"][...].addressable_shards:
         assert shard.data.shape[1] == CONFIG.n_experts // experts  # (layers, E / X, ...)
@@ -75,14 +78,17 @@ def test_a_capacity_of_experts_over_top_k_drops_nothing_and_a_smaller_one_drops(
 
 
 @pytest.mark.parametrize("config, strategy, mesh, message", [
-    (dict(n_experts=6, experts_per_token=2), "ep", "data=2,expert=4", "6 experts do not split over expert=4 devices"),
+    (dict(n_experts=6, experts_per_token=2), "ep", "data=2,expert=4",
+     "6 experts do not split over expert=4 devices"),
     (dict(n_experts=4, experts_per_token=5), None, None, "experts_per_token=5 must be from 1 to n_experts=4"),
-    (dict(n_experts=4, capacity_factor=1.0), "ep", "data=4,expert=2", "capacity_factor=1.0 with the experts split"),
+    (dict(n_experts=4, capacity_factor=1.0), "ep", "data=4,expert=2",
+     "capacity_factor=1.0 with the experts split"),
 ], ids=["axis-does-not-divide", "top-k-above-experts", "capacity-across-devices"])
 def test_bad_expert_settings_are_one_line(config, strategy, mesh, message):
     with pytest.raises(UsageError) as error:
         settings = tiny_transformer_config(positions="rotary", norm="rms", mlp="swiglu", **config)
-        parallel = parallelize(lambda rngs: TransformerLM(settings, rngs=rngs), optax.sgd(0.1), mesh, strategy)
+        parallel = parallelize(lambda rngs: TransformerLM(settings, rngs=rngs), optax.sgd(0.1), mesh,
+                               strategy)
         parallel.train_step(next_token_loss)(parallel.init(0), parallel.place_batch({"tokens": TOKENS}))
     assert message in str(error.value) and "\n" not in str(error.value)
 
@@ -106,5 +112,6 @@ def test_plan_counts_the_all_to_alls_and_the_experts_bytes_per_device(strategy, 
     np.testing.assert_allclose(plan.collectives["all-to-all"]["wire_bytes"], theory, rtol=0.05)
     whole, held = experts_bytes(layout)
     shards = layout.mesh.shape["expert"] * (layout.mesh.shape["data"] if strategy == "fsdp_ep" else 1)
-    assert whole == 2 * (4 * 32 * 2 * 24 + 4 * 24 * 32) * 4 and held * shards == whole  # 2 layers' gate_up, down
+    assert (whole == 2 * (4 * 32 * 2 * 24 + 4 * 24 * 32) * 4  # 2 layers' gate_up, down
+            and held * shards == whole)
     assert any(note.startswith("experts: ") and f"{held / whole:.3g} of them" in note for note in plan.lint)

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from small_models import tiny_transformer_config
 
 import shardax
 from shardax import DeviceMeshManager, parallelize
 from shardax.errors import UsageError
 from shardax.generation import cache_layout
 from shardax.models.transformer import TransformerLM
-from small_models import tiny_transformer_config
 
 pytestmark = pytest.mark.xdist_group("test_generation")
 
@@ -33,8 +33,9 @@ CONFIGS = {
     # layers): the windowed layer's ring stays at 32 positions while the full layer's cache grows to 64
     "gemma2": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
                                       sliding_window=8, sliding_layers=(0,), d_ff=40),
-    "qwen2-loop": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms", mlp="swiglu",
-                                          sliding_window=8, sliding_layers=(1,), d_ff=40, scan_layers=False),
+    "qwen2-loop": tiny_transformer_config(seq_len=64, n_kv_heads=2, positions="rotary", norm="rms",
+                                          mlp="swiglu", sliding_window=8, sliding_layers=(1,), d_ff=40,
+                                          scan_layers=False),
 }
 RINGED = {"gemma2", "qwen2-loop"}
 PROMPTS = [[1, 5, 9, 3, 7], [2, 4], [9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17]]
@@ -76,7 +77,8 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     assert 0 < stats.time_to_first_token_s < stats.total_s
     assert stats.describe().startswith(f"{NEW * len(PROMPTS)} new tokens for {len(PROMPTS)} prompts")
     assert [shardax.generate(model, [prompt], max_new_tokens=NEW)[0] for prompt in PROMPTS] == greedy
-    sampled = shardax.generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9, seed=5)
+    sampled = shardax.generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.9, top_k=20, top_p=0.9,
+                               seed=5)
     assert _SEEN.setdefault((name, "sampled"), sampled) == sampled  # the same draws on every mesh
     assert sampled != greedy and all(len(row) == NEW for row in sampled)
     layout = cache_layout(model, len(PROMPTS), max(map(len, PROMPTS)), NEW)
@@ -89,8 +91,10 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     if name in RINGED:
         grown_whole = dataclasses.replace(layout, ring=None).bytes_per_device(model.config)
         assert stats.cache_bytes_per_device * 4 == grown_whole * 3
-    assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None, None)
-    if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes, split
+    assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None,
+                                                    None)
+    if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes,
+        # split
         assert layout.bytes_per_device(model.config) == 2 * 2 * data * 64 * 2 * 8 * 4 // 8
 
 
@@ -107,8 +111,8 @@ def test_stop_tokens_and_bad_requests():
     for row, full in zip(stopped, greedy):
         end = next((i + 2 for i in range(NEW - 1) if tuple(full[i:i + 2]) == pair), NEW)
         assert row == full[:end]
-    with pytest.raises(UsageError, match="a prompt of 19 tokens and 60 new ones need 79 positions, more than the "
-                                         "model's 64"):
+    with pytest.raises(UsageError, match="a prompt of 19 tokens and 60 new ones need 79 positions, "
+                                         "more than the model's 64"):
         shardax.generate(model, PROMPTS, max_new_tokens=60)
     with pytest.raises(UsageError, match="prompt 1 holds token id 64, outside the model's vocabulary of 64"):
         shardax.generate(model, [[1], [64]])

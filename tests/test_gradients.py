@@ -59,7 +59,8 @@ def test_bad_reduce_type_and_unbound_axis(mesh8):
 def test_reduce_gradient_tree_reduces_the_replica_axis(mesh8, reduce_type):
     grads = jax.device_put(per_device_gradients(mesh8), NamedSharding(mesh8, P("data")))
     expected = jax.tree.map(lambda g: getattr(np, reduce_type)(g, axis=0), per_device_gradients(mesh8))
-    for reduced in (reduce_gradient_tree(grads, reduce_type), jax.jit(reduce_gradient_tree, static_argnums=1)(grads, reduce_type)):
+    for reduced in (reduce_gradient_tree(grads, reduce_type),
+                    jax.jit(reduce_gradient_tree, static_argnums=1)(grads, reduce_type)):
         assert reduced["kernel"].shape == (3, 2) and reduced["bias"].shape == (1,)
         for key in expected:
             np.testing.assert_allclose(np.asarray(reduced[key]), expected[key])
@@ -74,7 +75,8 @@ def test_reduce_gradient_tree_rejects_scalars():
 
 # grouped convolutions: (input shape, kernel shape, conv_general_dilated's keywords)
 GROUPED_CONVS = {
-    "depthwise": ((8, 10, 10, 32), (3, 3, 1, 32), dict(window_strides=(1, 1), padding="SAME", feature_group_count=32,
+    "depthwise": ((8, 10, 10, 32), (3, 3, 1, 32), dict(window_strides=(1, 1), padding="SAME",
+                                                       feature_group_count=32,
                                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))),
     "groups-strided-dilated": ((8, 11, 9, 32), (3, 3, 4, 16), dict(
         window_strides=(2, 1), padding="SAME", rhs_dilation=(1, 2), feature_group_count=8,
@@ -84,7 +86,8 @@ GROUPED_CONVS = {
         dimension_numbers=("NCHW", "OIHW", "NCHW"))),
     "1d-valid": ((8, 20, 6), (7, 1, 12), dict(window_strides=(3,), padding="VALID", feature_group_count=6,
                                              dimension_numbers=("NWC", "WIO", "NWC"))),
-    "3d": ((8, 5, 6, 7, 4), (2, 3, 3, 2, 8), dict(window_strides=(1, 2, 1), padding="SAME", feature_group_count=2,
+    "3d": ((8, 5, 6, 7, 4), (2, 3, 3, 2, 8), dict(window_strides=(1, 2, 1), padding="SAME",
+                                                  feature_group_count=2,
                                                   dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))),
 }
 

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
 from hf_checkpoints import make_checkpoints
+
 from shardax import hf
 from shardax.errors import UsageError
 from shardax.models.transformer import next_token_loss
@@ -32,7 +32,8 @@ ARCHITECTURES = {
     # Mistral: as Llama, no sliding window
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
     # Qwen2: biases on q, k and v; tied embeddings; as many key/value heads as query heads (one fused weight)
-    "qwen2": lambda: transformers.Qwen2Config(**{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**{**COMMON, "num_key_value_heads": 4},
+                                              tie_word_embeddings=True),
     # Qwen3: RMSNorm on each head's queries and keys; a head size of its own (32, not 64 / 4)
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
 }
@@ -75,7 +76,8 @@ def supervised_batch(pack):
 
     batch, cut = supervised_rows(SFT, 17, pack=pack)
     assert cut == 0 and (len(batch["tokens"]) < 8) == pack  # packing shares rows
-    return {key: np.concatenate([rows, np.zeros((8 - len(rows), 17), rows.dtype)]) for key, rows in batch.items()}
+    return {key: np.concatenate([rows, np.zeros((8 - len(rows), 17), rows.dtype)])
+            for key, rows in batch.items()}
 
 
 def logits_of(loaded):
@@ -90,7 +92,8 @@ def test_logits_match_transformers(architecture, checkpoints):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=4,model=2"),
+@pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("tp", "data=4,model=2"),
+                                            ("fsdp_tp", "data=4,model=2"),
                                             ("pp_tp", "stage=2,data=2,model=2"), ("dp", "data=2,context=4"),
                                             ("fsdp_tp", "data=2,model=2,context=2")])
 def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
@@ -118,14 +121,17 @@ def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
         np.testing.assert_allclose(loss, supervised, rtol=1e-5, err_msg=f"pack={pack}")
     spec = {path: sharding.spec for path, sharding in
             jax.tree_util.tree_leaves_with_path(parallel.state_shardings.params)}
-    placed = {path: leaf.sharding.spec for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.state.params)}
+    placed = {path: leaf.sharding.spec
+              for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.state.params)}
     assert placed == spec  # every weight was put straight into its own layout
     if lora is not None:
         before = [np.asarray(leaf) for leaf in jax.tree.leaves(loaded.state.params)]
-        state, metrics = parallel.train_step(next_token_loss)(loaded.state, parallel.place_batch({"tokens": TOKENS}))
+        state, metrics = parallel.train_step(next_token_loss)(loaded.state,
+                                                              parallel.place_batch({"tokens": TOKENS}))
         np.testing.assert_allclose(float(metrics["loss"]), hf_loss(expected), rtol=1e-5)
-        changed = [path_to_str(path) for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params),
-                                                                 before) if not np.array_equal(np.asarray(new), old)]
+        changed = [path_to_str(path)
+                   for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params), before)
+                   if not np.array_equal(np.asarray(new), old)]
         # B starts at zero, so A's first gradient is zero: the first step moves the B adapters alone
         assert sorted(changed) == [f"blocks/layers/lora_{t}_b" for t in ("o", "q", "up")]
 
@@ -163,13 +169,15 @@ def _edit_config(folder, **changes):
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "model.safetensors").unlink(),
      "holds neither model.safetensors nor model.safetensors.index.json"),
-    (lambda f: (f / "model.safetensors").write_bytes(b"\x08" + bytes(40)), "is not a readable safetensors file"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"\x08" + bytes(40)),
+     "is not a readable safetensors file"),
     (lambda f: (f / "config.json").unlink(), "has no config.json"),
     (lambda f: _edit_config(f, hidden_size=48),
      "model.embed_tokens.weight has shape [96, 64] but config.json implies [96, 48]"),
     (lambda f: _edit_config(f, num_hidden_layers=1), "tensor model.layers.1."),
     (lambda f: _edit_config(f, num_hidden_layers=3), "lacks the tensor model.layers.2."),
-    (lambda f: _edit_config(f, model_type="gemma3"), 'model_type="gemma3" is not supported (the text model of gemma3'),
+    (lambda f: _edit_config(f, model_type="gemma3"),
+     'model_type="gemma3" is not supported (the text model of gemma3'),
     (lambda f: _edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling="),
     (lambda f: _edit_config(f, hidden_act="gelu"), 'hidden_act="gelu" is not supported'),
     (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),
@@ -197,8 +205,10 @@ def test_a_sharded_checkpoint_and_its_index(checkpoints, tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     moved = next(name for name in index["weight_map"] if name.startswith("model.layers.1."))
-    index["weight_map"][moved] = sorted(set(index["weight_map"].values()))[0] if index["weight_map"][moved] != sorted(
-        set(index["weight_map"].values()))[0] else sorted(set(index["weight_map"].values()))[-1]
+    index["weight_map"][moved] = (
+        sorted(set(index["weight_map"].values()))[0]
+        if index["weight_map"][moved] != sorted(set(index["weight_map"].values()))[0]
+        else sorted(set(index["weight_map"].values()))[-1])
     (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(UsageError, match=f"lacks {moved}, which the index places there"):
         hf.load(tmp_path / "sharded", "data=8", "dp")
@@ -211,7 +221,8 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_p
         folder, expected = checkpoints[architecture]
         loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", scan_layers=architecture == "qwen2")
         out = loaded.save(tmp_path / architecture, max_shard_bytes=100_000)
-        assert len(list(out.glob("*.safetensors"))) > 1 and not (tmp_path / f"{architecture}.partial").exists()
+        assert (len(list(out.glob("*.safetensors"))) > 1
+                and not (tmp_path / f"{architecture}.partial").exists())
         again = hf.load(out, "data=8", "dp", scan_layers=architecture == "qwen2")
         for ours, theirs in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(again.state.params)):
             np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
@@ -223,7 +234,8 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_p
     assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
     rounded = hf.load(half, "data=8", "dp")
     for ours, theirs in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(rounded.state.params)):
-        np.testing.assert_array_equal(np.asarray(ours).astype(jax.numpy.bfloat16).astype(np.float32), np.asarray(theirs))
+        np.testing.assert_array_equal(np.asarray(ours).astype(jax.numpy.bfloat16).astype(np.float32),
+                                      np.asarray(theirs))
 
 
 def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
@@ -235,8 +247,9 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
     from shardax.models.presets import SEED_NOTEBOOK
 
-    with pytest.raises(UsageError, match=r"only the Llama and Gemma families .* have a Hugging Face layout to save in \(shardax "
-                                         r"0.1's presets had layer norms and GELU MLPs: a new run of a preset exports\)"):
+    with pytest.raises(UsageError, match=r"only the Llama and Gemma families .* have a Hugging Face layout "
+                                         r"to save in \(shardax 0.1's presets had layer norms and GELU MLPs: "
+                                         r"a new run of a preset exports\)"):
         hf.save(tmp_path / "preset", loaded.state.params, SEED_NOTEBOOK.config())
     assert not (tmp_path / "preset").exists()
 
@@ -269,10 +282,12 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     if lora is not None:
         # another model's layers are adapted by path (shardax.models.adapters); these names match none of its
-        adapted = Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4))
+        adapted = Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss,
+                          lora=LoRA(4))
         assert [leaf.shape for leaf in jax.tree.leaves(adapted.init().opt_state[0].mu)] == [(4, 4), (4, 4)]
         with pytest.raises(UsageError, match=r"LoRA targets \['q,v'\] match none of the model's 1 linear"):
-            Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss, lora=LoRA(4, targets="q,v"))
+            Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss,
+                    lora=LoRA(4, targets="q,v"))
         return
     other = TransformerConfig(vocab_size=96, d_model=64, n_heads=4, n_layers=2, d_ff=96, positions="rotary")
     with pytest.raises(UsageError, match="the model's .* but the checkpoint's config.json gives"):
@@ -287,7 +302,8 @@ def test_two_processes_each_read_only_their_own_slices(checkpoints, tmp_path):
 
     folder, expected = checkpoints["llama3"]
     np.save(tmp_path / "expected.npy", expected)
-    outputs = run_workers("hf_load.py", args=(str(folder), str(tmp_path / "expected.npy"), str(tmp_path / "out")))
+    outputs = run_workers("hf_load.py",
+                          args=(str(folder), str(tmp_path / "expected.npy"), str(tmp_path / "out")))
     figures = [dict(zip(line.split()[2::2], map(int, line.split()[3::2])))
                for out in outputs for line in out.splitlines() if line.startswith("process ")]
     assert len(figures) == 2, outputs
@@ -309,13 +325,15 @@ def with_tokenizer(tmp_path_factory, small_corpus):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator([p.read_text() for p in sorted(small_corpus.glob("*.py"))], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tokenizer.train_from_iterator(
+        [p.read_text() for p in sorted(small_corpus.glob("*.py"))], trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False))
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     torch.manual_seed(1)
-    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 320}, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
+    config = transformers.LlamaConfig(**{**COMMON, "vocab_size": 320}, rope_theta=500000.0,
+                                      rope_scaling=LLAMA3_ROPE)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
@@ -331,13 +349,16 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
 
     from shardax.trainer.checkpoint import saved_arrays
 
-    at_step_1 = saved_arrays(tmp_path / "ckpt", 1)  # the warmup's first learning rate is 0: the weights as loaded
+    # the warmup's first learning rate is 0: the weights as loaded
+    at_step_1 = saved_arrays(tmp_path / "ckpt", 1)
     np.testing.assert_array_equal(at_step_1["params.embedding"],
-                                  load_file(with_tokenizer / "model.safetensors")["model.embed_tokens.weight"])
+                                  load_file(with_tokenizer / "model.safetensors")[
+                                      "model.embed_tokens.weight"])
     assert f"model: fine-tuning the Hugging Face checkpoint {with_tokenizer} (2 layers" in first.stdout
     assert "bpe (vocabulary 300, tokenizer.json)" in first.stdout and "sample" in first.stdout
     losses = [record["loss"] for record in read_metrics(tmp_path / "m.jsonl")]
-    assert len(losses) == 4 and losses[0] < np.log(320) + 1.0  # a trained-from-random model starts near log(V)
+    # a trained-from-random model starts near log(V)
+    assert len(losses) == 4 and losses[0] < np.log(320) + 1.0
     resumed = shardax(*run, "--resume", "--extend-to", 5)
     assert "resumed from step 4" in resumed.stdout
     exported = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "export")
@@ -357,7 +378,8 @@ def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, smal
     shutil.copy(with_tokenizer / "config.json", tmp_path / "big")
     shutil.copy(with_tokenizer / "model.safetensors", tmp_path / "big")
     big = shardax("train", "--init-from", tmp_path / "big", "--data", small_corpus, check=False)
-    assert big.returncode == 2 and "has no tokenizer.json; give the one the model was trained with" in big.stderr
+    assert (big.returncode == 2
+            and "has no tokenizer.json; give the one the model was trained with" in big.stderr)
 
 
 @pytest.fixture(scope="session")
@@ -367,7 +389,8 @@ def chat_model(with_tokenizer, tmp_path_factory):
     shutil.copytree(with_tokenizer, folder)
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>",
+                                                              "chat_template": template}))
     return folder
 
 
@@ -378,8 +401,8 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     rows hold, under fsdp_tp."""
     import torch
     import transformers
-
     from cli_helpers import read_metrics, shardax
+
     from shardax.data.examples import ExampleRows
     from shardax.data.python_chats import conversations
     from shardax.lm.data import open_data
@@ -388,10 +411,11 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(chat) + "\n" for chat in conversations()[:48]))
     done = shardax("train", "--init-from", folder, "--data", chats, "--lora-rank", 4, "--strategy", "fsdp_tp",
-                   "--mesh", "data=4,model=2", "--seq-len", 64, "--batch-size", 8, "--steps", 2, "--log-every", 1,
-                   "--eval-every", 0, "--sample-bytes", 4, "--metrics", tmp_path / "m.jsonl",
-                   "--checkpoint-dir", tmp_path / "ckpt")
-    assert f"rendered with the chat template of {folder}" in done.stdout and "tokens learned (the assistant's)" in done.stdout
+                   "--mesh", "data=4,model=2", "--seq-len", 64, "--batch-size", 8, "--steps", 2,
+                   "--log-every", 1, "--eval-every", 0, "--sample-bytes", 4,
+                   "--metrics", tmp_path / "m.jsonl", "--checkpoint-dir", tmp_path / "ckpt")
+    assert (f"rendered with the chat template of {folder}" in done.stdout
+            and "tokens learned (the assistant's)" in done.stdout)
     data = open_data([str(chats)], str(folder / "tokenizer.json"), None, None, 64)  # the run's own cache
     rows = ExampleRows(data.train, 64, 8, seed=0)
     examples = [data.train.example(i, 65) for n in range(8) for i in rows.plan[int(rows.order[n])]]
@@ -403,7 +427,8 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
             labels[0] = -100  # an example's first token is predicted from nothing of its own
             learned = float((labels[1:] != -100).sum())
             if learned:
-                total += float(model(torch.tensor(ids.astype(np.int64))[None], labels=labels[None]).loss) * learned
+                total += float(model(torch.tensor(ids.astype(np.int64))[None],
+                                     labels=labels[None]).loss) * learned
                 count += learned
     metrics = read_metrics(tmp_path / "m.jsonl")
     np.testing.assert_allclose(metrics[0]["loss"], total / count, rtol=1e-5)
@@ -412,11 +437,13 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
     said = shardax("generate", "--hf", folder, "--chat", "--prompt", question, "--temperature", 0,
                    "--max-new-tokens", 6)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                              return_tensors="pt")
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                              add_generation_prompt=True, return_tensors="pt")
     with torch.no_grad():
-        greedy = model.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=hf_tokenizer.eos_token_id)
-    assert said.stdout.strip() == hf_tokenizer.decode(greedy[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+        greedy = model.generate(prompt, max_new_tokens=6, do_sample=False,
+                                eos_token_id=hf_tokenizer.eos_token_id)
+    assert said.stdout.strip() == hf_tokenizer.decode(greedy[0, prompt.shape[1]:],
+                                                      skip_special_tokens=True).strip()
 
 
 def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(chat_model, tmp_path):
@@ -425,30 +452,37 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
     zero: the policy is the reference), the rewards move after it, and the validation pairs are
     scored; DPO without LoRA, and DPO's flags without pairs, are one line each."""
     from cli_helpers import read_metrics, shardax
+
     from shardax.data.python_chats import preference_pairs
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(pair) + "\n" for pair in preference_pairs()[:40]))
-    run = ("train", "--init-from", chat_model, "--data", pairs, "--strategy", "fsdp_tp", "--mesh", "data=4,model=2",
-           "--seq-len", 64, "--batch-size", 8, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
+    run = ("train", "--init-from", chat_model, "--data", pairs, "--strategy", "fsdp_tp",
+           "--mesh", "data=4,model=2", "--seq-len", 64, "--batch-size", 8, "--log-every", 1,
+           "--eval-every", 0, "--sample-bytes", 0)
     done = shardax(*run, "--lora-rank", 4, "--steps", 4, "--dpo-beta", 0.5, "--metrics", tmp_path / "m.jsonl",
                    "--checkpoint-dir", tmp_path / "ckpt")
-    assert "preference pairs" in done.stdout and f"rendered with the chat template of {chat_model}" in done.stdout
+    assert ("preference pairs" in done.stdout
+            and f"rendered with the chat template of {chat_model}" in done.stdout)
     # the summary sets the loss beside DPO's own baseline (log 2), not a unigram entropy
-    assert re.search(r"policy = reference baseline +│ 0\.6931 nats/pair", done.stdout) and "unigram" not in done.stdout
+    assert (re.search(r"policy = reference baseline +│ 0\.6931 nats/pair", done.stdout)
+            and "unigram" not in done.stdout)
     metrics = read_metrics(tmp_path / "m.jsonl")
     first, last = metrics[0], [r for r in metrics if "loss" in r][-1]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["reward_margin"] == pytest.approx(0, abs=1e-6)
+    assert (first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+            and first["reward_margin"] == pytest.approx(0, abs=1e-6))
     assert last["chosen_reward"] != 0 and last["rejected_reward"] != 0  # the adapters moved the policy
     evaluated = next(r for r in metrics if "val_loss" in r)
     assert math.isfinite(evaluated["val_loss"]) and 0 <= evaluated["val_reward_accuracy"] <= 1
     full = shardax(*run, "--steps", 1, check=False)
-    assert full.returncode == 2 and "DPO from shardax train takes the model's base weights as its reference" in full.stderr
+    assert (full.returncode == 2
+            and "DPO from shardax train takes the model's base weights as its reference" in full.stderr)
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"prompt": "2 + 2 =", "completion": " 4"}) + "\n"
                      + json.dumps({"prompt": "3 + 3 =", "completion": " 6"}) + "\n")
     wrong = shardax("train", "--init-from", chat_model, "--data", chats, "--dpo-beta", 0.2, check=False)
-    assert wrong.returncode == 2 and "--dpo-beta tunes DPO, and --data holds no preference pairs" in wrong.stderr
+    assert (wrong.returncode == 2
+            and "--dpo-beta tunes DPO, and --data holds no preference pairs" in wrong.stderr)
 
 
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):
@@ -461,34 +495,42 @@ def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints,
     from shardax.models.presets import adapter_count
 
     folder, expected = checkpoints["llama3"]
-    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=LoRA(4, 8, "q,v,o,gate,down"))
+    loaded = hf.load(folder, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2),
+                     lora=LoRA(4, 8, "q,v,o,gate,down"))
     np.testing.assert_allclose(logits_of(loaded), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     parallel, state = loaded.parallel, loaded.state
     specs = {path_to_str(path)[len("blocks/layers/"):]: leaf.sharding.spec
-             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params) if "lora_" in path_to_str(path)}
+             for path, leaf in jax.tree_util.tree_leaves_with_path(state.params)
+             if "lora_" in path_to_str(path)}
     assert specs["lora_q_b"][2] == "model" and specs["lora_q_a"][1] == "data"  # heads on model, embed on data
     assert specs["lora_o_a"][1] == "model"  # o contracts the heads: split like them
-    assert specs["lora_down_a"][1] == "model" and specs["lora_gate_b"][2] == "model"  # the MLP's hidden on model
+    assert (specs["lora_down_a"][1] == "model"
+            and specs["lora_gate_b"][2] == "model")  # the MLP's hidden on model
     moments = sum(leaf.size for leaf in jax.tree.leaves(state.opt_state)) - 1  # adam's mu and nu, and a count
     assert moments == 2 * adapter_count(loaded.config) and adapter_count(loaded.config) == 2 * (
         4 * (64 + 64) + 4 * (64 + 32) + 4 * (64 + 64) + 4 * (64 + 96) + 4 * (96 + 64))
     step = parallel.train_step(next_token_loss)
     batch = parallel.place_batch({"tokens": TOKENS})
-    before = {path_to_str(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
+    before = {path_to_str(p): np.asarray(leaf)
+              for p, leaf in jax.tree_util.tree_leaves_with_path(state.params)}
     trained, losses = state, []
     for _ in range(4):
         trained, metrics = step(trained, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.05
-    after = {path_to_str(p): np.asarray(leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(trained.params)}
+    after = {path_to_str(p): np.asarray(leaf)
+             for p, leaf in jax.tree_util.tree_leaves_with_path(trained.params)}
     assert sorted(name for name in after if not np.array_equal(after[name], before[name])) == sorted(
         name for name in after if "lora_" in name)
     ours = np.asarray(jax.jit(lambda model, tokens: model(tokens))(parallel.merge(trained), TOKENS[:, :-1]))
-    with pytest.raises(UsageError, match=r"carries LoRA adapters \(rank 4 on q,v,o,gate,down\): save\(..., merge=True\)"):
+    with pytest.raises(UsageError,
+                       match=r"carries LoRA adapters \(rank 4 on q,v,o,gate,down\): save\(..., merge=True\)"):
         hf.save(tmp_path / "unmerged", trained.params, loaded.config)
-    merged = hf.save(tmp_path / "merged", trained.params, loaded.config, hf_config=loaded.hf_config, merge=True)
+    merged = hf.save(tmp_path / "merged", trained.params, loaded.config, hf_config=loaded.hf_config,
+                     merge=True)
     with torch.no_grad():
-        logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(torch.tensor(TOKENS[:, :-1])).logits
+        logits = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(
+            torch.tensor(TOKENS[:, :-1])).logits
     np.testing.assert_allclose(logits.numpy(), ours, rtol=1e-4, atol=1e-4 * np.abs(ours).max())
     adapters = hf.save_adapters(tmp_path / "adapters", trained.params, loaded.config, base_model=str(folder))
     written = json.loads((adapters / "adapter_config.json").read_text())
@@ -508,37 +550,42 @@ def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4])
-def test_lora_under_fsdp_runs_to_the_end_on_few_simulated_devices(devices, with_tokenizer, small_corpus, tmp_path):
+def test_lora_under_fsdp_runs_to_the_end_on_few_simulated_devices(devices, with_tokenizer, small_corpus,
+                                                                  tmp_path):
     """The fine-tuning guide's LoRA run at its batch of 32, well past step 2, on 2 and 4 devices
     (it aborted after step 1 in XLA:CPU's collectives, see shardax.cpu_devices)."""
     from cli_helpers import read_metrics, shardax
 
-    done = shardax("train", "--init-from", with_tokenizer, "--data", small_corpus, "--lora-rank", 8, "--lora-targets",
-                   "q,k,v,o", "--strategy", "fsdp", "--devices", devices, "--steps", 30, "--seq-len", 32,
-                   "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--metrics", tmp_path / "m.jsonl",
-                   "--checkpoint-dir", tmp_path / "ckpt")
+    done = shardax("train", "--init-from", with_tokenizer, "--data", small_corpus, "--lora-rank", 8,
+                   "--lora-targets", "q,k,v,o", "--strategy", "fsdp", "--devices", devices, "--steps", 30,
+                   "--seq-len", 32, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0,
+                   "--metrics", tmp_path / "m.jsonl", "--checkpoint-dir", tmp_path / "ckpt")
     assert f"({devices} cpu devices, {devices} simulated here on" in done.stdout
     losses = [r["loss"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert len(losses) == 30 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
-def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_tokenizer, small_corpus, tmp_path):
+def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_tokenizer, small_corpus,
+                                                                           tmp_path):
     from cli_helpers import shardax
     from safetensors.numpy import load_file
 
     from shardax.trainer.checkpoint import saved_arrays
 
-    run = ("train", "--init-from", with_tokenizer, "--data", small_corpus, "--strategy", "fsdp", "--seq-len", 32,
-           "--batch-size", 8, "--eval-every", 0, "--sample-bytes", 0, "--checkpoint-dir", tmp_path / "ckpt",
-           "--steps", 3, "--lr", 1e-2)
+    run = ("train", "--init-from", with_tokenizer, "--data", small_corpus, "--strategy", "fsdp",
+           "--seq-len", 32, "--batch-size", 8, "--eval-every", 0, "--sample-bytes", 0,
+           "--checkpoint-dir", tmp_path / "ckpt", "--steps", 3, "--lr", 1e-2)
     first = shardax(*run, "--lora-rank", 4, "--lora-alpha", 8, "--lora-targets", "q,v,down")
-    assert "LoRA: rank 4, alpha 8 on q,v,down: 3,072 adapter parameters train, the model's 102,720 stay frozen" in first.stdout
+    assert ("LoRA: rank 4, alpha 8 on q,v,down: 3,072 adapter parameters train, the model's 102,720 "
+            "stay frozen" in first.stdout)
     trained, loaded = saved_arrays(tmp_path / "ckpt", 3), load_file(with_tokenizer / "model.safetensors")
     np.testing.assert_array_equal(trained["params.embedding"], loaded["model.embed_tokens.weight"])  # frozen
     assert np.abs(trained["params.blocks.layers.lora_q_b"]).max() > 0  # trained from zero
-    assert not any(".mu." in name and "lora" not in name for name in trained)  # no optimizer state for the base
+    assert not any(".mu." in name and "lora" not in name
+                   for name in trained)  # no optimizer state for the base
     contradicts = shardax(*run, "--lora-rank", 8, "--resume", "--extend-to", 4, check=False)
-    assert contradicts.returncode == 2 and "--lora-rank 8 contradicts the checkpoint's --lora-rank 4" in contradicts.stderr
+    assert (contradicts.returncode == 2
+            and "--lora-rank 8 contradicts the checkpoint's --lora-rank 4" in contradicts.stderr)
     adapters = shardax("export", tmp_path / "ckpt", "--hf", tmp_path / "adapters")
     assert "as LoRA adapters in PEFT's layout (rank 4)" in adapters.stdout
     assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["target_modules"] == [
@@ -547,24 +594,28 @@ def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_
     assert "(LoRA adapters merged)" in merged.stdout
     written = load_file(tmp_path / "merged" / "model.safetensors")
     layer = trained["params.blocks.layers.q"][1].reshape(64, -1)
-    delta = 2.0 * trained["params.blocks.layers.lora_q_a"][1] @ trained["params.blocks.layers.lora_q_b"][1].reshape(4, -1)
-    np.testing.assert_allclose(written["model.layers.1.self_attn.q_proj.weight"], (layer + delta).T, rtol=1e-6, atol=1e-7)
+    delta = (2.0 * trained["params.blocks.layers.lora_q_a"][1]
+             @ trained["params.blocks.layers.lora_q_b"][1].reshape(4, -1))
+    np.testing.assert_allclose(written["model.layers.1.self_attn.q_proj.weight"], (layer + delta).T,
+                               rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(written["model.layers.1.self_attn.k_proj.weight"],
                                   loaded["model.layers.1.self_attn.k_proj.weight"])
-    said = shardax("generate", "--checkpoint", tmp_path / "ckpt", "--prompt", "import json", "--max-new-tokens", 6,
-                   "--temperature", 0)
+    said = shardax("generate", "--checkpoint", tmp_path / "ckpt", "--prompt", "import json",
+                   "--max-new-tokens", 6, "--temperature", 0)
     assert said.stdout.startswith("import json") and len(said.stdout) > len("import json\n")
     assert re.search(r"\d new tokens for 1 prompt \(\d+ tokens\) in [\d.]+ s: first token after [\d.]+ s"
                      r"(, then [\d.]+ tokens/s)?$", said.stderr.strip()), said.stderr
-    both = shardax("generate", "--hf", with_tokenizer, "--prompt", "def", "--prompt", "class", "--max-new-tokens", 4)
+    both = shardax("generate", "--hf", with_tokenizer, "--prompt", "def", "--prompt", "class",
+                   "--max-new-tokens", 4)
     assert both.stdout.startswith("def") and "\nclass" in both.stdout
     long = shardax("generate", "--hf", with_tokenizer, "--prompt", "x", "--max-new-tokens", 1000, check=False)
     assert long.returncode == 2 and "more than the model's 64; shorten the prompt" in long.stderr
     assert long.stdout == ""  # said before the prompt is echoed, on a line of its own
     lonely = shardax("train", "--init-from", with_tokenizer, "--lora-alpha", 8, check=False)
-    assert lonely.returncode == 2 and "--lora-alpha shapes LoRA adapters, and there are none without --lora-rank" in (
-        lonely.stderr)
-    wrong = shardax("train", "--init-from", with_tokenizer, "--lora-rank", 4, "--lora-targets", "q,attn", check=False)
+    assert (lonely.returncode == 2
+            and "--lora-alpha shapes LoRA adapters, and there are none without --lora-rank" in lonely.stderr)
+    wrong = shardax("train", "--init-from", with_tokenizer, "--lora-rank", 4, "--lora-targets", "q,attn",
+                    check=False)
     assert wrong.returncode == 2 and "--lora-targets q,attn: name each projection once" in wrong.stderr
 
 
@@ -580,8 +631,8 @@ def test_greedy_generation_matches_transformers_generate(checkpoints):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     for prompt, tokens in zip(prompts, ours):
         with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
         assert tokens == theirs[0, len(prompt):].tolist()
 
 
@@ -591,9 +642,11 @@ PAIRS = [(SFT[2 * p], SFT[2 * p + 1]) for p in range(4)]
 
 def pair_batch():
     def rows(side, part):
-        return np.stack([np.pad(pair[side][part], (0, 17 - len(pair[side][part]))) for pair in PAIRS]).astype(np.int32)
+        return np.stack([np.pad(pair[side][part], (0, 17 - len(pair[side][part])))
+                         for pair in PAIRS]).astype(np.int32)
 
-    return {"chosen": rows(0, 0), "chosen_mask": rows(0, 1), "rejected": rows(1, 0), "rejected_mask": rows(1, 1)}
+    return {"chosen": rows(0, 0), "chosen_mask": rows(0, 1), "rejected": rows(1, 0),
+            "rejected_mask": rows(1, 1)}
 
 
 def hf_sequence_logprobs(folder, batch):
@@ -626,7 +679,8 @@ def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
     batch = pair_batch()
     policy = hf_sequence_logprobs(checkpoints["llama3"][0], batch)
     reference = hf_sequence_logprobs(checkpoints["qwen3"][0], batch)
-    batch |= {"reference_chosen": reference[0].astype(np.float32), "reference_rejected": reference[1].astype(np.float32)}
+    batch |= {"reference_chosen": reference[0].astype(np.float32),
+              "reference_rejected": reference[1].astype(np.float32)}
     margin = beta * ((policy[0] - reference[0]) - (policy[1] - reference[1]))
     log_sigmoid = lambda x: -np.log1p(np.exp(-x))  # noqa: E731
     expected = (-(1 - smoothing) * log_sigmoid(margin) - smoothing * log_sigmoid(-margin)).mean()
@@ -637,14 +691,16 @@ def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
     np.testing.assert_allclose(float(metrics["reward_margin"]), margin.mean(), rtol=1e-5, atol=1e-6)
     assert float(metrics["reward_accuracy"]) == (margin > 0).mean()
     sigmoid = 1 / (1 + np.exp(-margin))
-    weights = (-beta * ((1 - smoothing) * (1 - sigmoid) - smoothing * sigmoid) / len(PAIRS)).astype(np.float32)
+    weights = (-beta * ((1 - smoothing) * (1 - sigmoid) - smoothing * sigmoid)
+               / len(PAIRS)).astype(np.float32)
     got = params_grad(lambda m: loss_fn(m, batch)[0], model)
     want = params_grad(lambda m: (weights * (sequence_logprobs(m, batch["chosen"], batch["chosen_mask"])
-                                             - sequence_logprobs(m, batch["rejected"], batch["rejected_mask"]))).sum(),
+                                             - sequence_logprobs(m, batch["rejected"],
+                                                                 batch["rejected_mask"]))).sum(),
                        model)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4 * np.abs(np.asarray(w)).max(),
-                                   err_msg=path_to_str(path))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4,
+                                   atol=1e-4 * np.abs(np.asarray(w)).max(), err_msg=path_to_str(path))
     # the same in a run of parts, the reference a frozen model whose log-probabilities the step computes
     import optax
 
@@ -661,7 +717,8 @@ def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
     result = trainer.fit([pair_batch()], steps=1, log_every=1, summary=False)
     np.testing.assert_allclose(result.history[0]["loss"], expected, rtol=1e-5)
     moved = nnx.state(trainer.part("policy"), nnx.Param)
-    for (path, new), old, w in zip(jax.tree_util.tree_leaves_with_path(moved), jax.tree.leaves(nnx.state(model, nnx.Param)),
+    for (path, new), old, w in zip(jax.tree_util.tree_leaves_with_path(moved),
+                                   jax.tree.leaves(nnx.state(model, nnx.Param)),
                                    jax.tree.leaves(want)):  # SGD at 1: the step is minus the gradient
         np.testing.assert_allclose(np.asarray(old) - np.asarray(new), np.asarray(w), rtol=1e-3,
                                    atol=1e-3 * np.abs(np.asarray(w)).max(), err_msg=path_to_str(path))
@@ -678,7 +735,8 @@ def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(chec
     model = hf.load(folder, "data=4,model=2", "fsdp_tp", lora=LoRA(2, targets="q,v,up")).model()
     graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
-    adapters = jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape), adapters)  # B no longer 0
+    adapters = jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape),
+                            adapters)  # B no longer 0
     model = nnx.merge(graphdef, adapters, rest)
     base = hf.load(folder, "data=4,model=2", "fsdp_tp").model()
     batch = pair_batch()
@@ -692,7 +750,8 @@ def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(chec
         np.testing.assert_allclose(float(metrics[name]), float(expected[name]), rtol=1e-5, atol=1e-6)
 
     def adapter_grad(batch):
-        return nnx.jit(nnx.grad(lambda m: loss_fn(m, batch)[0], argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
+        return nnx.jit(nnx.grad(lambda m: loss_fn(m, batch)[0],
+                                argnums=nnx.DiffState(0, nnx.LoRAParam)))(model)
 
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7),
                  adapter_grad(batch), adapter_grad(given))
@@ -703,7 +762,8 @@ def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(chec
     before = [np.asarray(leaf) for leaf in jax.tree.leaves(loaded.state.params)]
     state, stepped = loaded.parallel.train_step(loss_fn)(loaded.state, loaded.parallel.place_batch(batch))
     np.testing.assert_allclose(float(stepped["loss"]), np.log(2), rtol=1e-6)
-    moved = [path_to_str(p) for (p, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params), before)
+    moved = [path_to_str(p)
+             for (p, new), old in zip(jax.tree_util.tree_leaves_with_path(state.params), before)
              if not np.array_equal(np.asarray(new), old)]
     assert sorted(moved) == [f"blocks/layers/lora_{t}_b" for t in ("q", "up", "v")]
     with pytest.raises(UsageError, match="dpo_loss reads pairs: the batch lacks chosen, rejected"):

@@ -1,7 +1,8 @@
 """Sliding windows, the Gemma family and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), checked
-against Hugging Face ``transformers`` (PyTorch on CPU) on tiny random checkpoints the tests create: logits under every layout, the loss of compiled
-eval steps under a pipeline and a context axis, save read back by transformers, greedy decoding,
-LoRA read by peft, and one-line refusals of what shardax does not compute."""
+against Hugging Face ``transformers`` (PyTorch on CPU) on tiny random checkpoints the tests create: logits
+under every layout, the loss of compiled eval steps under a pipeline and a context axis, save read back
+by transformers, greedy decoding, LoRA read by peft, and one-line refusals of what shardax does not
+compute."""
 
 import dataclasses
 import json
@@ -12,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from hf_checkpoints import make_checkpoints
 from safetensors.numpy import load_file
 
-from hf_checkpoints import make_checkpoints
 from shardax import hf
 from shardax.errors import UsageError
 from shardax.models.presets import parameter_count
@@ -42,11 +43,12 @@ FAMILIES = {
                                                      moe_intermediate_size=40, head_dim=16),
     # Qwen2-MoE: q/k/v biases, a shared expert gated by a sigmoid beside 6 experts, 2 per token, renormalised
     "qwen2-moe": lambda: transformers.Qwen2MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=2,
-                                                     moe_intermediate_size=40, shared_expert_intermediate_size=56,
-                                                     norm_topk_prob=True),
+                                                     moe_intermediate_size=40,
+                                                     shared_expert_intermediate_size=56, norm_topk_prob=True),
     # Gemma: GeGLU, (1 + w) RMSNorm, scaled embeddings, tied head, a head size of its own
     "gemma": lambda: transformers.GemmaConfig(**GEMMA),
-    # Gemma 2: norms after attention and MLP, local/global layers, soft-capped scores and logits, its query scale
+    # Gemma 2: norms after attention and MLP, local/global layers, soft-capped scores and logits, its query
+    # scale
     "gemma2": lambda: transformers.Gemma2Config(**GEMMA, sliding_window=5, query_pre_attn_scalar=24,
                                                 attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
     # Gemma 3: q/k norms, a local RoPE base, linear RoPE scaling on the global layers
@@ -95,7 +97,8 @@ def test_each_family_computes_what_transformers_computes_under_every_layout(fami
         loss = float(evaluate(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))["loss"])
         np.testing.assert_allclose(loss, hf_loss(expected), rtol=1e-5)
     if config.sliding_window:  # the same weights without the window compute something else
-        unwindowed = TransformerLM(dataclasses.replace(config, sliding_window=0, sliding_layers=None), rngs=nnx.Rngs(0))
+        unwindowed = TransformerLM(dataclasses.replace(config, sliding_window=0, sliding_layers=None),
+                                   rngs=nnx.Rngs(0))
         nnx.update(unwindowed, nnx.state(hf.load(folder, "data=8", "dp").model(), nnx.Param))
         full = np.asarray(unwindowed(TOKENS[:, :-1]))
         assert np.abs(full - expected).max() > 100 * 1e-4 * np.abs(expected).max()
@@ -106,9 +109,10 @@ def test_each_family_reads_its_features_from_config_json(made):
     assert windows == {"mistral-window": (5, 5), "qwen2-window": (0, 5), "gemma": (0, 0), "gemma2": (5, 0),
                        "gemma3": (5, 0), "mixtral": (0, 0), "qwen3-moe": (0, 0), "qwen2-moe": (0, 0)}
     mixtral, qwen3 = hf.read_config(made["mixtral"][0]), hf.read_config(made["qwen3-moe"][0])
-    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.ff_width, mixtral.normalize_top_k) == (4, 2, 96, True)
-    assert (qwen3.n_experts, qwen3.experts_per_token, qwen3.ff_width, qwen3.normalize_top_k, qwen3.qk_norm) == (
-        6, 3, 40, False, True)
+    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.ff_width, mixtral.normalize_top_k) == (
+        4, 2, 96, True)
+    assert (qwen3.n_experts, qwen3.experts_per_token, qwen3.ff_width, qwen3.normalize_top_k,
+            qwen3.qk_norm) == (6, 3, 40, False, True)
     qwen2 = hf.read_config(made["qwen2-moe"][0])
     assert (qwen2.shared_expert_d_ff, qwen2.qkv_bias, qwen2.normalize_top_k) == (56, True, True)
     gemma2, gemma3 = hf.read_config(made["gemma2"][0]), hf.read_config(made["gemma3"][0])
@@ -133,7 +137,9 @@ def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
 
     folder = made[family][0]
     config = dataclasses.replace(hf.load(folder, "data=8", "fsdp").config, seq_len=16)
-    flags = ("--init-from", folder, "--strategy", "fsdp", "--mesh", "data=8", "--batch-size", 8, "--seq-len", 16)
+    flags = ("--init-from", folder, "--strategy", "fsdp", "--mesh", "data=8", "--batch-size", 8,
+             "--seq-len", 16)
+    full: dict = {}  # the full plan, which the LoRA one is set against
     for lora in ((), ("--lora-rank", 4)):
         (planned,) = json.loads(shardax("plan", *flags, *lora, "--json").stdout)
         model = LoRA(4, None, ",".join(config.adaptable)).applied(config) if lora else config
@@ -152,7 +158,8 @@ def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
 @pytest.mark.parametrize("flags, message", [
     (("--init-from", "{empty}"), "has no config.json; give a Hugging Face model directory"),
     (("--init-from", "{mixtral}", "--preset", "small"), "--preset small and --init-from"),
-    (("--init-from", "{mixtral}", "--lora-alpha", 8), "--lora-alpha shapes LoRA adapters, and there are none"),
+    (("--init-from", "{mixtral}", "--lora-alpha", 8),
+     "--lora-alpha shapes LoRA adapters, and there are none"),
     (("--init-from", "{edited}"), "router_jitter_noise=0.1 is not supported")])
 def test_plan_init_from_refuses_bad_input_in_one_line(flags, message, made, tmp_path):
     from cli_helpers import shardax
@@ -182,7 +189,8 @@ def test_save_is_read_back_by_transformers_and_by_shardax_bit_exact(family, made
 
 def same(a, b):
     """Configs equal but for how the head size is given (config.json's ``head_dim`` null or written)."""
-    return dataclasses.replace(a, attention_head_dim=a.head_dim) == dataclasses.replace(b, attention_head_dim=b.head_dim)
+    return (dataclasses.replace(a, attention_head_dim=a.head_dim)
+            == dataclasses.replace(b, attention_head_dim=b.head_dim))
 
 
 @pytest.mark.parametrize("family", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "mixtral"])
@@ -200,8 +208,8 @@ def test_greedy_generation_past_the_window_equals_transformers(family, made):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     for prompt, tokens in zip(prompts, ours):
         with torch.no_grad():
-            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
+            theirs = model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
         assert tokens == theirs[0, len(prompt):].tolist()
     layout = cache_layout(loaded.model(), len(prompts), 7, 14)
     assert layout.ring == (16 if family in ("qwen2-window", "gemma2", "gemma3") else None)
@@ -229,12 +237,14 @@ def test_lora_trains_and_peft_reads_its_adapters(family, targets, made, tmp_path
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
-    ours = np.asarray(jax.jit(lambda model, tokens: model(tokens))(loaded.parallel.merge(state), TOKENS[:, :-1]))
+    ours = np.asarray(jax.jit(lambda model, tokens: model(tokens))(loaded.parallel.merge(state),
+                                                                   TOKENS[:, :-1]))
     adapters = hf.save_adapters(tmp_path / "adapters", state.params, loaded.config, base_model=str(folder))
     peft = pytest.importorskip("peft")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
-        close(peft.PeftModel.from_pretrained(base, adapters).eval()(torch.tensor(TOKENS[:, :-1])).logits.numpy(), ours)
+        close(peft.PeftModel.from_pretrained(base, adapters).eval()(
+            torch.tensor(TOKENS[:, :-1])).logits.numpy(), ours)
 
 
 def _edited(folder, tmp_path, **changes):
@@ -247,14 +257,14 @@ def _edited(folder, tmp_path, **changes):
 
 
 @pytest.mark.parametrize("family, changes, message", [
-    ("gemma2", {"hidden_activation": "gelu"}, 'hidden_activation="gelu" is not supported (this family\'s MLP is '
-                                              'computed with gelu_pytorch_tanh)'),
+    ("gemma2", {"hidden_activation": "gelu"},
+     'hidden_activation="gelu" is not supported (this family\'s MLP is computed with gelu_pytorch_tanh)'),
     ("gemma3", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types="),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true is not supported"),
     ("gemma3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only Llama 3's and linear are"),
     ("gemma3", {"model_type": "gemma3"}, "the text model of gemma3 is gemma3_text"),
-    ("qwen3-moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1] is not supported (every layer of a stack is a "
-                                            "mixture of experts here)"),
+    ("qwen3-moe", {"mlp_only_layers": [1]},
+     "mlp_only_layers=[1] is not supported (every layer of a stack is a mixture of experts here)"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
     ("mixtral", {"num_experts_per_tok": 5}, "experts_per_token=5 must be from 1 to n_experts=4"),
 ], ids=["activation", "layer-type", "bidirectional", "rope", "multimodal", "dense-layers", "jitter", "top-k"])
@@ -268,7 +278,8 @@ def test_what_shardax_does_not_compute_is_refused_in_one_line(family, changes, m
 def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line(made, tmp_path):
     folder, _ = made["gemma2"]
     loaded = hf.load(folder, "data=4,context=2", "dp")
-    with pytest.raises(UsageError, match=r"soft-capping .* runs with `context_attention='all-gather'`, not 'ring'"):
+    with pytest.raises(UsageError,
+                       match=r"soft-capping .* runs with `context_attention='all-gather'`, not 'ring'"):
         loaded.parallel.eval_step(next_token_loss, context_attention="ring")(
             loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
     odd = dataclasses.replace(loaded.config, post_norms=False, attention_softcap=None, logits_softcap=None,
@@ -287,6 +298,7 @@ def test_router_losses_are_transformers_aux_loss(made, tmp_path):
         out = model(torch.tensor(TOKENS), labels=torch.tensor(TOKENS))
     loaded = hf.load(folder, "data=4,expert=2", "ep")
     assert loaded.config.router_aux_loss == 0.5
-    metrics = loaded.parallel.eval_step(next_token_loss)(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
+    metrics = loaded.parallel.eval_step(next_token_loss)(loaded.state,
+                                                         loaded.parallel.place_batch({"tokens": TOKENS}))
     np.testing.assert_allclose(float(metrics["router_balance"]), float(out.aux_loss), rtol=1e-5)
     np.testing.assert_allclose(float(metrics["loss"]), float(out.loss), rtol=1e-5)

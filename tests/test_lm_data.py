@@ -45,7 +45,8 @@ def corpus(tmp_path_factory):
     with open(root / "lines.jsonl", "w") as handle:
         for i, text in enumerate(texts[10:20]):
             handle.write(json.dumps({"id": i, "text": text}) + "\n")
-    pq.write_table(pa.table({"text": texts[20:], "n": list(range(10))}), root / "rows.parquet", row_group_size=4)
+    pq.write_table(pa.table({"text": texts[20:], "n": list(range(10))}), root / "rows.parquet",
+                   row_group_size=4)
     return root, texts
 
 
@@ -121,12 +122,14 @@ def test_bpe_trained_on_the_corpus_and_loaded_from_its_file(corpus, tmp_path):
     data = PreparedData(done.root)
     assert data.tokenizer.vocab_size == 300 and done.index["vocab_size"] == 300
     assert sorted(split_documents(data, "train") + split_documents(data, "validation")) == sorted(texts)
-    assert done.index["splits"]["train"]["tokens"] < done.index["splits"]["train"]["bytes"] * 0.8  # it compresses
+    # it compresses
+    assert done.index["splits"]["train"]["tokens"] < done.index["splits"]["train"]["bytes"] * 0.8
     lengths = data.tokenizer.token_bytes()  # bytes per token, exact for byte-level BPE
     for text in texts[:5]:
         ids = data.tokenizer.encode_batch([text])[0]
         assert lengths[ids].sum() == len(text.encode())
-    reused = prepare([root], tmp_path / "reused", tokenizer=str(done.root / "tokenizer.json"), show_progress=False)
+    reused = prepare([root], tmp_path / "reused", tokenizer=str(done.root / "tokenizer.json"),
+                     show_progress=False)
     assert load_tokenizer(reused.root / "tokenizer.json").fingerprint == data.tokenizer.fingerprint
     assert reused.index["splits"] == done.index["splits"]
 
@@ -145,8 +148,9 @@ def test_the_stream_reads_across_shards_without_loading_them(tmp_path):
     np.testing.assert_array_equal(narrow.read(0, 30), np.arange(30))
     with pytest.raises(UsageError) as error:
         narrow.read(25, 10)
-    assert str(error.value) == (f"{tmp_path / 'train-00002.tokens'} holds token id 30 at token 19, beyond the "
-                                f"tokenizer's 30 ids: the shard is damaged; run shardax prepare again into {tmp_path}")
+    assert str(error.value) == (f"{tmp_path / 'train-00002.tokens'} holds token id 30 at token 19, beyond "
+                                "the tokenizer's 30 ids: the shard is damaged; run shardax prepare again "
+                                f"into {tmp_path}")
 
 
 def test_packed_windows_number_documents_and_restart_positions():
@@ -245,8 +249,10 @@ def test_bytes_tokenizer_round_trips_any_text():
 
 @pytest.mark.parametrize("make, message", [
     (lambda d: (d / "empty.txt").write_text(""), "empty.txt is empty; remove it"),
-    (lambda d: (d / "latin1.txt").write_bytes("café".encode("latin-1")), "latin1.txt is not UTF-8 text (byte 3"),
-    (lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'), "x.jsonl line 1 has no field 'text' (it has body)"),
+    (lambda d: (d / "latin1.txt").write_bytes("café".encode("latin-1")),
+     "latin1.txt is not UTF-8 text (byte 3"),
+    (lambda d: (d / "x.jsonl").write_text('{"body": "hi"}\n'),
+     "x.jsonl line 1 has no field 'text' (it has body)"),
     (lambda d: (d / "x.jsonl").write_text('{"text": "ok"}\nnot json\n'), "x.jsonl line 2 is not JSON"),
     (lambda d: __import__("pyarrow.parquet").parquet.write_table(
         __import__("pyarrow").table({"body": ["a"]}), d / "x.parquet"),
@@ -298,8 +304,8 @@ def test_a_killed_prepare_is_built_again_and_an_edited_index_is_one_line(corpus,
     (left / "index.json").write_text(json.dumps(index))
     with pytest.raises(UsageError) as error:
         PreparedData(left)
-    assert str(error.value) == (f"{left / 'index.json'} lacks dtype; it was not written whole by shardax prepare: "
-                                f"run shardax prepare again into {left}")
+    assert str(error.value) == (f"{left / 'index.json'} lacks dtype; it was not written whole by shardax "
+                                f"prepare: run shardax prepare again into {left}")
 
 
 @pytest.mark.parametrize("count", [1, 3])
@@ -341,12 +347,13 @@ def test_a_new_run_loops_its_blocks_on_gpus_where_benchmark_24_timed_it_faster()
     assert not resolve(TrainConfig(scan_layers=False, strategy="fsdp"), platform="cpu").model.scan_layers
     new = resolve(TrainConfig(), platform="gpu")
     assert _layout(TrainConfig(), None, new.model) == [
-        "blocks: in a Python loop, the default on GPUs under dp (steps 1.14-1.27x faster than scanned on an H100, "
-        "benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
+        "blocks: in a Python loop, the default on GPUs under dp (steps 1.14-1.27x faster than scanned on an "
+        "H100, benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
     assert _layout(TrainConfig(scan_layers=False), None, new.model) == []  # asked for: nothing to explain
     resumed = resolve(TrainConfig(strategy="fsdp"), saved=new.record(), platform="cpu")
     assert not resumed.model.scan_layers
-    with pytest.raises(UsageError, match="--scan-layers True contradicts the checkpoint's --scan-layers False"):
+    with pytest.raises(UsageError,
+                       match="--scan-layers True contradicts the checkpoint's --scan-layers False"):
         resolve(TrainConfig(scan_layers=True), saved=new.record(), platform="gpu")
 
 
@@ -354,7 +361,8 @@ def test_the_default_run_is_the_one_measured_in_the_readme():
     """Benchmark 20 measured the default run's sample (its figure is in the README): the default
     settings are still the ones it ran with."""
     run = resolve(TrainConfig())
-    assert (run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps) == ("tiny", "bpe", 1024, 32, 500)
+    assert ((run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps)
+            == ("tiny", "bpe", 1024, 32, 500))
     assert run.model.seq_len == 64
     assert (TrainConfig().sample_temperature, TrainConfig().sample_top_k) == (0.7, 10)
     rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/default_sample.json").read_text())

@@ -7,7 +7,8 @@ from shardax import DeviceMeshManager, get_mesh_info, parse_mesh_shape
 
 @pytest.mark.parametrize(
     "shape",
-    [{"data": 4, "model": 2}, [("data", 4), ("model", 2)], "data=4,model=2", "data=-1,model=2", {"data": 4, "model": -1}],
+    [{"data": 4, "model": 2}, [("data", 4), ("model", 2)], "data=4,model=2", "data=-1,model=2",
+     {"data": 4, "model": -1}],
 )
 def test_create_device_mesh_accepts_every_spelling(shape):
     mesh = DeviceMeshManager().create_device_mesh(shape)
@@ -27,7 +28,8 @@ def test_axis_types_are_an_explicit_choice():
     assert manager.create_device_mesh("data=8").axis_types == (AxisType.Auto,)
     explicit = manager.create_device_mesh("data=4,model=2", axis_types="explicit")
     assert explicit.axis_types == (AxisType.Explicit, AxisType.Explicit)
-    assert DeviceMeshManager(axis_types="explicit").create_data_parallel_mesh().axis_types == (AxisType.Explicit,)
+    assert (DeviceMeshManager(axis_types="explicit").create_data_parallel_mesh().axis_types
+            == (AxisType.Explicit,))
     with pytest.raises(ValueError, match="axis_types='manual' is not one of 'auto', 'explicit'"):
         manager.create_device_mesh("data=8", axis_types="manual")
 
@@ -68,9 +70,12 @@ def test_get_mesh_info():
 @pytest.mark.parametrize(
     "shape, message",
     [
-        ("data=4,model=4", r"mesh shape 'data=4,model=4' needs 16 devices but only 8 are available; .* e\.g\. 'data=2,model=4'"),
+        ("data=4,model=4",
+         (r"mesh shape 'data=4,model=4' needs 16 devices but only 8 are available; .* "
+          r"e\.g\. 'data=2,model=4'")),
         ("data=-1,model=-1", "more than one -1 axis"),
-        ("data=3,model=-1", r"8 devices do not divide by the other axes' product 3.* e\.g\. 'data=1,model=8'|e\.g\."),
+        ("data=3,model=-1",
+         r"8 devices do not divide by the other axes' product 3.* e\.g\. 'data=1,model=8'|e\.g\."),
         ({"data": 2, "data ": 2}, None),
         ([("data", 2), ("data", 4)], "names axis 'data' twice"),
         ({"": 8}, "empty axis name"),

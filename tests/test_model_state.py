@@ -4,13 +4,18 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
 from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
-
-from conftest import make_mesh
-from shardax import DataParallel, model_state_shardings, place_model_state_on_shards, place_nnx_state_on_shards
 from small_models import MLP
+
+from shardax import (
+    DataParallel,
+    model_state_shardings,
+    place_model_state_on_shards,
+    place_nnx_state_on_shards,
+)
 
 
 def model():
@@ -38,7 +43,8 @@ def test_shard_uses_largest_divisible_dim_and_replicates_the_rest(mesh8, caplog)
     state = nnx.state(model())
     with caplog.at_level(logging.INFO, logger="shardax"):
         placed = DataParallel.shard_model_state_static(state, mesh8, param_sharding="shard")
-    expect_shards(placed["hidden"]["kernel"][...], state["hidden"]["kernel"][...], P(None, "data"))  # (16, 32)
+    expect_shards(placed["hidden"]["kernel"][...], state["hidden"]["kernel"][...],
+                  P(None, "data"))  # (16, 32)
     expect_shards(placed["hidden"]["bias"][...], state["hidden"]["bias"][...], P("data"))  # (32,)
     expect_shards(placed["odd"]["kernel"][...], state["odd"]["kernel"][...], P("data", None))  # (32, 3)
     expect_shards(placed["odd"]["bias"][...], state["odd"]["bias"][...], P())  # (3,) cannot divide
@@ -51,8 +57,9 @@ def test_shard_uses_largest_divisible_dim_and_replicates_the_rest(mesh8, caplog)
 @pytest.mark.parametrize("factory", ["mlp", "convnet"])
 def test_shard_mode_is_the_fsdp_strategys_placement(mesh8, factory):
     """One placement engine: the seed API's "shard" puts every parameter where parallelize's fsdp does."""
-    from shardax import parallelize
     from user_models import ConvNet
+
+    from shardax import parallelize
 
     make = {"mlp": MLP, "convnet": ConvNet}[factory]
     params = nnx.state(make(nnx.Rngs(0)), nnx.Param)
@@ -114,7 +121,8 @@ def test_path_pattern_with_indivisible_spec_names_the_leaf(mesh8):
 
 
 def test_pattern_with_unknown_mesh_axis(mesh8):
-    with pytest.raises(ValueError, match=r"names mesh axis 'model', but the mesh data=8 has axes \('data',\)"):
+    with pytest.raises(ValueError,
+                       match=r"names mesh axis 'model', but the mesh data=8 has axes \('data',\)"):
         place_model_state_on_shards(nnx.state(model()), mesh8, {"hidden/kernel": P(None, "model")})
 
 
@@ -131,7 +139,8 @@ def test_nnx_filters_on_auto_and_explicit_meshes(axis_type):
     state = nnx.state(model())
     kernels = nnx.All(nnx.Param, nnx.PathContains("odd"), nnx.PathContains("kernel"))
     hidden_kernel = nnx.All(nnx.PathContains("hidden"), nnx.PathContains("kernel"))
-    placed = place_nnx_state_on_shards(state, mesh, {hidden_kernel: P(None, "model"), kernels: P("data", None)})
+    placed = place_nnx_state_on_shards(state, mesh, {hidden_kernel: P(None, "model"),
+                                                     kernels: P("data", None)})
     expect_shards(placed["hidden"]["kernel"][...], state["hidden"]["kernel"][...], P(None, "model"))
     expect_shards(placed["hidden"]["bias"][...], state["hidden"]["bias"][...], P())
     expect_shards(placed["odd"]["kernel"][...], state["odd"]["kernel"][...], P("data", None))

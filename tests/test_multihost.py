@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-
 from cli_helpers import QUICK, WORKERS, last_logged_step, read_metrics, shardax, subprocess_env
+
 from shardax.distributed import detect_cluster
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from shardax.trainer.manifest import MANIFEST
@@ -42,7 +42,8 @@ def train_pair(strategy, corpus, tmp_path_factory):
                       env={"SHARDAX_RUNS_DIR": str(folder / "runs")})
         [run] = (folder / "runs").iterdir()
         assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "tokenizer.json"]
-        resume = f"shardax train --run-dir {run} --metrics {folder / 'two.jsonl'} --resume"  # the metrics elsewhere
+        # the metrics elsewhere
+        resume = f"shardax train --run-dir {run} --metrics {folder / 'two.jsonl'} --resume"
         assert two.stdout.count(f"run directory: {run} (resume it with: {resume})") == 1, two.stdout
         (run / "checkpoints").rename(folder / "two")
         _PAIRS[strategy] = (one, two, folder)
@@ -50,7 +51,8 @@ def train_pair(strategy, corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["dp", "fsdp_tp"])  # fsdp_tp gathers over data as fsdp does, and splits over model
+# fsdp_tp gathers over data as fsdp does, and splits over model
+@pytest.mark.parametrize("strategy", ["dp", "fsdp_tp"])
 def test_two_processes_train_like_one(strategy, small_corpus, tmp_path_factory):
     one, two, tmp_path = train_pair(strategy, small_corpus, tmp_path_factory)
     assert "[0] shardax train" in two.stdout and "[1] shardax train" not in two.stdout  # printed once
@@ -77,21 +79,26 @@ def test_checkpoints_cross_between_one_and_two_processes(small_corpus, tmp_path,
     for name in ("one", "two"):  # continue copies: the pair's own files stay as they were
         shutil.copytree(pair / name, tmp_path / name)
         shutil.copy(pair / f"{name}.jsonl", tmp_path / f"{name}.jsonl")
-    # a copy of step 3 as step 5, damaged in a block that only process 1 checks (the processes share the hashing)
+    # a copy of step 3 as step 5, damaged in a block that only process 1 checks (the processes share the
+    # hashing)
     shutil.copytree(tmp_path / "one" / "3", tmp_path / "one" / "5")
-    units = [(name, k) for name, entry in sorted(json.loads((tmp_path / "one" / "5" / MANIFEST).read_text())["files"]
-                                                 .items()) for k in range(len(entry["blocks"]))]
+    units = [(name, k)
+             for name, entry in sorted(json.loads((tmp_path / "one" / "5" / MANIFEST).read_text())["files"]
+                                       .items())
+             for k in range(len(entry["blocks"]))]
     name = max((name for i, (name, k) in enumerate(units) if i % 2 == 1 and k == 0),
                key=lambda name: (tmp_path / "one" / "5" / name).stat().st_size)
     damaged = tmp_path / "one" / "5" / name
     damaged.write_bytes(bytes(damaged.stat().st_size))
-    more = (*QUICK, "--extend-to", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
-            "--strategy", "fsdp_tp", "--resume")
+    more = (*QUICK, "--extend-to", 4, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data",
+            small_corpus, "--strategy", "fsdp_tp", "--resume")
     into_two = shardax(*LAUNCH_2x4, "train", *more, "--checkpoint-dir", tmp_path / "one",
                        "--metrics", tmp_path / "one.jsonl")
-    into_one = shardax("train", *more, "--checkpoint-dir", tmp_path / "two", "--metrics", tmp_path / "two.jsonl")
+    into_one = shardax("train", *more, "--checkpoint-dir", tmp_path / "two", "--metrics",
+                       tmp_path / "two.jsonl")
     assert "resumed from step 3" in into_two.stdout and "resumed from step 3" in into_one.stdout
-    assert f"checkpoint step 5 in {tmp_path / 'one'} is damaged ({name} changed since it was sealed)" in into_two.stdout
+    assert (f"checkpoint step 5 in {tmp_path / 'one'} is damaged ({name} changed since it was sealed)"
+            in into_two.stdout)
     assert (tmp_path / "one" / "5.damaged").is_dir() and not (tmp_path / "one" / "5").exists()
     step4 = [read_metrics(tmp_path / name)[-1] for name in ("one.jsonl", "two.jsonl")]
     assert [r["step"] for r in step4] == [4, 4]
@@ -109,9 +116,10 @@ def test_the_processes_of_one_run_share_its_checkpoint_lock(small_corpus, tmp_pa
     args = ("train", *RUN, "--checkpoint-every", 1, "--data", small_corpus,
             "--checkpoint-dir", checkpoints, "--metrics", tmp_path / "m.jsonl")
     first = subprocess.Popen(
-        [sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4[:-1]), sys.executable, str(WORKERS / "stall.py"),
-         "1", "240", "shardax", *map(str, args)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(subprocess_env(), STALL_RELEASE=str(release)))
+        [sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4[:-1]), sys.executable,
+         str(WORKERS / "stall.py"), "1", "240", "shardax", *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(subprocess_env(), STALL_RELEASE=str(release)))
     try:
         deadline = time.time() + 240
         while time.time() < deadline and first.poll() is None and last_logged_step(tmp_path / "m.jsonl") < 1:
@@ -122,7 +130,8 @@ def test_the_processes_of_one_run_share_its_checkpoint_lock(small_corpus, tmp_pa
         second = shardax("train", *RUN, "--data", small_corpus, "--checkpoint-dir", checkpoints,
                          "--resume", check=False)
         assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr[-2000:]
-        assert f"is being written by another run (host {holder['host']}, pid {holder['pid']}," in second.stderr
+        assert (f"is being written by another run (host {holder['host']}, pid {holder['pid']},"
+                in second.stderr)
         release.write_text("")
         out, err = first.communicate(timeout=300)
     finally:
@@ -140,10 +149,12 @@ def _collect(stream, lines):
 
 @pytest.mark.slow
 def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_corpus, tmp_path):
-    args = (*QUICK, "--steps", 200, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", small_corpus,
-            "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 2, "--metrics", tmp_path / "m.jsonl")
+    args = (*QUICK, "--steps", 200, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data",
+            small_corpus, "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 2, "--metrics",
+            tmp_path / "m.jsonl")
     env = subprocess_env()
-    launcher = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4), "train", *map(str, args)],
+    launcher = subprocess.Popen([sys.executable, "-m", "shardax.cli", *map(str, LAUNCH_2x4), "train",
+                                 *map(str, args)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     threading.Thread(target=_collect, args=(launcher.stdout, lines), daemon=True).start()
@@ -151,8 +162,8 @@ def test_a_killed_process_stops_the_cluster_and_the_checkpoint_resumes(small_cor
     while time.time() < deadline and last_logged_step(tmp_path / "m.jsonl") < 5:
         assert launcher.poll() is None, "".join(lines)[-3000:]
         time.sleep(0.1)
-    pids = {int(l.split("pid")[1]) for l in lines if l.startswith("[launch] process")}
-    victim = next(int(l.split("pid")[1]) for l in lines if l.startswith("[launch] process 1:"))
+    pids = {int(line.split("pid")[1]) for line in lines if line.startswith("[launch] process")}
+    victim = next(int(line.split("pid")[1]) for line in lines if line.startswith("[launch] process 1:"))
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     launcher.wait(timeout=60)
@@ -197,8 +208,8 @@ def test_wrong_coordinator_address_is_a_clear_error_not_a_hang():
     result, took = _join("127.0.0.1:1", 2, 1, 3)  # the library raises; the program goes on
     assert result.returncode == 0 and f"ClusterError: {expected}" in result.stdout and took < 60
     result, took = _train_as("127.0.0.1:1", 2, 1, 3)
-    assert result.returncode == 3 and result.stderr.strip() == f"shardax train: error: {expected}; check the " \
-        "address and that process 0 runs" and took < 60
+    assert result.returncode == 3 and result.stderr.strip() == f"shardax train: error: {expected}; " \
+        "check the address and that process 0 runs" and took < 60
 
 
 def test_missing_peer_is_a_clear_error_not_a_hang():
@@ -208,7 +219,8 @@ def test_missing_peer_is_a_clear_error_not_a_hang():
     result, took = _train_as(f"127.0.0.1:{free_port()}", 2, 0, 3)  # the command line ends its own process
     assert result.returncode == 3 and result.stderr.startswith(expected), result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1 and took < 60
-    result, _ = _join(f"127.0.0.1:{free_port()}", 2, 0, 3)  # the library says it, and leaves the process to JAX
+    # the library says it, and leaves the process to JAX
+    result, _ = _join(f"127.0.0.1:{free_port()}", 2, 0, 3)
     assert result.stderr.startswith(expected) and "joined" not in result.stdout and result.returncode != 3
 
 
@@ -216,26 +228,32 @@ def test_a_join_timeout_that_is_not_a_number_is_one_line():
     result = shardax("train", *QUICK, "--steps", 1, check=False, env={"SHARDAX_NUM_PROCESSES": "2",
                                                                       "SHARDAX_JOIN_TIMEOUT_S": "soon"})
     assert result.returncode == 2 and result.stderr.strip() == (
-        "shardax train: error: SHARDAX_JOIN_TIMEOUT_S='soon': give the seconds to wait for the cluster to form, a "
-        "number above 0 (default 300)")
+        "shardax train: error: SHARDAX_JOIN_TIMEOUT_S='soon': give the seconds to wait for the cluster to "
+        "form, a number above 0 (default 300)")
 
 
 @pytest.mark.parametrize("env, expected", [
     ({}, ("single", None, 1, 0)),
-    ({"SHARDAX_NUM_PROCESSES": "4", "SHARDAX_PROCESS_ID": "2", "SHARDAX_COORDINATOR_ADDRESS": "10.1.2.3:9999"},
+    ({"SHARDAX_NUM_PROCESSES": "4", "SHARDAX_PROCESS_ID": "2",
+      "SHARDAX_COORDINATOR_ADDRESS": "10.1.2.3:9999"},
      ("environment", "10.1.2.3:9999", 4, 2)),
-    ({"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_NODELIST": "gpu[07-09,12]", "SLURM_JOB_ID": "4242"},
+    ({"SLURM_NTASKS": "16", "SLURM_PROCID": "5", "SLURM_JOB_NODELIST": "gpu[07-09,12]",
+      "SLURM_JOB_ID": "4242"},
      ("slurm", "gpu07:61586", 16, 5)),
-    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node1,node2"}, ("slurm", "node1:61440", 2, 1)),
-    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3", "OMPI_MCA_orte_hnp_uri": "123.0;tcp://10.0.0.5:4000"},
+    ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_NODELIST": "node1,node2"},
+     ("slurm", "node1:61440", 2, 1)),
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3",
+      "OMPI_MCA_orte_hnp_uri": "123.0;tcp://10.0.0.5:4000"},
      ("openmpi", "10.0.0.5:8476", 8, 3)),
     ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "2"}, ("tpu-pod", "t0:8476", 4, 2)),
     ({"JOB_COMPLETION_INDEX": "1", "KUBERNETES_SERVICE_HOST": "x", "JOB_PARALLELISM": "3",
       "SHARDAX_COORDINATOR_ADDRESS": "job-0.svc:1234"}, ("kubernetes", "job-0.svc:1234", 3, 1)),
     # docs/many-hosts.md's recipe: SHARDAX_NUM_PROCESSES must not hide the pod's own index
     ({"JOB_COMPLETION_INDEX": "3", "KUBERNETES_SERVICE_HOST": "x", "SHARDAX_NUM_PROCESSES": "4",
-      "SHARDAX_COORDINATOR_ADDRESS": "shardax-0.shardax:8476"}, ("kubernetes", "shardax-0.shardax:8476", 4, 3)),
-    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n1", "SHARDAX_COORDINATOR_ADDRESS": "n1:9"},
+      "SHARDAX_COORDINATOR_ADDRESS": "shardax-0.shardax:8476"},
+     ("kubernetes", "shardax-0.shardax:8476", 4, 3)),
+    ({"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n1",
+      "SHARDAX_COORDINATOR_ADDRESS": "n1:9"},
      ("slurm", "n1:9", 4, 2)),
 ])
 def test_cluster_detection(env, expected):
@@ -247,30 +265,38 @@ def test_the_kubernetes_recipe_environment_forms_a_cluster():
     """Exactly what docs/many-hosts.md sets (plus what Kubernetes sets itself): each pod its own index."""
     from shardax.launch import free_port
 
-    code = ("from shardax.distributed import init_distributed; import jax; spec = init_distributed(cpu_devices=2); "
+    code = ("from shardax.distributed import init_distributed; import jax; "
+            "spec = init_distributed(cpu_devices=2); "
             "print(spec.source, jax.process_index(), jax.process_count(), jax.device_count())")
     address = f"127.0.0.1:{free_port()}"
-    pods = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(subprocess_env(), JOB_COMPLETION_INDEX=str(index), KUBERNETES_SERVICE_HOST="10.0.0.1",
-                                      SHARDAX_NUM_PROCESSES="2", SHARDAX_COORDINATOR_ADDRESS=address))
+    pods = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True,
+                             env=dict(subprocess_env(), JOB_COMPLETION_INDEX=str(index),
+                                      KUBERNETES_SERVICE_HOST="10.0.0.1", SHARDAX_NUM_PROCESSES="2",
+                                      SHARDAX_COORDINATOR_ADDRESS=address))
             for index in (0, 1)]
     outputs = [pod.communicate(timeout=120) for pod in pods]
-    assert [out.split() for out, _ in outputs] == [["kubernetes", "0", "2", "4"], ["kubernetes", "1", "2", "4"]], outputs
+    assert [out.split() for out, _ in outputs] == [["kubernetes", "0", "2", "4"],
+                                                   ["kubernetes", "1", "2", "4"]], outputs
 
 
 def test_a_slurm_allocation_forms_a_cluster_through_jaxs_own_detection():
     """SLURM's variables alone (one node, two tasks): JAX finds the coordinator, count and index itself."""
-    code = ("from shardax.distributed import init_distributed; import jax; spec = init_distributed(cpu_devices=2); "
+    code = ("from shardax.distributed import init_distributed; import jax; "
+            "spec = init_distributed(cpu_devices=2); "
             "print(spec.source, spec.coordinator_address, jax.process_index(), jax.process_count())")
     job = str(1000 + os.getpid() % 3000)  # a port JAX derives from the job id; vary it between runs
-    tasks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    tasks = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True,
                               env=dict(subprocess_env(), SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost",
-                                       SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(index),
-                                       SLURM_LOCALID=str(index), SLURM_STEP_NUM_NODES="1"))
+                                       SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2",
+                                       SLURM_PROCID=str(index), SLURM_LOCALID=str(index),
+                                       SLURM_STEP_NUM_NODES="1"))
              for index in (0, 1)]
     outputs = [task.communicate(timeout=120) for task in tasks]
     port = str(int(job) % 4096 + 61440)
-    assert [out.split() for out, _ in outputs] == [["slurm", f"localhost:{port}", str(i), "2"] for i in (0, 1)], outputs
+    assert [out.split() for out, _ in outputs] == [["slurm", f"localhost:{port}", str(i), "2"]
+                                                   for i in (0, 1)], outputs
 
 
 def test_kubernetes_without_a_process_count_says_what_to_set():
@@ -304,6 +330,7 @@ os.abort()
 
 
 def test_the_launcher_names_the_process_that_died_first_not_the_lowest_index(tmp_path):
-    result = shardax("launch", "-n", 2, "--", sys.executable, "-c", _DIES_FIRST, tmp_path / "lock", check=False)
+    result = shardax("launch", "-n", 2, "--", sys.executable, "-c", _DIES_FIRST, tmp_path / "lock",
+                     check=False)
     assert result.returncode == 1
     assert result.stderr.strip() == "shardax launch: error: process 1 of 2 was killed by SIGKILL"

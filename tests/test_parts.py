@@ -16,11 +16,23 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from user_models import (
+    Discriminator,
+    Generator,
+    Student,
+    Teacher,
+    distill_eval,
+    distill_step,
+    gan_batches,
+    gan_eval,
+    gan_step,
+    on_host,
+    plain_parts_run,
+    vector_batches,
+)
 
 from shardax import Part, Trainer, ema_params, report
 from shardax.errors import UsageError
-from user_models import (Discriminator, Generator, Student, Teacher, distill_eval, distill_step, gan_batches,
-                         gan_eval, gan_step, on_host, plain_parts_run, vector_batches)
 
 pytestmark = pytest.mark.xdist_group("test_parts")
 
@@ -35,7 +47,8 @@ def sgd():
 
 def gan_parts():
     """The generator keeps a moving average of its weights, as GANs are sampled from."""
-    return {"generator": Part(Generator, optax.chain(sgd(), ema_params(0.8)), forward=lambda g, b: g(b["noise"])),
+    return {"generator": Part(Generator, optax.chain(sgd(), ema_params(0.8)),
+                              forward=lambda g, b: g(b["noise"])),
             "discriminator": Part(Discriminator, sgd(), forward=lambda d, b: d(b["image"]))}
 
 
@@ -105,7 +118,8 @@ def test_a_procedure_of_parts_trains_like_plain_nnx_on_one_device(procedure, str
                                        err_msg=f"{name}{path}")
         stats, ref_stats = by_path(nnx.state(model, nnx.BatchStat)), by_path(nnx.state(ref, nnx.BatchStat))
         for path in stats:
-            np.testing.assert_allclose(stats[path], ref_stats[path], rtol=1e-5, atol=1e-6, err_msg=f"{name}{path}")
+            np.testing.assert_allclose(stats[path], ref_stats[path], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{name}{path}")
     if procedure == "gan":  # the generator's moving average: one device's
         from shardax.step.ema import averaged
 
@@ -113,7 +127,8 @@ def test_a_procedure_of_parts_trains_like_plain_nnx_on_one_device(procedure, str
         theirs = by_path(averaged(unwrapped(ref_optimizers["generator"].opt_state),
                                   unwrapped(nnx.state(ref_models["generator"], nnx.Param))))
         for path in ours:
-            moved, ref_moved = ours[path] - initial["generator"][path], theirs[path] - initial["generator"][path]
+            moved, ref_moved = (ours[path] - initial["generator"][path],
+                                theirs[path] - initial["generator"][path])
             np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-4 * float(np.abs(ref_moved).max()))
     assert jax.tree.map(lambda a: a.sharding, state) == trainer.parallel.state_shardings
     if strategy == "tp":  # Megatron's split of both parts' square, skip and odd weights
@@ -140,7 +155,8 @@ def test_a_run_of_parts_resumes_exactly_and_restores_with_orbax_alone(tmp_path):
     target = {"params": {"generator": params}, "rest": {"generator": rest}}
     restored = ocp.PyTreeCheckpointer().restore(
         os.path.abspath(tmp_path / "6" / "state"),
-        args=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        args=ocp.args.PyTreeRestore(item=target,
+                                    restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                     partial_restore=True))
     nnx.update(generator, restored["params"]["generator"], restored["rest"]["generator"])
     trained = resumed.state.params["generator"]
@@ -175,12 +191,15 @@ GAN_BATCH = next(gan_batches(1))
     (lambda: Trainer(parts=gan_parts(), step=gan_step, loss_fn=lambda m, b: 0.0),
      "Trainer(parts=...) was also given loss_fn;"),
     (lambda: Trainer(parts=gan_parts()), "Trainer(parts=...) needs step=your_step(parts, batch)"),
-    (lambda: Trainer(parts={"generator": Generator}, step=gan_step), "part 'generator' is the class Generator, not a Part; wrap it: Part("),
-    (lambda: Trainer(parts={"teacher": Part(Teacher)}, step=gan_step), "every part is frozen, so nothing would train"),
+    (lambda: Trainer(parts={"generator": Generator}, step=gan_step),
+     "part 'generator' is the class Generator, not a Part; wrap it: Part("),
+    (lambda: Trainer(parts={"teacher": Part(Teacher)}, step=gan_step),
+     "every part is frozen, so nothing would train"),
     (lambda: Trainer(parts=gan_parts(), step=gan_step, strategy="pp", mesh="data=4,stage=2"),
      "a run of several parts uses dp, zero1, zero2, fsdp, hsdp, tp or fsdp_tp"),
     (lambda: Trainer(parts=gan_parts(), step=_wrong_grads, example_batch=GAN_BATCH),
-     "parts.update('generator', grads): grads hold 8 arrays that are not the gradients of part 'generator' (7 trained parameters)"),
+     ("parts.update('generator', grads): grads hold 8 arrays that are not the gradients of part 'generator' "
+      "(7 trained parameters)")),
     (lambda: Trainer(parts=gan_parts(), step=_never_updates_the_generator, example_batch=GAN_BATCH),
      "part 'generator' has an optimizer but the step never called parts.update('generator', grads)"),
     (lambda: Trainer(parts=distill_parts(), step=_updates_the_teacher, example_batch=next(vector_batches(1))),
@@ -218,11 +237,13 @@ def test_an_update_with_a_non_finite_gradient_is_dropped(on_nonfinite):
     after = on_host(second)
     assert int(metrics["skipped_steps"]) == 1 and not np.isfinite(float(metrics["grad_norm/discriminator"]))
     jax.tree.map(np.testing.assert_array_equal, after.params["discriminator"], before.params["discriminator"])
-    jax.tree.map(np.testing.assert_array_equal, after.opt_state["discriminator"], before.opt_state["discriminator"])
+    jax.tree.map(np.testing.assert_array_equal, after.opt_state["discriminator"],
+                 before.opt_state["discriminator"])
     generator_moved = any((a != b).any() for a, b in zip(jax.tree.leaves(after.params["generator"]),
                                                          jax.tree.leaves(before.params["generator"])))
     assert generator_moved == (on_nonfinite == "skip")
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(after.params))
     if on_nonfinite == "stop":
         with pytest.raises(NonFiniteError, match="step 2: the loss or gradient norm is NaN or infinite"):
-            Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp").fit([good, bad, good], steps=3, summary=False)
+            Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp").fit([good, bad, good], steps=3,
+                                                                           summary=False)

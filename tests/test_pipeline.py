@@ -8,6 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from small_models import (
+    assert_trained_like,
+    assert_trees_close,
+    tiny_transformer_config,
+    token_batches,
+    train_transformer,
+)
 
 from shardax import DeviceMeshManager, parallelize, reshard
 from shardax.analysis.collectives import find_collectives
@@ -15,8 +22,6 @@ from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM, next_token_loss
 from shardax.runtime.pipeline import Schedule
-from small_models import (assert_trained_like, assert_trees_close, tiny_transformer_config, token_batches,
-                          train_transformer)
 
 pytestmark = pytest.mark.xdist_group("test_pipeline")
 
@@ -47,7 +52,8 @@ def reference():
 CASES = [("pp", "stage=8", m, 1) for m in (8, 16, 32)] + \
         [("pp", "stage=4,data=2", m, 1) for m in (4, 8, 16)] + \
         [("pp_tp", "stage=2,data=2,model=2", m, 1) for m in (2, 4, 8)] + \
-        [("pp_fsdp", "stage=4,data=2", 4, 1), ("pp", "stage=4,data=2", 8, 2), ("pp_fsdp", "stage=2,data=4", 4, 2)]
+        [("pp_fsdp", "stage=4,data=2", 4, 1), ("pp", "stage=4,data=2", 8, 2),
+         ("pp_fsdp", "stage=2,data=4", 4, 2)]
 
 
 @pytest.mark.parametrize("strategy, mesh_shape, microbatches, repeats", CASES,
@@ -59,7 +65,8 @@ def test_pipeline_trains_like_one_device(strategy, mesh_shape, microbatches, rep
     # dp on data=8 ends up to 1.2e-5 off one device on this 8-layer model, the pipelines up to
     # 6e-5 (weights are ~0.1-0.5): every one within 1e-4, 99% within 1e-5 relative
     assert_trained_like(losses, state, (ref_losses, ref_state), parallel)
-    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=2e-6)
+    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4,
+                       atol=2e-6)
 
 
 def stacked(tree):
@@ -73,24 +80,28 @@ def stacked(tree):
 def test_each_device_holds_its_stage_of_the_layers(strategy, mesh_shape, stages):
     """Stage s holds layers s*L/S .. (s+1)*L/S - 1 of every stacked parameter and of its Adam
     moments, and nothing else of the stack."""
-    parallel = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
+    parallel = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh(mesh_shape),
+                           strategy)
     state = parallel.init(seed=0)
     whole = jax.device_get(state.params)
     for leaf, host in zip(stacked(state.params), stacked(whole)):
         for shard in leaf.addressable_shards:
             assert shard.data.shape[0] == CONFIG.n_layers // stages
             np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(host)[shard.index])
-        per_device = sum(shard.data.nbytes for shard in leaf.addressable_shards) / len(leaf.addressable_shards)
-        split = np.prod([parallel.mesh.shape[a] for e in leaf.sharding.spec if e for a in ((e,) if isinstance(e, str)
-                                                                                            else e)])
+        per_device = (sum(shard.data.nbytes for shard in leaf.addressable_shards)
+                      / len(leaf.addressable_shards))
+        split = np.prod([parallel.mesh.shape[a] for e in leaf.sharding.spec if e
+                         for a in ((e,) if isinstance(e, str) else e)])
         assert per_device == leaf.nbytes / split and split % stages == 0
     for leaf in stacked(state.opt_state):
         assert {shard.data.shape[0] for shard in leaf.addressable_shards} == {CONFIG.n_layers // stages}
 
 
 def compiled_step(strategy, mesh_shape, microbatches, repeats):
-    parallel = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh(mesh_shape), strategy)
-    batch = {"tokens": jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len + 1), jnp.int32, sharding=parallel.layout.batch())}
+    parallel = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh(mesh_shape),
+                           strategy)
+    batch = {"tokens": jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len + 1), jnp.int32,
+                                            sharding=parallel.layout.batch())}
     step = parallel.train_step(next_token_loss, microbatches=microbatches, pipeline_repeats=repeats)
     return parallel, step.lower(parallel.abstract_state, batch).compile()
 
@@ -98,7 +109,8 @@ def compiled_step(strategy, mesh_shape, microbatches, repeats):
 @pytest.mark.parametrize("mesh_shape, stages, microbatches, repeats", [
     ("stage=4,data=2", 4, 4, 1), ("stage=4,data=2", 4, 8, 1), ("stage=4,data=2", 4, 16, 1),
     ("stage=2,data=4", 2, 4, 2), ("stage=8", 8, 8, 1)])
-def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, stages, microbatches, repeats):
+def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, stages, microbatches,
+                                                                    repeats):
     """The bubble is (S-1)/(R*M+S-1): the compiled loops (forward and backward) run exactly
     R*M + S - 1 iterations, and each device sends one microbatch's activations to the next
     stage per iteration each way (plus one roll that hands the last outputs back)."""
@@ -113,7 +125,8 @@ def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, 
     devices = parallel.mesh.devices.size
     in_loop = [c for c in find_collectives(text) if c.kind == "collective-permute" and c.executions > 1]
     sent = sum(wire_bytes(c, devices) * c.executions for c in in_loop)
-    assert sent == 2 * schedule.iterations * slot, [(c.bytes, c.executions, c.replica_groups) for c in in_loop]
+    assert sent == 2 * schedule.iterations * slot, [(c.bytes, c.executions, c.replica_groups)
+                                                    for c in in_loop]
     # nothing else crosses between devices inside the loops: no per-iteration gradient reduction
     assert not [c for c in find_collectives(text) if c.executions > 1 and c.kind != "collective-permute"]
 
@@ -140,7 +153,8 @@ def test_a_circular_schedule_keeps_what_the_remat_policy_says(remat, below):
         model = tiny_transformer_config(n_layers=8, d_model=64, seq_len=32, remat=policy)
         parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(LR),
                                DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
-        batch = {"tokens": jax.ShapeDtypeStruct((BATCH, model.seq_len + 1), jnp.int32, sharding=parallel.layout.batch())}
+        batch = {"tokens": jax.ShapeDtypeStruct((BATCH, model.seq_len + 1), jnp.int32,
+                                                sharding=parallel.layout.batch())}
         step = parallel.train_step(next_token_loss, microbatches=4, pipeline_repeats=repeats)
         return step.lower(parallel.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes
 
@@ -158,7 +172,8 @@ def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(back), jax.device_get(state))
     # and the fsdp copy trains on exactly as the pipeline would
     batch = next(token_batches(1, batch_size=BATCH, seed=5))
-    _, pipelined = parallel.train_step(next_token_loss, microbatches=8, donate=False)(state, parallel.place_batch(batch))
+    _, pipelined = parallel.train_step(next_token_loss, microbatches=8,
+                                       donate=False)(state, parallel.place_batch(batch))
     _, sharded = fsdp.train_step(next_token_loss, donate=False)(moved, fsdp.place_batch(batch))
     np.testing.assert_allclose(float(pipelined["loss"]), float(sharded["loss"]), rtol=1e-6)
 
@@ -166,8 +181,9 @@ def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
 def test_layers_that_do_not_split_into_stages_are_refused_with_the_nearest_counts():
     parallel = parallelize(lambda rngs: TransformerLM(tiny_transformer_config(n_layers=6), rngs=rngs),
                            optax.adamw(LR), DeviceMeshManager().create_device_mesh("stage=4,data=2"), "pp")
-    with pytest.raises(UsageError, match=r"^6 layers do not split into 4 stages; use 4 or 8 layers, or a stage count "
-                                         r"that divides 6$"):
+    with pytest.raises(UsageError,
+                       match=r"^6 layers do not split into 4 stages; use 4 or 8 layers, or a stage count "
+                             r"that divides 6$"):
         parallel.train_step(next_token_loss)
     with pytest.raises(UsageError, match=r"`pipeline_repeats=2` needs microbatches of at least the 4 stages"):
         Schedule(4, 2, 2)
@@ -177,11 +193,13 @@ def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
     from small_models import AnnotatedMLP, mse_loss
 
     # Refused when the layout is read, before any state is built or a step is compiled.
-    with pytest.raises(UsageError, match="cuts a stack of layers into stages over 'stage', and this model has none"):
+    with pytest.raises(UsageError,
+                       match="cuts a stack of layers into stages over 'stage', and this model has none"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
                     DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
     with pytest.raises(UsageError, match="microbatches/pipeline repeats are for pipeline strategies; 'fsdp'"):
-        parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"),
+        parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
+                    DeviceMeshManager().create_device_mesh("data=8"),
                     "fsdp").train_step(mse_loss, microbatches=4)
 
 
@@ -189,14 +207,16 @@ def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
 # that is one all-to-all, as little as must move; with S = 4, R = 2 XLA writes it as an
 # all-to-all within pairs of stages and then a permute of the whole stage, 1.33x the least, so
 # the step sends 1.09x theory.
-PLANS = [("pp", "stage=4,data=2", 8, 1, 0.05), ("pp", "stage=8", 8, 1, 0.05), ("pp_fsdp", "stage=4,data=2", 8, 1, 0.05),
+PLANS = [("pp", "stage=4,data=2", 8, 1, 0.05), ("pp", "stage=8", 8, 1, 0.05),
+         ("pp_fsdp", "stage=4,data=2", 8, 1, 0.05),
          ("pp_tp", "stage=2,data=2,model=2", 4, 1, 0.05), ("pp", "stage=2,data=4", 4, 2, 0.05),
          ("pp_fsdp", "stage=2,data=4", 4, 2, 0.05), ("pp", "stage=4,data=2", 8, 2, 0.10)]
 
 
 @pytest.mark.parametrize("strategy, mesh_shape, microbatches, repeats, within", PLANS,
                          ids=[f"{s}-{m}-M{mb}-R{r}" for s, m, mb, r, _ in PLANS])
-def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, mesh_shape, microbatches, repeats,
+def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, mesh_shape, microbatches,
+                                                                    repeats,
                                                                       within):
     """``shardax plan`` compiles the pipeline: state exact, communication within 5% of theory
     (the shift, the hand-out and hand-in of microbatches, the data-parallel gradient sums, a
@@ -212,7 +232,8 @@ def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, me
     # the memory estimate (XLA:CPU) stays in its band: 0.94 to 1.03 of the compiled peak here
     # (0.87 to 1.03 before it counted the copy of one iteration's residuals that nested scans make)
     assert 0.92 <= plan.predicted["total"] / plan.compiled["peak"] <= 1.05, (plan.predicted, plan.compiled)
-    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=within), plan.collectives
+    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes,
+                                                  rel=within), plan.collectives
     bubbles = [note for note in plan.lint if note.startswith("pipeline bubble")]
     if plan.bubble > 0.25:
         enough = next(m for m in range(stages, 100, stages) if (stages - 1) / (m + stages - 1) <= 0.25)
@@ -233,13 +254,16 @@ def test_a_circular_schedule_regroups_what_a_stage_does_not_hold():
 
 def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_path):
     from cli_helpers import QUICK, read_metrics, shardax
+
     from shardax.trainer.checkpoint import saved_arrays
 
-    common = ["train", *QUICK, "--batch-size", 32, "--data", small_corpus, "--log-every", 1, "--eval-every", 2,
-              "--sample-bytes", 0]
+    common = ["train", *QUICK, "--batch-size", 32, "--data", small_corpus, "--log-every", 1, "--eval-every",
+              2, "--sample-bytes", 0]
     run = [*common, "--strategy", "pp", "--mesh", "stage=4,data=2", "--microbatches", 8]
-    straight = shardax(*run, "--steps", 4, "--checkpoint-dir", tmp_path / "a", "--metrics", tmp_path / "a.jsonl")
-    assert "pipeline: 4 stages x 8 microbatches: 11 stage iterations per step, bubble 27.3%" in straight.stdout
+    straight = shardax(*run, "--steps", 4, "--checkpoint-dir", tmp_path / "a", "--metrics",
+                       tmp_path / "a.jsonl")
+    assert ("pipeline: 4 stages x 8 microbatches: 11 stage iterations per step, bubble 27.3%"
+            in straight.stdout)
     shardax(*run, "--steps", 4, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path / "b",
             "--metrics", tmp_path / "b.jsonl")
     # resume the second run from step 2 (its last checkpoint is removed): it ends as the first
@@ -254,8 +278,8 @@ def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
     # the pipeline's checkpoint goes on under fsdp (a strategy may change on resume)
-    onward = shardax(*common, "--strategy", "fsdp", "--checkpoint-dir", tmp_path / "a", "--resume", "--extend-to", 5,
-                     "--precision", "bfloat16")
+    onward = shardax(*common, "--strategy", "fsdp", "--checkpoint-dir", tmp_path / "a", "--resume",
+                     "--extend-to", 5, "--precision", "bfloat16")
     assert "resumed from step 4" in onward.stdout and "strategy fsdp" in onward.stdout
     assert ("changed since the checkpoint was saved: strategy pp -> fsdp; mesh stage=4,data=2 -> data=8; "
             "precision float32 -> bfloat16\n") in onward.stdout

@@ -10,17 +10,17 @@ import re
 import jax
 import optax
 import pytest
+from cli_helpers import shardax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+from small_models import tiny_transformer_config
 
-from cli_helpers import shardax
 from shardax import DeviceMeshManager, Strategy, parallelize
 from shardax.analysis.lint import lint, optimizer_mismatches
 from shardax.analysis.plan import parse_bytes, plan_strategy, recommend
 from shardax.layers import annotated_param
 from shardax.models.presets import PRESETS_0_1, SEED_NOTEBOOK, get_preset
 from shardax.models.transformer import TransformerLM
-from small_models import tiny_transformer_config
 
 # Untied head: with tied embeddings XLA all-reduces the two gradient contributions of the table
 # separately (4% more than theory on `tiny`); the benchmark reports that case.
@@ -43,18 +43,20 @@ def test_predictions_agree_with_xla(strategy, mesh):
 
 
 def test_recommendation_and_what_would_make_it_fit():
-    plans = [plan_strategy(MODEL, name, None, batch_size=16, device_memory=parse_bytes("12MB")) for name in ("dp", "fsdp")]
+    plans = [plan_strategy(MODEL, name, None, batch_size=16, device_memory=parse_bytes("12MB"))
+             for name in ("dp", "fsdp")]
     fitting = [p.strategy for p in plans if p.fits]
     text = recommend(plans, parse_bytes("12MB"), MODEL)
     if fitting:
         assert text.startswith(f"Recommended: {fitting[0] if len(fitting) == 1 else ''}")
     tiny_budget = [dataclasses.replace(p, fits=False) for p in plans]
     advice = recommend(tiny_budget, parse_bytes("1MB"), MODEL)
-    assert advice.startswith("Nothing fits 1.00 MB per device: the smallest is fsdp") and "--remat full" in advice and "devices" in advice
+    assert (advice.startswith("Nothing fits 1.00 MB per device: the smallest is fsdp")
+            and "--remat full" in advice and "devices" in advice)
 
 
-@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10**9), ("16GiB", 16 * 2**30), ("512 MB", 512 * 10**6),
-                                            ("1000", 1000)])
+@pytest.mark.parametrize("text, expected", [("80GB", 80 * 10**9), ("16GiB", 16 * 2**30),
+                                            ("512 MB", 512 * 10**6), ("1000", 1000)])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -71,8 +73,8 @@ def test_cli_json_for_a_billion_parameter_preset():
     result = shardax("plan", "--preset", "1b", "--strategy", "fsdp", "--mesh", "data=8", "--batch-size", 16,
                      "--device-memory", "80GB", "--json")
     (plan,) = json.loads(result.stdout)
-    for key in ("strategy", "mesh", "predicted_bytes_per_device", "compiled_bytes_per_device", "collective_bytes",
-                "theoretical_collective_bytes", "fits", "lint"):
+    for key in ("strategy", "mesh", "predicted_bytes_per_device", "compiled_bytes_per_device",
+                "collective_bytes", "theoretical_collective_bytes", "fits", "lint"):
         assert key in plan
     assert plan["strategy"] == "fsdp" and plan["mesh"] == "data=8" and plan["fits"] is True
     state = plan["predicted"]["params"] + plan["predicted"]["optimizer"]
@@ -92,7 +94,8 @@ class BigOdd(nnx.Module):
     """A (1001, 999) table: no dimension divides by 8, so FSDP has to replicate 4 MB."""
 
     def __init__(self, rngs):
-        self.table = annotated_param(nnx.initializers.normal(), rngs.params(), (1001, 999), ("vocab", "embed"))
+        self.table = annotated_param(nnx.initializers.normal(), rngs.params(), (1001, 999),
+                                     ("vocab", "embed"))
         self.scale = annotated_param(nnx.initializers.ones, rngs.params(), (999,), ("embed",))
 
     def __call__(self, x):
@@ -103,7 +106,8 @@ def test_lint_finds_replicated_and_uneven_parameters():
     parallel = parallelize(lambda rngs: BigOdd(rngs), optax.adam(1e-3),
                            DeviceMeshManager().create_device_mesh("data=8"), "fsdp")
     findings = lint(parallel)
-    assert any(f.startswith("replicated parameter table (1001, 999) holds 4.00 MB") for f in findings), findings
+    assert any(f.startswith("replicated parameter table (1001, 999) holds 4.00 MB")
+               for f in findings), findings
     assert any(f.startswith("uneven: table:") for f in findings), findings
 
 
@@ -112,7 +116,8 @@ def test_lint_finds_optimizer_state_laid_out_unlike_its_parameter():
     parallel = parallelize(lambda rngs: TransformerLM(MODEL, rngs=rngs), optax.adam(1e-3), mesh, "fsdp")
     assert optimizer_mismatches(parallel) == []
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, P()), parallel.state_shardings.opt_state)
-    broken = dataclasses.replace(parallel, state_shardings=parallel.state_shardings.replace(opt_state=replicated))
+    broken = dataclasses.replace(parallel,
+                                 state_shardings=parallel.state_shardings.replace(opt_state=replicated))
     findings = optimizer_mismatches(broken)
     assert findings and all("but its parameter is" in f for f in findings)
     assert any("mu/blocks/layers/mlp_in" in f for f in findings)
@@ -121,8 +126,9 @@ def test_lint_finds_optimizer_state_laid_out_unlike_its_parameter():
 def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
     # Parameters sharded over `data` by the rules, but nothing says to gather them for compute:
     # XLA has to all-gather whole weights every step, which the lint reports.
-    careless = Strategy("careless", param_rules=(("embed", "data"), ("mlp", None), ("heads", None), ("kv", None),
-                                                 ("vocab", None), ("layers", None), ("length", None)))
+    careless = Strategy("careless", param_rules=(("embed", "data"), ("mlp", None), ("heads", None),
+                                                 ("kv", None), ("vocab", None), ("layers", None),
+                                                 ("length", None)))
     plan = plan_strategy(MODEL, careless, "data=8", batch_size=16)
     assert any("unexpected all-gather of the whole" in f and "careless" in f for f in plan.lint), plan.lint
     fsdp = plan_strategy(MODEL, "fsdp", "data=8", batch_size=16)
@@ -149,8 +155,8 @@ def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
     sequences, batch 32: the shapes the working-set fit was made on; today's Llama-shaped presets are
     shapes it never saw, see ``test_plan_says_its_fit_never_saw_a_swiglu_mlp``)."""
     plan = plan_strategy(PRESETS_0_1["tiny"].config(remat=remat, seq_len=128), strategy, mesh, batch_size=32)
-    assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE[remat]), (plan.predicted,
-                                                                                                  plan.compiled)
+    assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE[remat]), (
+        plan.predicted, plan.compiled)
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -180,13 +186,14 @@ def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
 def test_plan_for_blocks_in_a_loop(remat):
     """Blocks in a Python loop: every layer's activations stay live, with remat or without."""
     preset = SEED_NOTEBOOK
-    plan = plan_strategy(preset.config(scan_layers=False, remat=remat), "dp", "data=8", batch_size=preset.batch_size)
+    plan = plan_strategy(preset.config(scan_layers=False, remat=remat), "dp", "data=8",
+                         batch_size=preset.batch_size)
     assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE["looped"]), (
         plan.predicted, plan.compiled)
     assert [note for note in plan.lint if "Python loop" in note] == [
-        "layers in a Python loop (scan_layers=False): XLA:CPU keeps every layer's activations live whatever the "
-        "remat policy, so remat only costs time here (not on GPUs or TPUs). The peak predicted for dp with looped "
-        "layers is rough (up to 20% off XLA:CPU's)"]
+        "layers in a Python loop (scan_layers=False): XLA:CPU keeps every layer's activations live whatever "
+        "the remat policy, so remat only costs time here (not on GPUs or TPUs). The peak predicted for dp "
+        "with looped layers is rough (up to 20% off XLA:CPU's)"]
 
 
 @pytest.mark.parametrize("remat, low", [("none", 0.12), ("full", 0.05)])
@@ -201,7 +208,8 @@ def test_plan_says_its_fit_never_saw_a_swiglu_mlp(remat, low):
 
 def test_plan_in_bfloat16_says_the_cpu_compile_overstates_it():
     plan = plan_strategy(dataclasses.replace(MODEL, compute_dtype="bfloat16"), "dp", "data=8", batch_size=16)
-    assert len(plan.lint) == 1 and plan.lint[0].startswith("bfloat16 compute on fake CPU devices: XLA:CPU computes")
+    assert len(plan.lint) == 1 and plan.lint[0].startswith("bfloat16 compute on fake CPU devices: XLA:CPU "
+                                                           "computes")
     assert plan_strategy(MODEL, "dp", "data=8", batch_size=16).lint == []
 
 
@@ -242,8 +250,8 @@ def test_residuals_are_labelled_by_what_the_backward_pass_does_with_them():
     feeds the value product's matmul and one the softmax gradient. Sized for XLA:TPU, a float32
     residual that only feeds matmuls takes half its bytes (bfloat16, in whole tiles here), one used
     both ways 1.5 times, and a stacked weight only its bfloat16 copy (of a shard under FSDP)."""
-    from shardax.analysis.tiles import kept_bytes
     from shardax.analysis.residuals import STAND_IN, Residual, traced_residuals
+    from shardax.analysis.tiles import kept_bytes
 
     config = tiny_transformer_config(remat="none", positions="rotary", scan_layers=True)
     residuals = traced_residuals(config)
@@ -257,11 +265,13 @@ def test_residuals_are_labelled_by_what_the_backward_pass_does_with_them():
         (layers, 1, 2, 3), 4, frozenset({"dot", "other"}), False)
     assert kept_bytes(dot_only, real, "tpu") * 2 == kept_bytes(dot_only, real, "cpu") == math.prod(real) * 4
     assert kept_bytes(both, real, "tpu") == math.prod(real) * 6
-    assert kept_bytes(weights[0], real, "cpu") == 0 and kept_bytes(weights[0], real, "tpu") == math.prod(real) * 2
+    assert (kept_bytes(weights[0], real, "cpu") == 0
+            and kept_bytes(weights[0], real, "tpu") == math.prod(real) * 2)
     assert kept_bytes(weights[0], real, "tpu", shards=4) == math.prod(real) // 2
 
 
-@pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4), ("[4,2]<=[2,4]T(1,0)", 2),
+@pytest.mark.parametrize("groups, size", [("{{0,1,2,3},{4,5,6,7}}", 4), ("[2,4]<=[8]", 4),
+                                          ("[4,2]<=[2,4]T(1,0)", 2),
                                           ("mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}", 2), ("", 8),
     ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}", 2),
     ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", 4)])

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -33,7 +32,8 @@ def snippet(title, pages=PAGES):
 
 
 def run(code, cwd=None):
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=cwd)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
@@ -41,7 +41,8 @@ def run(code, cwd=None):
 # the sections whose blocks the tests below run; every other block must be marked a fragment
 RUN = {"Quick start", "A first data-parallel step with the seed API", "Your own model", "Strategies",
        "Checkpoints are orbax trees",
-       "Pipelines and long sequences: `LayerStack` and `Attention`", "Fine-tune a Hugging Face model", "Trackers"}
+       "Pipelines and long sequences: `LayerStack` and `Attention`", "Fine-tune a Hugging Face model",
+       "Trackers"}
 
 
 def test_every_python_block_runs_or_is_marked_a_fragment():
@@ -53,7 +54,8 @@ def test_every_python_block_runs_or_is_marked_a_fragment():
 
 
 def test_the_site_builds_strict(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
+                            str(tmp_path / "site")],
                            capture_output=True, text=True, timeout=300, cwd=ROOT,
                            env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert built.returncode == 0, built.stderr[-3000:]
@@ -70,7 +72,8 @@ def test_quick_start_runs_and_prints_a_falling_loss():
     assert "shardax: 1,348 parameters, strategy fsdp" in out  # a small model's size in full, not "0.00M"
     losses = [float(loss) for loss in printed.split(",")]
     # steps 1, 20, 40 and 60
-    assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1 * losses[0], losses
+    assert (len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:]))
+            and losses[-1] < 0.1 * losses[0]), losses
 
 
 def test_the_seed_api_step_runs_and_prints_a_falling_loss():
@@ -101,12 +104,14 @@ def test_a_checkpoint_restores_with_orbax_alone(tmp_path):
     restoring = code.split("# orbax alone", 1)[1].split("\n", 1)[1].split("same =", 1)[0]
     assert "shardax" not in restoring and "trainer" not in restoring and "ocp.PyTreeCheckpointer" in restoring
     out = run(code, cwd=tmp_path)
-    assert out.splitlines()[-1] == "restored with orbax alone: out.kernel (32, 4), equal to the trained one: True"
+    assert out.splitlines()[-1] == ("restored with orbax alone: out.kernel (32, 4), equal to the trained "
+                                    "one: True")
 
 
 def test_the_strategies_page_trains_reports_and_reshards():
     out = run(snippet("Strategies"))
-    assert "per device vs" in out and re.search(r"^loss \d+\.\d{3}; resharded to tp: [\d,]+ bytes per device$", out, re.M)
+    assert "per device vs" in out and re.search(r"^loss \d+\.\d{3}; resharded to tp: [\d,]+ bytes per "
+                                                r"device$", out, re.M)
 
 
 def test_trackers_page_logs_to_mlflow_and_reads_it_back(tmp_path):
@@ -125,13 +130,15 @@ def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_contex
     assert [(strategy, mesh) for strategy, mesh, _, _ in printed] == [("pp_tp", "stage=2,data=2,model=2"),
                                                                      ("dp", "data=2,context=4")]
     assert all(float(last) < 0.6 * float(first) for _, _, first, last in printed), printed
-    assert "pipeline: 2 stages x 2 microbatches" in out and "context: each sequence split 4 ways over context" in out
+    assert ("pipeline: 2 stages x 2 microbatches" in out
+            and "context: each sequence split 4 ways over context" in out)
 
 
 def test_fine_tuning_a_hugging_face_model(tmp_path):
     out = run(snippet("Fine-tune a Hugging Face model"), cwd=tmp_path)
     assert out.splitlines()[-1].startswith("loaded 2 layers, read ")
-    assert sorted(p.name for p in (tmp_path / "tiny-llama-again").iterdir()) == ["config.json", "model.safetensors"]
+    assert (sorted(p.name for p in (tmp_path / "tiny-llama-again").iterdir())
+            == ["config.json", "model.safetensors"])
 
 
 BASH_BLOCK = re.compile(r"(?P<mark><!-- not run: [^\n]*-->\n)?```bash\n(?P<code>.*?)```", re.S)
@@ -168,7 +175,8 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
         assert done.returncode == 0, (line, done.stderr[-2000:])
         assert "Traceback" not in done.stderr and "warning:" not in done.stderr, (line, done.stderr[-2000:])
         outputs[line] = done.stdout
-    default = next(out for line, out in outputs.items() if line.startswith("shardax train --run-dir runs/tiny"))
+    default = next(out for line, out in outputs.items()
+                   if line.startswith("shardax train --run-dir runs/tiny"))
     assert "shardax train: 0.92M parameters" in default and "to train further:" in default
     lora = next(out for line, out in outputs.items() if "--lora-rank 8" in line)
     assert "model: fine-tuning the Hugging Face checkpoint" in lora and "step     50" in lora
@@ -178,12 +186,14 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
     assert "preference pairs" in dpo and "reward_accuracy" in dpo and "the chat template of" in dpo
     reply = next(out for line, out in outputs.items() if "--chat" in line)
     assert reply.strip() and "<|end|>" not in reply  # the reply alone, its end of turn left out
-    generated = [out for line, out in outputs.items() if line.startswith("shardax generate") and "--chat" not in line]
+    generated = [out for line, out in outputs.items()
+                 if line.startswith("shardax generate") and "--chat" not in line]
     assert generated[0].startswith("def main(") and generated[1].startswith("def main(")
     assert generated[2].startswith("import json") and "\nclass" in generated[2]
     check = textwrap.dedent("""
         import numpy as np, peft, torch, transformers
-        tokens = transformers.AutoTokenizer.from_pretrained("tiny-hf")("def main():\\n    return 0\\n")["input_ids"]
+        tokenizer = transformers.AutoTokenizer.from_pretrained("tiny-hf")
+        tokens = tokenizer("def main():\\n    return 0\\n")["input_ids"]
         def logits(model):
             with torch.no_grad():
                 return model.eval()(torch.tensor([tokens])).logits.numpy()
@@ -197,7 +207,8 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
         ours = np.asarray(jax.jit(lambda model, t: model(t))(hf.load("tiny-tuned", "data=8", "fsdp").model(),
                                                             np.array([tokens])))
         scale = np.abs(ours).max()
-        print(len(tokens), float(np.abs(adapted - merged).max() / scale), float(np.abs(ours - merged).max() / scale))
+        print(len(tokens), float(np.abs(adapted - merged).max() / scale),
+              float(np.abs(ours - merged).max() / scale))
     """)
     count, peft_error, shardax_error = run(check, cwd=tmp_path).split()
     assert int(count) > 4 and float(peft_error) < 1e-4 and float(shardax_error) < 1e-4

@@ -7,15 +7,16 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from small_models import tiny_transformer_config
 
 from shardax import DeviceMeshManager
 from shardax.model_parallel import parallelize, reshard
 from shardax.models.transformer import TransformerLM
-from small_models import tiny_transformer_config
 
 TARGETS = {
     "dp/8": ("dp", "data=8"), "zero1/8": ("zero1", "data=8"), "zero2/8": ("zero2", "data=8"),
-    "fsdp/8": ("fsdp", "data=8"), "tp/2x4": ("tp", "data=2,model=4"), "fsdp_tp/2x4": ("fsdp_tp", "data=2,model=4"),
+    "fsdp/8": ("fsdp", "data=8"), "tp/2x4": ("tp", "data=2,model=4"),
+    "fsdp_tp/2x4": ("fsdp_tp", "data=2,model=4"),
     "fsdp_tp/4x2": ("fsdp_tp", "data=4,model=2"), "hsdp/2x4": ("hsdp", "replica=2,data=4"),
     "fsdp/4": ("fsdp", "data=4"), "dp/1": ("dp", "data=1"),
 }
@@ -71,8 +72,9 @@ def test_round_trip_between_strategies_is_bit_exact(source, target):
     assert_bit_exact(there, original)
 
 
-@pytest.mark.parametrize("source, target", [("dp/8", "fsdp/8"), ("fsdp/8", "fsdp_tp/2x4"), ("fsdp/8", "fsdp/4"),
-                                            ("fsdp_tp/4x2", "dp/1"), ("fsdp/4", "fsdp_tp/2x4")])
+@pytest.mark.parametrize("source, target", [("dp/8", "fsdp/8"), ("fsdp/8", "fsdp_tp/2x4"),
+                                            ("fsdp/8", "fsdp/4"), ("fsdp_tp/4x2", "dp/1"),
+                                            ("fsdp/4", "fsdp_tp/2x4")])
 def test_between_meshes_each_device_gets_its_own_piece(source, target):
     original = trained_state(source)
     moved = reshard(original, parallel_for(target))

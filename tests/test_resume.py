@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
-
 from cli_helpers import QUICK, last_logged_step, read_metrics, sealed, shardax, stalled, subprocess_env
-from shardax.trainer.lock import LOCK_NAME
+
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
+from shardax.trainer.lock import LOCK_NAME
 
 STEPS = 8
 COMMON = (*QUICK, "--steps", STEPS, "--log-every", 1, "--eval-every", 0, "--checkpoint-every", 3)
@@ -66,10 +66,11 @@ def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
             "--metrics", tmp_path / "dp.jsonl")
     shutil.copytree(tmp_path / "dp", tmp_path / "moved")
     shutil.rmtree(tmp_path / "moved" / "6")  # keep the dp checkpoint of step 4 only
-    moved = shardax("train", *base, "--checkpoint-dir", tmp_path / "moved", "--resume", "--strategy", "fsdp_tp",
-                    "--mesh", "data=2,model=4", "--metrics", tmp_path / "moved.jsonl")
+    moved = shardax("train", *base, "--checkpoint-dir", tmp_path / "moved", "--resume", "--strategy",
+                    "fsdp_tp", "--mesh", "data=2,model=4", "--metrics", tmp_path / "moved.jsonl")
     assert "resumed from step 4" in moved.stdout and "strategy fsdp_tp" in moved.stdout
-    assert "changed since the checkpoint was saved: strategy dp -> fsdp_tp; mesh data=8 -> data=2,model=4\n" in moved.stdout
+    assert ("changed since the checkpoint was saved: strategy dp -> fsdp_tp; mesh data=8 -> data=2,model=4\n"
+            in moved.stdout)
     continued = [r["loss"] for r in read_metrics(tmp_path / "moved.jsonl")]
     uninterrupted = [r["loss"] for r in read_metrics(tmp_path / "dp.jsonl")]
     assert len(continued) == 2
@@ -80,16 +81,23 @@ def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
 
 
 def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
-    shardax("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", small_corpus, "--checkpoint-dir", tmp_path)
+    shardax("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", small_corpus, "--checkpoint-dir",
+            tmp_path)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME}
-    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, check=False)
-    assert result.returncode == 2 and "already holds checkpoints (latest step 2); pass --resume" in result.stderr
-    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
-                     "--preset", "small", check=False)
-    assert result.returncode == 2 and "--preset small contradicts the checkpoint's --preset tiny" in result.stderr
-    result = shardax("train", *QUICK, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume", check=False)
-    assert result.returncode == 2 and "is complete at step 2; to train it further, pass --extend-to N" in result.stderr
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before
+    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path,
+                     check=False)
+    assert (result.returncode == 2
+            and "already holds checkpoints (latest step 2); pass --resume" in result.stderr)
+    result = shardax("train", *QUICK, "--steps", 2, "--data", small_corpus, "--checkpoint-dir", tmp_path,
+                     "--resume", "--preset", "small", check=False)
+    assert (result.returncode == 2
+            and "--preset small contradicts the checkpoint's --preset tiny" in result.stderr)
+    result = shardax("train", *QUICK, "--data", small_corpus, "--checkpoint-dir", tmp_path, "--resume",
+                     check=False)
+    assert (result.returncode == 2
+            and "is complete at step 2; to train it further, pass --extend-to N" in result.stderr)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")
+            if p.is_file() and p.name != LOCK_NAME} == before
 
 
 def test_a_checkpoint_of_shardax_0_1s_gpt_shaped_preset_is_refused_in_one_line():
@@ -109,8 +117,9 @@ def test_a_checkpoint_of_shardax_0_1s_gpt_shaped_preset_is_refused_in_one_line()
     with pytest.raises(UsageError) as refused:
         job._check_same_model({"model": old}, run, 500, config)
     assert str(refused.value) == (
-        "the checkpoint at step 500 in runs/old/checkpoints holds a model with vocab_size 256, d_ff 512, norm layer, "
-        "mlp gelu, where this shardax builds vocab_size 320, d_ff 344, norm rms, mlp swiglu (since 0.2 every preset is "
-        "Llama-shaped, and byte-level runs embed the end-of-document token); start a new run (without --resume), or "
-        "resume this one with the shardax that wrote it (0.1)")
-    job._check_same_model({"model": {**dataclasses.asdict(run.model), "remat": "full"}}, run, 500, config)  # may change
+        "the checkpoint at step 500 in runs/old/checkpoints holds a model with vocab_size 256, d_ff 512, "
+        "norm layer, mlp gelu, where this shardax builds vocab_size 320, d_ff 344, norm rms, mlp swiglu "
+        "(since 0.2 every preset is Llama-shaped, and byte-level runs embed the end-of-document token); "
+        "start a new run (without --resume), or resume this one with the shardax that wrote it (0.1)")
+    # may change
+    job._check_same_model({"model": {**dataclasses.asdict(run.model), "remat": "full"}}, run, 500, config)

@@ -34,9 +34,10 @@ EXPECTED_API = {
     "data_parallel_train_step", "describe_mesh", "get_mesh_info", "model_state_shardings",
     "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
     "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
-    "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "Part", "parallelize",
-    "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES", "STRATEGIES", "Strategy", "get_strategy",
-    "TrainState", "ema_params", "simulate_cpu_devices", "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
+    "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "Part",
+    "parallelize", "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES",
+    "STRATEGIES", "Strategy", "get_strategy", "TrainState", "ema_params", "simulate_cpu_devices",
+    "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
     "FitSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss", "dpo_step",
 }
 
@@ -66,11 +67,13 @@ def test_the_command_line_answers_help_and_bad_flags_without_importing_jax(argv)
              f"sys.argv = ['shardax', *{argv!r}]\n"
              "try:\n    runpy.run_module('shardax.cli', run_name='__main__')\n"
              "except SystemExit:\n    pass\n"
-             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'flax', 'optax', 'orbax'}))")
+             "print('heavy:', sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'jax', 'flax', 'optax', 'orbax'}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "heavy: []", out.stdout[-500:] + out.stderr[-500:]
     if argv == ["train", "--help"]:  # its flags in groups, in this order
-        titles = [line[:-1] for line in out.stdout.splitlines() if line.endswith(":") and not line.startswith(" ")]
+        titles = [line[:-1] for line in out.stdout.splitlines()
+                  if line.endswith(":") and not line.startswith(" ")]
         assert titles[-6:] == ["model", "data", "parallelism", "run", "checkpoints", "logging"], titles
 
 
@@ -93,4 +96,5 @@ def test_one_vocabulary_of_option_names():
     assert IMPLEMENTATIONS is vocabulary.ATTENTION_KERNELS and VARIANTS is vocabulary.CONTEXT_ATTENTIONS
     assert NONFINITE is vocabulary.NONFINITE_MODES and CHOICES["remat"] is vocabulary.REMAT_POLICIES
     probe = "import sys, shardax.vocabulary; print(sorted({'jax', 'numpy'} & set(sys.modules)))"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"
+    assert (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+            == "[]")

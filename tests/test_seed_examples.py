@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_models import MLP, mse_loss, regression_batches
 
 from shardax import DataParallel, DeviceMeshManager, data_parallel_rules, spmd_train_step
-from small_models import MLP, mse_loss, regression_batches
 
 
 class MyModel(nnx.Module):
@@ -80,7 +80,9 @@ def test_gradient_aggregation_as_written_fails_clearly():
         grads = jax.grad(compute_loss)(params, batch)
         return DataParallel.all_reduce_gradients_static(grads, reduce_type="mean")
 
-    with pytest.raises(ValueError, match=r"axis_name='batch' is not a bound parallel axis.*jax.pmap\(\.\.\., axis_name='batch'\)"):
+    with pytest.raises(ValueError,
+                       match=r"axis_name='batch' is not a bound parallel axis.*jax.pmap\(\.\.\., "
+                             r"axis_name='batch'\)"):
         train_step({"w": jnp.ones((8, 3, 1))}, jnp.ones((8, 4, 3)))
 
 
@@ -136,6 +138,7 @@ def test_datarax_spmd_example():
 
     batch = next(regression_batches(1))
     with jax.set_mesh(mesh):
-        batch = DataParallel.shard_batch_static(batch, DataParallel.create_data_parallel_sharding_static(mesh))
+        batch = DataParallel.shard_batch_static(batch,
+                                                DataParallel.create_data_parallel_sharding_static(mesh))
         loss = train_step(model, optimizer, batch)
     assert np.isfinite(float(loss)) and float(loss) > 0

@@ -5,12 +5,18 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from small_models import (
+    AnnotatedMLP,
+    assert_trees_close,
+    mse_loss,
+    regression_batches,
+    tiny_transformer_config,
+    token_batches,
+)
 
 from shardax import DeviceMeshManager
 from shardax.model_parallel import parallelize
 from shardax.models.transformer import TransformerLM, next_token_loss, weighted_next_token_loss
-from small_models import (AnnotatedMLP, assert_trees_close, mse_loss, regression_batches, tiny_transformer_config,
-                          token_batches)
 
 # One pytest-xdist worker runs this file: the one-device reference runs are trained once and shared.
 pytestmark = pytest.mark.xdist_group("test_strategies")
@@ -28,7 +34,8 @@ MODELS = {
     "transformer": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), next_token_loss,
                     lambda: token_batches(STEPS)),
 }
-LOOPED = {"looped transformer": (lambda rngs: TransformerLM(tiny_transformer_config(scan_layers=False), rngs=rngs),
+LOOPED = {"looped transformer": (lambda rngs: TransformerLM(tiny_transformer_config(scan_layers=False),
+                                                            rngs=rngs),
                                  next_token_loss, lambda: token_batches(STEPS))}
 
 
@@ -69,7 +76,8 @@ def test_strategy_matches_one_device(model_name, strategy, mesh_shape):
     # parameters get an absolute floor of 1e-5 (weights are ~0.1-0.5), and Adam's moments one of
     # 2e-6 (gradients are ~1e-3; a moment near zero differs by ~1e-6 after 20 steps).
     assert_trees_close(jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-5)
-    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4, atol=2e-6)
+    assert_trees_close(jax.device_get(state.opt_state), jax.device_get(ref_state.opt_state), rtol=1e-4,
+                       atol=2e-6)
     # the layout survived 20 updates: every leaf where init put it
     assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
 
@@ -79,7 +87,8 @@ def test_blocks_in_a_python_loop_train_like_one_device(strategy):
     """Unscanned blocks: dp averages their dozens of small gradients in one bucket, fsdp gathers
     each weight; both match one device."""
     ref_losses, ref_state, _ = reference("looped transformer")
-    losses, state, parallel = train("looped transformer", strategy, DeviceMeshManager().create_device_mesh("data=8"))
+    losses, state, parallel = train("looped transformer", strategy,
+                                    DeviceMeshManager().create_device_mesh("data=8"))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # a weight or two whose gradient is near zero drifts by ~3e-5 over 20 Adam steps (see above)
     assert_trees_close(jax.device_get(state.params), jax.device_get(ref_state.params), rtol=1e-5, atol=1e-4)
@@ -125,9 +134,12 @@ def test_layouts_per_strategy_on_what_devices_hold():
 
 def test_initial_values_do_not_depend_on_the_strategy():
     factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
-    one = parallelize(factory, optax.adam(1e-3), DeviceMeshManager(devices=jax.devices()[:1]).create_device_mesh("data=1"))
-    sharded = parallelize(factory, optax.adam(1e-3), DeviceMeshManager().create_device_mesh("data=2,model=4"), "fsdp_tp")
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.init(3).params), jax.device_get(sharded.init(3).params))
+    one = parallelize(factory, optax.adam(1e-3),
+                      DeviceMeshManager(devices=jax.devices()[:1]).create_device_mesh("data=1"))
+    sharded = parallelize(factory, optax.adam(1e-3), DeviceMeshManager().create_device_mesh("data=2,model=4"),
+                          "fsdp_tp")
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one.init(3).params),
+                 jax.device_get(sharded.init(3).params))
 
 
 def uneven_token_batches(kind, steps=2, batch_size=16, length=17, vocab=64, seed=0):
@@ -142,7 +154,8 @@ def uneven_token_batches(kind, steps=2, batch_size=16, length=17, vocab=64, seed
         segments = np.zeros((batch_size, length), np.int32)
         for row in range(batch_size):
             used = int(rng.integers(2, length + 1))
-            cuts = np.sort(rng.choice(np.arange(1, used), size=min(2, used - 1), replace=False)) if kind == "packed" else []
+            cuts = (np.sort(rng.choice(np.arange(1, used), size=min(2, used - 1), replace=False))
+                    if kind == "packed" else [])
             segments[row, :used] = 1 + np.searchsorted(cuts, np.arange(used), side="right")
         yield {**batch, "segments": segments}
 
@@ -158,7 +171,8 @@ def masked_mse(model, batch):
 def masked_regression_batches(steps=2, batch_size=32):
     rng = np.random.default_rng(1)
     for batch in regression_batches(steps, batch_size):
-        yield {**batch, "mask": (rng.random(batch_size) < np.linspace(0.1, 0.9, batch_size)).astype(np.float32)}
+        yield {**batch,
+               "mask": (rng.random(batch_size) < np.linspace(0.1, 0.9, batch_size)).astype(np.float32)}
 
 
 ACCUMULATION = {  # (model, loss, batches, strategy, mesh)
@@ -168,7 +182,8 @@ ACCUMULATION = {  # (model, loss, batches, strategy, mesh)
                   lambda: uneven_token_batches("packed"), "fsdp_tp", "data=4,model=2"),
     "lm padded": (lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs), weighted_next_token_loss,
                   lambda: uneven_token_batches("padded"), "dp", "data=8"),
-    "user weighted loss": (lambda rngs: AnnotatedMLP(rngs), masked_mse, masked_regression_batches, "zero2", "data=4,model=2"),
+    "user weighted loss": (lambda rngs: AnnotatedMLP(rngs), masked_mse, masked_regression_batches, "zero2",
+                           "data=4,model=2"),
 }
 
 
@@ -192,7 +207,8 @@ def test_gradient_accumulation_is_the_same_update_as_the_full_batch(case):
         assert jax.tree.map(lambda a: a.sharding, state) == parallel.state_shardings
     for accum in (2, 4):
         np.testing.assert_allclose(results[accum][0], results[1][0], rtol=1e-6)
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[accum][1]), jax.tree.leaves(results[1][1])):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[accum][1]),
+                                jax.tree.leaves(results[1][1])):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             relative = np.linalg.norm(a - b) / np.linalg.norm(b)  # each tensor, as a whole
             assert relative <= 1e-6, f"grad_accum={accum}: {jax.tree_util.keystr(path)} is {relative:.2g} off"

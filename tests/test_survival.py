@@ -18,15 +18,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from cli_helpers import QUICK, WORKERS, last_logged_step, read_metrics, shardax, stalled, subprocess_env
-from shardax.trainer.lock import LOCK_NAME
+from user_models import DropoutMLP, classification_loss, on_host, vector_batches
+
 from shardax import Trainer
 from shardax.cli import main
 from shardax.errors import NonFiniteError
 from shardax.trainer import manifest
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
-from user_models import DropoutMLP, classification_loss, on_host, vector_batches
+from shardax.trainer.lock import LOCK_NAME
 
 pytestmark = pytest.mark.xdist_group("test_survival")
 
@@ -42,7 +42,7 @@ def files_of(folder):
             if p.is_file() and p.name != LOCK_NAME}  # the lock is taken (and let go) by each run that checks
 
 
-# -- resume restores the run ----------------------------------------------------------------------------------
+# -- resume restores the run ---------------------------------------------------------------------------------
 
 LM = (*QUICK, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0)
 
@@ -68,8 +68,9 @@ def saved_lm_run(small_corpus, tmp_path_factory):
     ("--batch-size", 8, "--batch-size 8 contradicts the checkpoint's --batch-size 16"),
     ("--lr", 0.01, "--lr 0.01 contradicts the checkpoint's --lr"),
     ("--seq-len", 64, "--seq-len 64 contradicts the checkpoint's --seq-len 32"),
-    ("--steps", 10, "--steps 10 contradicts the checkpoint's --steps 4 (its schedule's length); to train on past "
-                    "step 4, use --extend-to 10"),
+    ("--steps", 10,
+     "--steps 10 contradicts the checkpoint's --steps 4 (its schedule's length); to train on past "
+     "step 4, use --extend-to 10"),
     ("--data", "/tmp", "--data /tmp contradicts the checkpoint's --data"),
 ])
 def test_resume_refuses_flags_that_contradict_the_saved_run(saved_lm_run, flag, value, message, capsys):
@@ -107,7 +108,7 @@ def test_extend_to_continues_a_finished_run_at_the_final_learning_rate(saved_lm_
     assert saved_steps(tmp_path / "ckpt")[-1] == 6
 
 
-# -- non-finite steps -----------------------------------------------------------------------------------------
+# -- non-finite steps ----------------------------------------------------------------------------------------
 
 def poisoned(at):
     """BATCHES with a NaN in the inputs of step ``at`` (1-based)."""
@@ -118,8 +119,9 @@ def poisoned(at):
 
 def test_a_nan_step_stops_the_run_and_the_last_good_checkpoint_is_kept(tmp_path):
     run = trainer()
-    with pytest.raises(NonFiniteError, match=r"^step 5: the loss or gradient norm is NaN or infinite.*the last "
-                                             r"good checkpoint is step 4 in"):
+    with pytest.raises(NonFiniteError,
+                       match=r"^step 5: the loss or gradient norm is NaN or infinite.*the last "
+                             r"good checkpoint is step 4 in"):
         run.fit(poisoned(5), steps=8, log_every=3, checkpoint_every=2, checkpoint_dir=tmp_path)
     assert saved_steps(tmp_path) == [2, 4]  # step 6 (a frozen state after the bad step) was never written
     clean = trainer()
@@ -127,14 +129,15 @@ def test_a_nan_step_stops_the_run_and_the_last_good_checkpoint_is_kept(tmp_path)
     # the state the run stopped with is the state after step 4: nothing from step 5 on was applied
     state = on_host(run.state)
     jax.tree.map(np.testing.assert_array_equal, state.params, on_host(clean.state).params)
-    np.testing.assert_array_equal(saved_arrays(tmp_path, 4)["params.hidden.kernel"], state.params["hidden"]["kernel"])
+    np.testing.assert_array_equal(saved_arrays(tmp_path, 4)["params.hidden.kernel"],
+                                  state.params["hidden"]["kernel"])
 
 
 def test_shardax_train_stops_a_diverging_run_with_one_line_and_exit_code_4(small_corpus, tmp_path):
     """A learning rate of 1e30 overflows the parameters within a few steps: the command line says
     which step went non-finite and where the last good checkpoint is, in one line, and exits 4."""
-    result = shardax("train", *LM, "--steps", 6, "--lr", "1e30", "--data", small_corpus, "--checkpoint-every", 1,
-                     "--checkpoint-dir", tmp_path / "ckpt", check=False)
+    result = shardax("train", *LM, "--steps", 6, "--lr", "1e30", "--data", small_corpus, "--checkpoint-every",
+                     1, "--checkpoint-dir", tmp_path / "ckpt", check=False)
     assert result.returncode == 4, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -150,12 +153,13 @@ def test_skip_mode_drops_the_bad_update_and_counts_it():
     assert [r["skipped_steps"] for r in result.history] == [0, 0, 1, 1, 1, 1, 1, 1]
     assert result.history[2]["loss"] is None  # NaN, written as null
     clean = trainer()
-    clean.fit([b for i, b in enumerate(BATCHES) if i != 2], steps=7)  # the same updates, without the bad batch
+    # the same updates, without the bad batch
+    clean.fit([b for i, b in enumerate(BATCHES) if i != 2], steps=7)
     jax.tree.map(np.testing.assert_array_equal, on_host(run.state).params, on_host(clean.state).params)
     jax.tree.map(np.testing.assert_array_equal, on_host(run.state).opt_state, on_host(clean.state).opt_state)
 
 
-# -- damaged checkpoints --------------------------------------------------------------------------------------
+# -- damaged checkpoints -------------------------------------------------------------------------------------
 
 def damage_largest_file(directory, how):
     files = sorted((p for p in directory.rglob("*") if p.is_file() and p.name != "shardax_manifest.json"),
@@ -229,7 +233,8 @@ def test_each_process_seals_what_it_wrote_and_checking_is_shared(tmp_path, monke
     assert [manifest.damage(tmp_path, (i, 2)) for i in (0, 1)] == [None, None]
     target = tmp_path / "state" / "ocdbt.process_1" / "data"
     data = bytearray(target.read_bytes())
-    data[3 * 1024 + 5] ^= 1  # its 4th block: unit 7 of 0..8 (record, process 0's 3 blocks, then this file's 5)
+    # its 4th block: unit 7 of 0..8 (record, process 0's 3 blocks, then this file's 5)
+    data[3 * 1024 + 5] ^= 1
     target.write_bytes(bytes(data))
     alone = [manifest.damage(tmp_path, (i, 2)) for i in (0, 1)]  # each process hashes every other unit
     assert alone == [None, "state/ocdbt.process_1/data changed since it was sealed"]
@@ -274,9 +279,9 @@ def test_a_damaged_checkpoint_that_cannot_be_set_aside_is_one_line(tmp_path, mon
     monkeypatch.setattr(pathlib.Path, "rename", read_only)
     with pytest.raises(Exception) as error:
         trainer().fit(BATCHES, steps=6, checkpoint_dir=str(tmp_path / "ckpt"), resume=True)
-    assert str(error.value) == (f"checkpoint of step 4 in {tmp_path / 'ckpt'} is damaged and cannot be set aside as "
-                                "4.damaged (Read-only file system); resume from a writable copy of the directory, or "
-                                "remove that step yourself")
+    assert str(error.value) == (f"checkpoint of step 4 in {tmp_path / 'ckpt'} is damaged and cannot be set "
+                                "aside as 4.damaged (Read-only file system); resume from a writable copy of "
+                                "the directory, or remove that step yourself")
     monkeypatch.undo()
     assert saved_steps(tmp_path / "ckpt") == [2, 4]
 
@@ -286,7 +291,8 @@ def test_no_good_checkpoint_is_a_clear_error_and_nothing_is_loaded(tmp_path):
     for step in (2, 4):
         damage_largest_file(tmp_path / str(step), "zeroed")
     before = files_of(tmp_path)
-    with pytest.raises(ValueError, match=r"no good checkpoint in .*step 4 is damaged \(.*\); step 2 is damaged"):
+    with pytest.raises(ValueError,
+                       match=r"no good checkpoint in .*step 4 is damaged \(.*\); step 2 is damaged"):
         trainer().fit(BATCHES, steps=6, checkpoint_dir=tmp_path, resume=True)
     assert files_of(tmp_path) == before
 
@@ -306,7 +312,8 @@ def limit_file_size(limit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("more, failing", [(("--extend-to", 4), 4), (("--extend-to", 5, "--checkpoint-every", 1), 3)],
+@pytest.mark.parametrize("more, failing", [(("--extend-to", 4), 4),
+                                           (("--extend-to", 5, "--checkpoint-every", 1), 3)],
                          ids=["at-the-end", "in-the-background"])
 def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpus, tmp_path, more, failing):
     """A write that fails in the background is named by its own step, not by the next save's."""
@@ -314,17 +321,20 @@ def test_a_write_that_fails_is_one_line_and_earlier_checkpoints_stay(small_corpu
     shardax(*run)
     before = files_of(tmp_path / "ckpt")
     env = dict(subprocess_env(), JAX_ENABLE_COMPILATION_CACHE="false")
-    failed = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, run), "--resume", *map(str, more)],
-                            capture_output=True, text=True, timeout=300, env=env, preexec_fn=limit_file_size(4096))
+    failed = subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, run), "--resume",
+                             *map(str, more)],
+                            capture_output=True, text=True, timeout=300, env=env,
+                            preexec_fn=limit_file_size(4096))
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert failed.stderr.strip().splitlines() == [
-        f"shardax train: error: could not write the checkpoint of step {failing} to {tmp_path / 'ckpt'} (File too large); "
-        "the checkpoints already there are intact (steps [2]); free space or choose another checkpoint directory"]
+        f"shardax train: error: could not write the checkpoint of step {failing} to {tmp_path / 'ckpt'} "
+        "(File too large); the checkpoints already there are intact (steps [2]); free space or choose "
+        "another checkpoint directory"]
     step_2 = tmp_path / "ckpt" / "2"
     assert files_of(step_2) == {p: v for p, v in before.items() if step_2 in p.parents}
 
 
-# -- preemption -----------------------------------------------------------------------------------------------
+# -- preemption ----------------------------------------------------------------------------------------------
 
 PREEMPTIBLE = (*LM, "--steps", 8, "--checkpoint-every", 100)
 
@@ -339,14 +349,17 @@ def test_one_run_writes_a_checkpoint_directory_and_a_dead_runs_lock_is_taken_ove
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     try:
         deadline = time.time() + 240
-        while time.time() < deadline and first.poll() is None and last_logged_step(tmp_path / "first.jsonl") < 1:
+        while (time.time() < deadline and first.poll() is None
+               and last_logged_step(tmp_path / "first.jsonl") < 1):
             time.sleep(0.05)
         assert first.poll() is None, first.stderr.read()[-2000:]
         for extra in ([], ["--resume"]):
-            second = shardax(*common, "--seed", 5, "--metrics", tmp_path / "second.jsonl", *extra, check=False)
+            second = shardax(*common, "--seed", 5, "--metrics", tmp_path / "second.jsonl", *extra,
+                             check=False)
             assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-2000:]
             line = second.stderr.strip().splitlines()[-1]
-            assert f"{checkpoints} is being written by another run (host " in line and f"pid {first.pid}," in line
+            assert (f"{checkpoints} is being written by another run (host " in line
+                    and f"pid {first.pid}," in line)
             assert not (tmp_path / "second.jsonl").exists()
     finally:
         first.kill()
@@ -358,7 +371,8 @@ def test_one_run_writes_a_checkpoint_directory_and_a_dead_runs_lock_is_taken_ove
 
 
 def preempt(command, metrics, at_step, sig, launcher_lines=None):
-    """Run ``command`` (paused after ``at_step``), send ``sig`` once that step is logged, return the result."""
+    """Run ``command`` (paused after ``at_step``), send ``sig`` once that step is logged, return the
+    result."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=subprocess_env())
     deadline = time.time() + 240
@@ -381,7 +395,8 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
     assert code == 75, err[-2000:]
     assert f"stopped by {sig.name} after step 3: checkpoint of step 3 in {stopped / 'checkpoints'}" in out
     assert saved_steps(stopped / "checkpoints") == [3]
-    [command] = re.findall(r"^to resume: (shardax train .*)$", out, re.M)  # the command the run printed, as is
+    # the command the run printed, as is
+    [command] = re.findall(r"^to resume: (shardax train .*)$", out, re.M)
     assert command == f"shardax train --run-dir {stopped} --resume"
     resumed = shardax(*shlex.split(command)[1:])
     assert "resumed from step 3" in resumed.stdout
@@ -395,9 +410,14 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
 # how a run signalled at each moment ends: (exit code, the line it ends with, the checkpoints left)
 AT_EACH_MOMENT = {
     "before-jax": ("stopped", "stopped by {sig} before training began: this run wrote nothing", []),
-    "restore": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on", [2, 3]),
-    "first-step": (75, "stopped by {sig} after step 1: checkpoint of step 1 in {ckpt}; resume from it to go on", [1]),
-    "final-save": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on", [3]),
+    "restore": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on",
+                [2, 3]),
+    "first-step": (75,
+                   "stopped by {sig} after step 1: checkpoint of step 1 in {ckpt}; resume from it to go on",
+                   [1]),
+    "final-save": (75,
+                   "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on",
+                   [3]),
 }
 
 
@@ -418,8 +438,8 @@ def test_a_signal_at_any_moment_ends_the_run_in_one_line_with_its_code(moment, s
         command += ["--steps", 3]
     ready = tmp_path / "ready"
     process = subprocess.Popen([sys.executable, str(WORKERS / "pause.py"), moment, str(ready), "shardax",
-                                *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=subprocess_env())
+                                *map(str, command)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=subprocess_env())
     deadline = time.time() + 240
     while time.time() < deadline and process.poll() is None and not ready.exists():
         time.sleep(0.02)
@@ -461,7 +481,8 @@ def test_a_signal_to_a_two_process_run_stops_both_at_the_same_step(two_process_r
     straight, stopped, release = two_process_run, tmp_path / "stopped", tmp_path / "release"
     run = ["train", *PREEMPTIBLE, "--data", small_corpus, "--strategy", "fsdp_tp"]
     command = [sys.executable, "-m", "shardax.cli", *map(str, TWO_PROCESSES),
-               *stalled(3, 600, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl")]
+               *stalled(3, 600, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics",
+                        stopped / "m.jsonl")]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**subprocess_env(), "STALL_RELEASE": str(release)})
     deadline = time.time() + 240
@@ -480,8 +501,8 @@ def test_a_signal_to_a_two_process_run_stops_both_at_the_same_step(two_process_r
     assert "[0] stopped by SIGTERM after step 3: checkpoint of step 3" in out, out[-3000:]
     assert "every process stopped after a checkpoint" in out
     assert saved_steps(stopped / "ckpt") == [3]
-    shardax(*TWO_PROCESSES, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics", stopped / "m.jsonl",
-            "--resume")
+    shardax(*TWO_PROCESSES, "shardax", *run, "--checkpoint-dir", stopped / "ckpt", "--metrics",
+            stopped / "m.jsonl", "--resume")
     losses = [r["loss"] for r in read_metrics(straight / "m.jsonl")]
     assert [r["loss"] for r in read_metrics(stopped / "m.jsonl")] == losses
     expected, got = saved_arrays(straight / "ckpt", 8), saved_arrays(stopped / "ckpt", 8)

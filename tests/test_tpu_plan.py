@@ -11,18 +11,26 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-
 from cli_helpers import shardax
+from small_models import tiny_transformer_config
+
 from shardax.analysis.fit import batch_granule, fit
-from shardax.analysis.plan import (WHOLE_MATMULS_FLAGS, compile_step, compiled_memory, device_bytes, out_of_memory,
-                                    plan_strategy, step_cost, transformer_for)
+from shardax.analysis.plan import (
+    WHOLE_MATMULS_FLAGS,
+    compile_step,
+    compiled_memory,
+    device_bytes,
+    out_of_memory,
+    plan_strategy,
+    step_cost,
+    transformer_for,
+)
 from shardax.analysis.targets import CHIPS, Target, cuda_plugin, parse_target, require_tpu_compiler
 from shardax.errors import UsageError
 from shardax.models.presets import flops_per_token, get_preset
 from shardax.models.transformer import weighted_next_token_loss
 from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import get_strategy
-from small_models import tiny_transformer_config
 
 pytestmark = pytest.mark.xdist_group("test_tpu_plan")
 pytest.importorskip("libtpu", reason="the TPU compiler comes with the test extra on Linux x86-64")
@@ -68,10 +76,13 @@ def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
     fusions, its loops carry no trip count: both read), fits the chip, and costs the model's FLOPs."""
     target = parse_target("tpu-v5p-8")
     plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, target=target)
-    assert plan.target == "tpu-v5p-8" and plan.fits is True and plan.compiled["peak"] > plan.compiled["arguments"]
-    # the analytic state (parameters, optimizer state, batch), in XLA:TPU's tiles, is its arguments to the byte
+    assert (plan.target == "tpu-v5p-8" and plan.fits is True
+            and plan.compiled["peak"] > plan.compiled["arguments"])
+    # the analytic state (parameters, optimizer state, batch), in XLA:TPU's tiles, is its arguments to the
+    # byte
     assert plan.predicted["state"] == plan.compiled["arguments"]
-    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    assert (plan.collective_bytes
+            == pytest.approx(plan.theoretical_collective_bytes, rel=0.05)), plan.collectives
     model_flops = flops_per_token(MODEL) * 16 * MODEL.seq_len / 4
     assert plan.cost["model_flops"] == pytest.approx(model_flops)
     if plan.cost["flops"] is not None:  # XLA's count of the whole step, loops unrolled by extrapolation
@@ -82,9 +93,10 @@ def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
 
 
 @pytest.mark.parametrize("shape, strategy, mesh, batch, microbatches", [
-    (dict(d_model=192, n_heads=3, n_layers=12, d_ff=960, seq_len=512, vocab_size=1024), "dp", "data=1", 8, None),
-    (dict(d_model=384, n_heads=12, n_layers=7, d_ff=1536, seq_len=320, remat="dots_saveable"), "dp", "data=8", 16,
+    (dict(d_model=192, n_heads=3, n_layers=12, d_ff=960, seq_len=512, vocab_size=1024), "dp", "data=1", 8,
      None),
+    (dict(d_model=384, n_heads=12, n_layers=7, d_ff=1536, seq_len=320, remat="dots_saveable"), "dp", "data=8",
+     16, None),
     (dict(d_model=640, n_heads=10, n_layers=4, d_ff=2560, seq_len=256), "pp", "stage=2,data=4", 16, 2)])
 def test_analytic_peak_against_xla_tpu_on_held_out_shapes(shape, strategy, mesh, batch, microbatches):
     """Three of benchmarks/suite.py's held-out shapes (never fitted on), above the TPU fit's floor
@@ -102,9 +114,11 @@ def test_analytic_peak_against_xla_tpu_on_held_out_shapes(shape, strategy, mesh,
     assert "hbm_peak" in measured and device_bytes(measured) > 300e6
     schedule = parallel.schedule(**pipeline) if pipeline else None
     on_chip = CHIPS["v5p"].on_chip_bytes
-    predicted = predict_memory(parallel, model, batch, model.seq_len, 1, schedule, compiler="tpu", on_chip=on_chip)
+    predicted = predict_memory(parallel, model, batch, model.seq_len, 1, schedule, compiler="tpu",
+                               on_chip=on_chip)
     assert predicted.total == pytest.approx(device_bytes(measured), rel=0.05)
-    # what the plan takes off for the chip's own memory (all of it, at these sizes) is what XLA:TPU keeps there
+    # what the plan takes off for the chip's own memory (all of it, at these sizes) is what XLA:TPU keeps
+    # there
     assert measured["on_chip"] == pytest.approx(on_chip, rel=0.06)
 
 
@@ -127,7 +141,8 @@ def test_flop_extrapolation_matches_an_unrolled_compile():
     compiled = compile_step(transformer_for(MODEL, strategy, "data=4", None, target), 16, MODEL.seq_len)
     flops, hbm = step_cost(MODEL, strategy, "data=4", None, target, 16, 1, compiled)
     unrolled = dataclasses.replace(MODEL, scan_layers=False)
-    cost = compile_step(transformer_for(unrolled, strategy, "data=4", None, target), 16, MODEL.seq_len).cost_analysis()
+    cost = compile_step(transformer_for(unrolled, strategy, "data=4", None, target), 16,
+                        MODEL.seq_len).cost_analysis()
     assert flops == pytest.approx(cost["flops"], rel=0.01)
     assert compiled.cost_analysis()["flops"] < 0.8 * flops  # what XLA reports for the scan: one layer
 
@@ -150,12 +165,15 @@ def test_multi_host_v5e_16(strategy, mesh, model, batch):
     assert target.hosts == 4 and len(target.devices()) == 16
     plan = plan_strategy(model, strategy, mesh, batch_size=batch, target=target)
     assert plan.mesh == mesh and plan.fits is True and plan.predicted["state"] == plan.compiled["arguments"]
-    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    assert (plan.collective_bytes
+            == pytest.approx(plan.theoretical_collective_bytes, rel=0.05)), plan.collectives
     # 6 N counts the untied input table, a gather with no FLOPs: 5.5% of the longer model's (so 0.93)
-    assert (0.95 if model is MODEL else 0.9) <= plan.cost["flops"] / plan.cost["model_flops"] <= 1.1, plan.cost
+    assert ((0.95 if model is MODEL else 0.9) <= plan.cost["flops"] / plan.cost["model_flops"]
+            <= 1.1), plan.cost
     if strategy == "fsdp_tp":
         assert plan.collectives["collective-permute"]["count"] > 0  # the windowed einsums are there
-        assert plan.compiled["peak_without_collective_matmuls"] > 0  # and the step was compiled without them too
+        # and the step was compiled without them too
+        assert plan.compiled["peak_without_collective_matmuls"] > 0
 
 
 def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds():
@@ -172,8 +190,8 @@ def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds(
     assert plan.collective_bytes == pytest.approx(1.18 * plan.theoretical_collective_bytes, rel=0.03)
     [note] = [line for line in plan.lint if line.startswith("collective matmuls")]
     assert format_bytes(without) in note and f'LIBTPU_INIT_ARGS="{WHOLE_MATMULS_FLAGS}"' in note
-    advised = shardax("plan", "--target", "tpu-v5p-16", "--preset", "tiny", "--strategy", "zero2", "--seq-len", 256,
-                      "--batch-size", 128, "--no-scan-layers", "--remat", "full", "--json",
+    advised = shardax("plan", "--target", "tpu-v5p-16", "--preset", "tiny", "--strategy", "zero2",
+                      "--seq-len", 256, "--batch-size", 128, "--no-scan-layers", "--remat", "full", "--json",
                       env={"LIBTPU_INIT_ARGS": WHOLE_MATMULS_FLAGS})
     [run] = json.loads(advised.stdout)
     assert run["compiled_bytes_per_device"] == without and "collective-permute" not in run["collectives"]
@@ -184,7 +202,8 @@ def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds(
 def test_fit_finds_the_largest_batch_that_fits():
     """Against a chip given 48 MB of HBM, the search's batch fits and one more row per device does not."""
     slice_ = parse_target("tpu-v5p-8")
-    small = Target("tpu-small", dataclasses.replace(CHIPS["v5p"], hbm_bytes=48 * 10**6), "v5p", slice_.topology)
+    small = Target("tpu-small", dataclasses.replace(CHIPS["v5p"], hbm_bytes=48 * 10**6), "v5p",
+                   slice_.topology)
     [result] = fit(MODEL, "dp", "data=4", small, policies=("none",))
     granule = batch_granule("dp", "data=4", small)
     assert granule == 4 and result.batch_size % granule == 0 and result.batch_size >= granule
@@ -204,7 +223,8 @@ def test_what_fits_a_tpu_is_what_xla_tpu_allocates():
     measured = compiled_memory(compile_step(transformer_for(MODEL, "dp", "data=4", target=target), 16384,
                                             MODEL.seq_len))
     hbm = target.per_device()["hbm_bytes"]
-    assert measured["peak"] > hbm >= measured["hbm_peak"] == device_bytes(measured)  # so the plan says it fits
+    # so the plan says it fits
+    assert measured["peak"] > hbm >= measured["hbm_peak"] == device_bytes(measured)
     heap, estimate = measured["hbm_heap"], measured["temporaries"]
     assert measured["hbm_peak"] == measured["peak"] - estimate + heap and heap < 0.85 * estimate
     # a step this large fills the chip's own memory with temporaries, as the plan takes it (within
@@ -263,7 +283,8 @@ def test_xla_gpu_on_h100_8(strategy, mesh, compute_dtype):
     # in bfloat16 a GPU would run cuDNN's attention, which a host without one cannot trace: said
     assert any(note.startswith("attention: on GPUs this model runs cuDNN's fused kernel")
                for note in plan.lint) == (compute_dtype == "bfloat16"), plan.lint
-    assert plan.collective_bytes == pytest.approx(plan.theoretical_collective_bytes, rel=0.05), plan.collectives
+    assert (plan.collective_bytes
+            == pytest.approx(plan.theoretical_collective_bytes, rel=0.05)), plan.collectives
     assert plan.cost["flops"] is None  # XLA:GPU's cost analysis needs a GPU: the model's FLOPs are used
     assert plan.roofline["bound"] in ("compute", "NVLink")
     assert plan.roofline["compute_s"] == pytest.approx(plan.cost["model_flops"] / 989e12)
@@ -274,8 +295,8 @@ def test_plan_command_for_h100_lays_the_blocks_as_train_does_on_gpus():
     them on a GPU: in a Python loop under dp (benchmark 24 timed it faster), scanned under fsdp."""
     if cuda_plugin() is None:
         pytest.skip("pip install shardax[gpu-plan] to compile for H100s")
-    result = shardax("plan", "--target", "h100-8", "--preset", "tiny", "--strategy", "dp", "--strategy", "fsdp",
-                     "--batch-size", "16")
+    result = shardax("plan", "--target", "h100-8", "--preset", "tiny", "--strategy", "dp", "--strategy",
+                     "fsdp", "--batch-size", "16")
     assert "batch 16, blocks in a Python loop under dp on h100-8" in result.stdout
     plans = {plan["strategy"]: plan for plan in json.loads(shardax(
         "plan", "--target", "h100-8", "--preset", "tiny", "--strategy", "dp", "--strategy", "fsdp",
@@ -294,7 +315,8 @@ def test_h100_runs_a_plain_loop_of_layers_under_remat():
 
     def marks(target):
         parallel = transformer_for(looped, "dp", "data=1", target=target)
-        batch = {"tokens": jax.ShapeDtypeStruct((16, looped.seq_len + 1), jnp.int32, sharding=parallel.layout.batch())}
+        batch = {"tokens": jax.ShapeDtypeStruct((16, looped.seq_len + 1), jnp.int32,
+                                                sharding=parallel.layout.batch())}
         lowered = parallel.train_step(weighted_next_token_loss).lower(parallel.abstract_state, batch)
         return lowered.as_text().count("stablehlo.reduce_precision")
 

@@ -4,8 +4,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from cli_helpers import QUICK, read_metrics, shardax
+
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 
 pytestmark = pytest.mark.xdist_group("test_train_shards")
@@ -16,7 +16,8 @@ RUN = (*QUICK, "--steps", 4, "--log-every", 1, "--eval-every", 2, "--eval-batche
 @pytest.fixture(scope="module")
 def bpe_shards(small_corpus, tmp_path_factory):
     folder = tmp_path_factory.mktemp("bpe_shards")
-    result = shardax("prepare", small_corpus, "--out", folder / "shards", "--tokenizer", "bpe", "--vocab-size", 300)
+    result = shardax("prepare", small_corpus, "--out", folder / "shards", "--tokenizer", "bpe",
+                     "--vocab-size", 300)
     assert "bpe (trained, vocabulary 300) tokens (new)" in result.stdout
     return folder / "shards"
 
@@ -34,10 +35,11 @@ def test_bpe_run_follows_the_tokenizer_and_resumes_exactly(bpe_shards, tmp_path)
     assert len(evaluated) == 2
     for record in evaluated:  # nats per token, and the same in bits per token and per byte of text
         assert record["val_bits_per_token"] == pytest.approx(record["val_loss"] / np.log(2), rel=1e-5)
-        assert 0.25 * record["val_bits_per_token"] < record["val_bits_per_byte"] < 0.95 * record["val_bits_per_token"]
+        assert (0.25 * record["val_bits_per_token"] < record["val_bits_per_byte"]
+                < 0.95 * record["val_bits_per_token"])
 
-    shardax("train", *RUN, "--data", bpe_shards, "--checkpoint-every", 2, "--checkpoint-dir", tmp_path / "cut",
-            "--metrics", tmp_path / "cut.jsonl")
+    shardax("train", *RUN, "--data", bpe_shards, "--checkpoint-every", 2, "--checkpoint-dir",
+            tmp_path / "cut", "--metrics", tmp_path / "cut.jsonl")
     shutil.rmtree(tmp_path / "cut" / "4")  # as if stopped after the checkpoint of step 2
     assert saved_steps(tmp_path / "cut") == [2]
     resumed = shardax("train", *RUN, "--data", bpe_shards, "--checkpoint-every", 2, "--checkpoint-dir",
@@ -47,12 +49,14 @@ def test_bpe_run_follows_the_tokenizer_and_resumes_exactly(bpe_shards, tmp_path)
     for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight.jsonl") if "loss" in r}
-    assert [r["loss"] for r in read_metrics(tmp_path / "resumed.jsonl") if "loss" in r] == [losses[3], losses[4]]
+    assert ([r["loss"] for r in read_metrics(tmp_path / "resumed.jsonl") if "loss" in r]
+            == [losses[3], losses[4]])
 
 
 @pytest.mark.slow
 def test_two_processes_read_the_batches_of_one(bpe_shards, tmp_path):
-    args = (*QUICK, "--steps", 3, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data", bpe_shards)
+    args = (*QUICK, "--steps", 3, "--log-every", 1, "--eval-every", 0, "--sample-bytes", 0, "--data",
+            bpe_shards)
     shardax("train", *args, "--metrics", tmp_path / "one.jsonl")
     shardax("launch", "-n", 2, "--devices-per-process", 4, "--", "shardax", "train", *args,
             "--metrics", tmp_path / "two.jsonl")
@@ -65,8 +69,8 @@ def test_two_processes_read_the_batches_of_one(bpe_shards, tmp_path):
 @pytest.mark.parametrize("tokenizer", [("bytes",), ("bpe", "--vocab-size", "300")], ids=["bytes", "bpe"])
 def test_train_tokenizes_raw_text_once_into_its_cache(small_corpus, tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("SHARDAX_DATA_CACHE", str(tmp_path / "cache"))
-    args = ("train", *QUICK, "--steps", 1, "--eval-every", 0, "--data", small_corpus, "--tokenizer", *tokenizer,
-            "--sample-temperature", "1.5", "--sample-top-k", "5")
+    args = ("train", *QUICK, "--steps", 1, "--eval-every", 0, "--data", small_corpus, "--tokenizer",
+            *tokenizer, "--sample-temperature", "1.5", "--sample-top-k", "5")
     first = shardax(*args)
     assert f"{tokenizer[0]}" in first.stdout and "tokens" in first.stdout, first.stdout
     assert "temperature 1.5, top-k 5" in first.stdout, first.stdout

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import make_mesh
 from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import AxisType
+from small_models import MLP, assert_trees_close, mse_loss, regression_batches
 
-from conftest import make_mesh
 from shardax import (
     DataParallel,
     data_parallel_train_step,
@@ -17,7 +18,6 @@ from shardax import (
     place_model_state_on_shards,
     spmd_train_step,
 )
-from small_models import MLP, assert_trees_close, mse_loss, regression_batches
 
 STEPS = 20
 
@@ -33,7 +33,8 @@ OPTIMIZERS = {"adamw": lambda: optax.adamw(1e-2), "sgd": lambda: optax.sgd(0.05,
 def single_device_run(optimizer_name):
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, OPTIMIZERS[optimizer_name](), wrt=nnx.Param)
-    losses = [float(train_step(model, optimizer, jax.tree.map(jnp.asarray, b))) for b in regression_batches(STEPS)]
+    losses = [float(train_step(model, optimizer, jax.tree.map(jnp.asarray, b)))
+              for b in regression_batches(STEPS)]
     return losses, nnx.state(model, nnx.Param)
 
 
@@ -116,14 +117,16 @@ def test_shard_map_step_compiles_one_all_reduce_per_gradient(mesh8):
     batch = {"x": np.ones((32, 16), np.float32)}
     data_parallel_train_step(loss_fn, optax.sgd(0.1), batch, state, mesh=mesh8)
     text = _lower_text(loss_fn, state, batch, mesh8)
-    all_reduces = [line for line in text.splitlines() if " all-reduce(" in line or "all-reduce-start(" in line]
+    all_reduces = [line for line in text.splitlines()
+                   if " all-reduce(" in line or "all-reduce-start(" in line]
     assert all_reduces, text
     assert "all-gather" not in text
 
 
 def _lower_text(loss_fn, state, batch, mesh):
-    from shardax.compat.steps import _step
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from shardax.compat.steps import _step
 
     placed = place_batch_on_shards(batch, NamedSharding(mesh, P("data")))
     leaves, treedef = jax.tree.flatten(placed)
@@ -149,7 +152,8 @@ def test_rng_is_folded_per_device(mesh8):
 def test_bad_state_and_optimizer_are_clear_errors(mesh8):
     params = {"w": jnp.ones(2)}
     with pytest.raises(ValueError, match="state is a list; data_parallel_train_step takes a flax TrainState"):
-        data_parallel_train_step(lambda p, b: 0.0, optax.sgd(0.1), {"x": np.ones((8, 2))}, [params], mesh=mesh8)
+        data_parallel_train_step(lambda p, b: 0.0, optax.sgd(0.1), {"x": np.ones((8, 2))}, [params],
+                                 mesh=mesh8)
     with pytest.raises(ValueError, match="optimizer is str; give an optax.GradientTransformation"):
         data_parallel_train_step(lambda p, b: 0.0, "adam", {"x": np.ones((8, 2))},
                                  {"params": params, "opt_state": ()}, mesh=mesh8)
@@ -172,7 +176,7 @@ def test_model_state_placed_then_spmd_step_under_set_mesh_uses_context_mesh(mesh
     assert float(metrics["loss"]) == pytest.approx(4.0)  # the mean over devices either way
     assert int(metrics["skipped_steps"]) == 0
     poisoned = {"x": np.full((16, 4), np.nan, np.float32)}  # a non-finite step leaves the state as it was
-    after, metrics = data_parallel_train_step(lambda p, b: jnp.mean((b["x"] * p["w"]).sum(-1)), optax.sgd(0.5),
-                                              poisoned, state, mesh=mesh8)
+    after, metrics = data_parallel_train_step(lambda p, b: jnp.mean((b["x"] * p["w"]).sum(-1)),
+                                              optax.sgd(0.5), poisoned, state, mesh=mesh8)
     assert int(metrics["skipped_steps"]) == 1
     np.testing.assert_array_equal(np.asarray(after["params"]["w"]), np.asarray(state["params"]["w"]))

@@ -8,21 +8,21 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
 
-from shardax.trainer.lock import LOCK_NAME
 import shardax
 from shardax import Trainer, ema_params
 from shardax.errors import UsageError
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
-from user_models import ConvNet, DropoutMLP, classification_loss, image_batches, on_host, vector_batches
+from shardax.trainer.lock import LOCK_NAME
 
 pytestmark = pytest.mark.xdist_group("test_trainer")
 
 
 def trainer(strategy="fsdp", model=DropoutMLP, **options):
     """A Trainer whose optimizer keeps a moving average of the weights (resumed with the rest)."""
-    return Trainer(model, optax.chain(optax.adamw(1e-2), ema_params(0.9)), classification_loss, strategy=strategy,
-                   **options)
+    return Trainer(model, optax.chain(optax.adamw(1e-2), ema_params(0.9)), classification_loss,
+                   strategy=strategy, **options)
 
 
 def tensorboard_scalars(directory):
@@ -43,7 +43,8 @@ def tensorboard_scalars(directory):
 
 
 def mlflow_metrics(directory):
-    """``{(tag, step): value}`` of the one run in the MLflow file store at ``directory``, read by MLflow's client."""
+    """``{(tag, step): value}`` of the one run in the MLflow file store at ``directory``, read by MLflow's
+    client."""
     import os
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -52,7 +53,8 @@ def mlflow_metrics(directory):
     client = MlflowClient(tracking_uri=directory.resolve().as_uri())
     [run] = client.search_runs([client.get_experiment_by_name("shardax").experiment_id])
     assert run.info.status == "FINISHED"
-    return {(tag, m.step): m.value for tag in run.data.metrics for m in client.get_metric_history(run.info.run_id, tag)}
+    return {(tag, m.step): m.value for tag in run.data.metrics
+            for m in client.get_metric_history(run.info.run_id, tag)}
 
 
 def wandb_history(directory):
@@ -75,8 +77,8 @@ def wandb_history(directory):
                 record = wandb_internal_pb2.Record.FromString(pending)
                 pending = b""
                 if record.WhichOneof("record_type") == "history":
-                    items = {item.nested_key and "/".join(item.nested_key) or item.key: json.loads(item.value_json)
-                             for item in record.history.item}
+                    items = {item.nested_key and "/".join(item.nested_key) or item.key:
+                             json.loads(item.value_json) for item in record.history.item}
                     rows.update({(tag, items["_step"]): value for tag, value in items.items() if "/" in tag})
     return rows
 
@@ -91,9 +93,9 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
         return jax.nn.sigmoid(model.hidden(held_out[0]["inputs"][:6])).reshape(6, 5, 8)
 
     fitting = trainer(trackers=trackers)
-    run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2, metrics=tmp_path / "m.jsonl",
-                      tensorboard=tmp_path / "tb", on_log=logged.append, samples=draw, sample_every=3,
-                      samples_dir=tmp_path / "samples", eval_ema=True)
+    run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
+                      metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb", on_log=logged.append,
+                      samples=draw, sample_every=3, samples_dir=tmp_path / "samples", eval_ema=True)
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -103,7 +105,8 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
             assert {"loss", "accuracy", "grad_norm", "step_time_s", "examples_per_sec"} <= set(record)
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert run.last_eval == {"loss": records[-1]["val_loss"], "accuracy": records[-1]["val_accuracy"]}
-    assert run.last_eval == fitting.evaluate(held_out, ema=True) != fitting.evaluate(held_out)  # the average's
+    # the average's
+    assert run.last_eval == fitting.evaluate(held_out, ema=True) != fitting.evaluate(held_out)
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     # every tracker holds every record, read back by its own client (TensorBoard: its protos)
     for logged_by in (tensorboard_scalars(tmp_path / "tb"), mlflow_metrics(tmp_path / "mlflow"),
@@ -205,7 +208,8 @@ def test_stop_and_resume_is_bit_identical_to_one_run(source, tmp_path):
 def test_a_checkpoint_resumes_into_another_strategy(tmp_path):
     straight = trainer("dp").fit(BATCHES, steps=6, log_every=1)
     trainer("dp").fit(BATCHES, steps=3, checkpoint_dir=tmp_path)
-    moved = trainer("fsdp_tp", example_batch=BATCHES[0]).fit(BATCHES, steps=6, log_every=1, checkpoint_dir=tmp_path,
+    moved = trainer("fsdp_tp", example_batch=BATCHES[0]).fit(BATCHES, steps=6, log_every=1,
+                                                             checkpoint_dir=tmp_path,
                                                              resume=True)  # tp reads the split off the model
     np.testing.assert_allclose([r["loss"] for r in moved.history], [r["loss"] for r in straight.history[3:]],
                                rtol=1e-5)
@@ -231,7 +235,8 @@ def test_a_checkpoint_of_the_older_flat_layout_still_resumes(tmp_path):
         assert "params.hidden.kernel" in flat.saved_arrays(3)
     runs = [trainer().fit(BATCHES, steps=6, log_every=1, checkpoint_dir=tmp_path / name, resume=True)
             for name in ("tree", "flat")]
-    assert runs[1].start_step == 3 and [r["loss"] for r in runs[1].history] == [r["loss"] for r in runs[0].history]
+    assert (runs[1].start_step == 3
+            and [r["loss"] for r in runs[1].history] == [r["loss"] for r in runs[0].history])
     jax.tree.map(np.testing.assert_array_equal, on_host(runs[1].state), on_host(runs[0].state))
     assert saved_arrays(tmp_path / "flat", 3).keys() == saved_arrays(tmp_path / "tree", 3).keys()
 
@@ -256,7 +261,8 @@ def test_evaluation_and_the_model_are_in_eval_mode():
     jax.tree.map(np.testing.assert_array_equal, on_host(fitted.state), before)
     model = fitted.model()
     assert model.norm1.use_running_average  # the returned module is in eval mode
-    loss, metrics = classification_loss(model, {k: np.concatenate([b[k] for b in held_out]) for k in held_out[0]})
+    loss, metrics = classification_loss(model, {k: np.concatenate([b[k] for b in held_out])
+                                                for k in held_out[0]})
     np.testing.assert_allclose(first["loss"], float(loss), rtol=1e-5)
     np.testing.assert_allclose(first["accuracy"], float(metrics["accuracy"]), rtol=1e-6)
     # the moving average of the weights evaluates the same way, and is not the weights
@@ -274,20 +280,25 @@ def one_pass():
 
 @pytest.mark.parametrize("call, message", [
     (lambda t, d: t.fit(BATCHES, steps=2, log_every=0), "`log_every=0` must be at least 1"),
-    (lambda t, d: t.fit(BATCHES, settings=shardax.FitSettings(log_every=0)), "`log_every=0` must be at least 1"),
+    (lambda t, d: t.fit(BATCHES, settings=shardax.FitSettings(log_every=0)),
+     "`log_every=0` must be at least 1"),
     (lambda t, d: t.fit(BATCHES, steps=2, settings=shardax.FitSettings()),
      "fit() got settings=FitSettings(...) and steps=2; give steps inside the FitSettings"),
-    (lambda t, d: t.fit(BATCHES, settings={"steps": 2}), "fit(settings=...) takes a shardax.FitSettings; got dict"),
+    (lambda t, d: t.fit(BATCHES, settings={"steps": 2}),
+     "fit(settings=...) takes a shardax.FitSettings; got dict"),
     (lambda t, d: t.fit(BATCHES, steps=2, eval_data=one_pass()), "eval_data is a one-pass generator"),
     (lambda t, d: t.fit(BATCHES, steps=2, resume=True), "`resume=True` needs checkpoint_dir"),
     (lambda t, d: t.fit(BATCHES, steps=2, resume=True, checkpoint_dir=d), "resume: no checkpoint in"),
     (lambda t, d: t.fit(42, steps=2), "data is a int; give an iterable of batches"),
     (lambda t, d: t.fit([], steps=2), "the data gave no batches"),
-    (lambda t, d: t.fit([{"inputs": np.ones((12, 12), np.float32), "labels": np.zeros(12, np.int32)}], steps=1),
-     "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh data=8 times "
-     "`grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
-    (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))), "samples= needs samples_dir=DIR"),
-    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1, eval_ema=True),
+    (lambda t, d: t.fit([{"inputs": np.ones((12, 12), np.float32), "labels": np.zeros(12, np.int32)}],
+                        steps=1),
+     "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh "
+     "data=8 times `grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
+    (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))),
+     "samples= needs samples_dir=DIR"),
+    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1,
+                                                                               eval_ema=True),
      "eval_ema=True evaluates the moving average of the weights, and the optimizer keeps none; chain"),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: -np.ones((2, 4, 4)), samples_dir=d),
      "samples returned 'samples' with values from -1 to -1; return values in "),
@@ -311,16 +322,20 @@ def test_a_loss_fn_returning_something_else_is_a_clear_error():
 def test_checkpoints_are_never_overwritten_and_resume_checks_what_it_reads(tmp_path):
     trainer().fit(BATCHES, steps=2, checkpoint_dir=tmp_path)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME}
-    with pytest.raises(ValueError, match="already holds checkpoints \\(latest step 2\\); pass `resume=True` to continue"):
+    with pytest.raises(ValueError,
+                       match="already holds checkpoints \\(latest step 2\\); pass `resume=True` to continue"):
         trainer().fit(BATCHES, steps=4, checkpoint_dir=tmp_path)
-    with pytest.raises(ValueError, match=r"holds a different model: params.hidden.bias has shape \(40,\) there but \(48,\)"):
+    with pytest.raises(ValueError,
+                       match=r"holds a different model: params.hidden.bias has shape \(40,\) there but "
+                             r"\(48,\)"):
         Trainer(_Wider, optax.adamw(1e-2), classification_loss).fit(BATCHES, steps=4, checkpoint_dir=tmp_path,
                                                                     resume=True)
     with pytest.raises(ValueError, match="saved reading data of kind 'iterable', this run reads 'by_step'"):
         trainer().fit(lambda step: BATCHES[step], steps=4, checkpoint_dir=tmp_path, resume=True)
     with pytest.raises(ValueError, match="needs data that can be read again from its start"):
         trainer().fit(one_pass(), steps=4, checkpoint_dir=tmp_path, resume=True)
-    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != LOCK_NAME} == before
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")
+            if p.is_file() and p.name != LOCK_NAME} == before
 
 
 class _Wider(DropoutMLP):
@@ -334,11 +349,13 @@ class _Wider(DropoutMLP):
 
 @pytest.mark.parametrize("decay", [0, 1, 1.5, -0.1, "0.9"])
 def test_a_moving_average_outside_0_to_1_or_missing_is_one_line(decay):
-    with pytest.raises(UsageError, match=rf"EMA decay {decay!r} is not between 0 and 1 \(exclusive\); use e.g. 0.999"):
+    with pytest.raises(UsageError,
+                       match=rf"EMA decay {decay!r} is not between 0 and 1 \(exclusive\); use e.g. 0.999"):
         ema_params(decay)
     if decay == 0:
         plain = Trainer(DropoutMLP, optax.adamw(1e-2), classification_loss, strategy="dp")
         plain.state = plain.init()
-        with pytest.raises(UsageError, match=r"the optimizer keeps 0 parameter averages, where one is needed; chain "
-                                             r"shardax.ema_params\(decay\) once, last"):
+        with pytest.raises(UsageError,
+                           match=r"the optimizer keeps 0 parameter averages, where one is needed; chain "
+                                 r"shardax.ema_params\(decay\) once, last"):
             plain.evaluate(BATCHES[:1], ema=True)

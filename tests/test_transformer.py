@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import tiny_transformer_config
 
 from shardax.models.presets import PRESETS, SEED_NOTEBOOK, flops_per_token, parameter_count
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
-from small_models import tiny_transformer_config
 
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(4, 17)).astype(np.int32)
 
@@ -61,9 +61,12 @@ def test_layers_are_stacked_for_scan_and_annotated():
 def test_a_loop_of_blocks_computes_what_the_scan_does(remat):
     scanned = TransformerLM(tiny_transformer_config(remat=remat), rngs=nnx.Rngs(0))
     looped = TransformerLM(tiny_transformer_config(remat=remat, scan_layers=False), rngs=nnx.Rngs(1))
-    assert len(looped.blocks.layers) == 2 and looped.blocks.layers[0].qkv.shape == scanned.blocks.layers.qkv.shape[1:]
-    assert looped.blocks.layers[1].qkv.get_metadata()["out_sharding"] == ("embed", None, "heads", "kv")  # no "layers"
-    stacked = {path: variable for path, variable in nnx.iter_graph(scanned) if isinstance(variable, nnx.Param)}
+    assert (len(looped.blocks.layers) == 2
+            and looped.blocks.layers[0].qkv.shape == scanned.blocks.layers.qkv.shape[1:])
+    # no "layers"
+    assert looped.blocks.layers[1].qkv.get_metadata()["out_sharding"] == ("embed", None, "heads", "kv")
+    stacked = {path: variable for path, variable in nnx.iter_graph(scanned)
+               if isinstance(variable, nnx.Param)}
     for path, variable in nnx.iter_graph(looped):  # the scan's weights, layer by layer
         if isinstance(variable, nnx.Param):
             if path[0] == "blocks":  # ("blocks", "layers", i, ...) -> ("blocks", "layers", ...)[i]
@@ -74,9 +77,11 @@ def test_a_loop_of_blocks_computes_what_the_scan_does(remat):
                                               for m in (scanned, looped))
     np.testing.assert_allclose(float(loop_loss), float(loss), rtol=1e-6)
     for i in range(2):
-        pairs = zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(loop_grads["blocks"]["layers"][i]), strict=True)
+        pairs = zip(jax.tree.leaves(grads["blocks"]), jax.tree.leaves(loop_grads["blocks"]["layers"][i]),
+                    strict=True)
         for stacked_grad, layer_grad in pairs:
-            np.testing.assert_allclose(np.asarray(stacked_grad)[i], np.asarray(layer_grad), rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(stacked_grad)[i], np.asarray(layer_grad), rtol=1e-4,
+                                       atol=1e-6)
 
 
 def test_tied_and_untied_heads():
@@ -95,7 +100,8 @@ def test_presets_span_seconds_to_a_billion_parameters():
     assert (notebook.vocab_size, notebook.seq_len, notebook.d_model, notebook.n_heads, notebook.n_layers,
             notebook.d_ff, SEED_NOTEBOOK.batch_size) == (512, 64, 256, 8, 4, 1024, 32)
     for preset in PRESETS.values():  # one model family: each exports as a Hugging Face Llama
-        assert (preset.model["positions"], preset.model["norm"], preset.model["mlp"]) == ("rotary", "rms", "swiglu")
+        assert ((preset.model["positions"], preset.model["norm"], preset.model["mlp"])
+                == ("rotary", "rms", "swiglu"))
 
 
 def test_bad_model_settings():
@@ -288,8 +294,10 @@ def test_attention_kernel_matches_attention_written_out(packed, monkeypatch):
     monkeypatch.setattr(transformer.jax.nn, "dot_product_attention", written_out)
     got_loss, got_grads = nnx.value_and_grad(loss)(model)
     np.testing.assert_allclose(got_loss, expected_loss, rtol=1e-5)
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(expected_grads)), nnx.to_flat_state(nnx.state(got_grads))):
-        np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6, err_msg=str(path))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(expected_grads)),
+                                 nnx.to_flat_state(nnx.state(got_grads))):
+        np.testing.assert_allclose(np.asarray(b[...]), np.asarray(a[...]), rtol=1e-4, atol=1e-6,
+                                   err_msg=str(path))
 
 
 @pytest.mark.parametrize("attention, precision, heads, platform, expected", [
@@ -313,5 +321,6 @@ def test_cudnn_attention_where_it_cannot_run_is_a_one_line_error():
     from shardax.errors import UsageError
     from shardax.models.transformer import attention_implementation
 
-    with pytest.raises(UsageError, match=r"`attention='cudnn'`: it needs a GPU \(this is cpu\); it needs bfloat16"):
+    with pytest.raises(UsageError,
+                       match=r"`attention='cudnn'`: it needs a GPU \(this is cpu\); it needs bfloat16"):
         attention_implementation(TransformerConfig(attention="cudnn"), "cpu")

@@ -11,13 +11,22 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from user_models import (
+    USER_MODELS,
+    ConvNet,
+    LoRAMLP,
+    SeenExamples,
+    classification_loss,
+    image_batches,
+    on_host,
+    plain_nnx_run,
+    vector_batches,
+)
 
 from shardax import DeviceMeshManager, LoRA, Trainer, ema_params, parallelize
 from shardax.errors import UsageError
 from shardax.models.adapters import add_lora, save_adapters
 from shardax.step.ema import EmaState, averaged
-from user_models import (USER_MODELS, ConvNet, LoRAMLP, SeenExamples, classification_loss, image_batches, on_host,
-                         plain_nnx_run, vector_batches)
 
 pytestmark = pytest.mark.xdist_group("test_user_models")
 
@@ -35,8 +44,8 @@ def reference(model_name, grad_accum):
     key = (model_name, grad_accum)
     if key not in _REFERENCE:
         factory, batches = USER_MODELS[model_name]
-        _REFERENCE[key] = plain_nnx_run(factory, TX, classification_loss, batches(STEPS), grad_accum=grad_accum,
-                                        optimizer_too=True)
+        _REFERENCE[key] = plain_nnx_run(factory, TX, classification_loss, batches(STEPS),
+                                        grad_accum=grad_accum, optimizer_too=True)
     return _REFERENCE[key]
 
 
@@ -61,7 +70,8 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
         state, metrics = step(state, parallel.place_batch(batch))
         history.append(jax.device_get(metrics))
     for name in ("loss", "accuracy"):
-        np.testing.assert_allclose([h[name] for h in history], [e[name] for e in expected], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose([h[name] for h in history], [e[name] for e in expected], rtol=1e-5,
+                                   atol=1e-7)
     assert history[-1]["loss"] != history[-2]["loss"]
     # batch statistics, RNG counters and the user's own counter: as one device has them
     model = parallel.merge(state)
@@ -84,7 +94,8 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
         return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
                             is_leaf=lambda v: isinstance(v, nnx.Variable))
 
-    ref_averages = {jax.tree_util.keystr(path): np.asarray(value) for path, value in jax.tree_util.tree_leaves_with_path(
+    ref_averages = {jax.tree_util.keystr(path): np.asarray(value)
+                    for path, value in jax.tree_util.tree_leaves_with_path(
         averaged(unwrapped(ref_optimizer.opt_state), unwrapped(nnx.state(ref_model, nnx.Param))))}
     def named(tree):
         return {jax.tree_util.keystr(path).removesuffix(".value"): value for path, value in tree.items()}
@@ -112,7 +123,8 @@ def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_
     hold no optimizer state; ``trainable=`` picks other parameters, and one matching none is
     refused in one line."""
     tx = optax.chain(optax.adamw(1e-2), ema_params(0.5))
-    expected, ref_model = plain_nnx_run(LoRAMLP, tx, classification_loss, vector_batches(STEPS), wrt=nnx.LoRAParam)
+    expected, ref_model = plain_nnx_run(LoRAMLP, tx, classification_loss, vector_batches(STEPS),
+                                        wrt=nnx.LoRAParam)
     mesh = DeviceMeshManager().create_device_mesh(mesh_shape)
     parallel = parallelize(LoRAMLP, tx, mesh, strategy, loss_fn=classification_loss,
                            example_batch=next(vector_batches(1)))
@@ -134,8 +146,10 @@ def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_
         assert np.array_equal(averages[path], params[path]) == ("kernel" in str(path) or "bias" in str(path))
     heads = parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, loss_fn=classification_loss,
                         example_batch=next(vector_batches(1)), trainable=nnx.PathContains("out"))
-    assert sum(leaf.size for leaf in jax.tree.leaves(heads.init(0).opt_state)) - 1 == 2 * (40 * 5 + 5 + 3 * 45)
-    with pytest.raises(UsageError, match=r"trainable=.* selects none of the model's parameters, so nothing would train"):
+    assert (sum(leaf.size for leaf in jax.tree.leaves(heads.init(0).opt_state)) - 1
+            == 2 * (40 * 5 + 5 + 3 * 45))
+    with pytest.raises(UsageError,
+                       match=r"trainable=.* selects none of the model's parameters, so nothing would train"):
         parallelize(LoRAMLP, optax.adamw(1e-2), mesh, strategy, trainable=nnx.PathContains("missing"))
 
 
@@ -177,7 +191,8 @@ def lora_convnet(rngs):
 
 
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
-def test_lora_by_layer_path_on_a_users_convnet_trains_its_adapters_as_one_device(strategy, mesh_shape, tmp_path):
+def test_lora_by_layer_path_on_a_users_convnet_trains_its_adapters_as_one_device(strategy, mesh_shape,
+                                                                                 tmp_path):
     """``Trainer(lora=LoRA(rank, alpha, r"conv\\d|head"))`` on a model shardax knows nothing of:
     adapters on the two plain convolutions and the head, each moved under SGD as plain NNX moves
     them (``wrt=nnx.LoRAParam``); the base weights, the depthwise convolution and BatchNorm's
@@ -201,7 +216,8 @@ def test_lora_by_layer_path_on_a_users_convnet_trains_its_adapters_as_one_device
         assert scale > 0, path
         np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-5 * scale + 2 * float(np.spacing(
             np.abs(ref_params[path]).max())), err_msg=str(path))
-    assert sum(leaf.size for leaf in jax.tree.leaves(result.state.opt_state)) == sum(params[p].size for p in adapters)
+    assert (sum(leaf.size for leaf in jax.tree.leaves(result.state.opt_state))
+            == sum(params[p].size for p in adapters))
 
 
 class ConvThenLinear(nnx.Module):
@@ -249,10 +265,13 @@ def test_adapters_of_any_model_are_saved_in_peft_layout_that_peft_reads(tmp_path
 
 
 @pytest.mark.parametrize("lora, message", [
-    (LoRA(4, targets="nothing"), "LoRA targets ['nothing'] match none of the model's 4 linear, einsum and conv layers"),
-    (LoRA(4, targets="depthwise"), "LoRA on the grouped convolution 'depthwise' (feature_group_count=6) is not "),
+    (LoRA(4, targets="nothing"),
+     "LoRA targets ['nothing'] match none of the model's 4 linear, einsum and conv layers"),
+    (LoRA(4, targets="depthwise"),
+     "LoRA on the grouped convolution 'depthwise' (feature_group_count=6) is not "),
     (LoRA(0, targets="head"), "LoRA rank 0 must be a whole number of at least 1"),
-    (LoRA(2, targets="(head"), "LoRA targets ['(head']: missing ), unterminated subpattern at position 0; give"),
+    (LoRA(2, targets="(head"),
+     "LoRA targets ['(head']: missing ), unterminated subpattern at position 0; give"),
 ])
 def test_lora_targets_that_cannot_be_adapted_are_one_line(lora, message):
     with pytest.raises(UsageError) as error:

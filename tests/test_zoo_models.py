@@ -13,8 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import zoo_models
 from flax import nnx
 from jax.sharding import AxisType
+from user_models import generative_batch, plain_nnx_run
+from zoo_models import LAYERS, MESH_NAMES, ZOO, lm_batches, lm_loss
 
 import shardax
 from shardax import DeviceMeshManager, Trainer, ema_params, parallelize
@@ -22,19 +25,19 @@ from shardax.analysis.collectives import find_collectives
 from shardax.errors import UsageError
 from shardax.sharding.paths import path_to_str
 from shardax.step.ema import averaged
-from user_models import generative_batch, plain_nnx_run
-import zoo_models
-from zoo_models import LAYERS, MESH_NAMES, ZOO, lm_batches, lm_loss
 
 pytestmark = pytest.mark.xdist_group("test_zoo_models")
 
 STEPS = 3
 STRATEGIES = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=2,model=4"),
               ("hsdp", "replica=2,data=4")]
-CASES = [(model, strategy, mesh) for model in ("llama", "gemma", "mesh-annotated") for strategy, mesh in STRATEGIES]
+CASES = [(model, strategy, mesh) for model in ("llama", "gemma", "mesh-annotated")
+         for strategy, mesh in STRATEGIES]
 CASES += [("qwen", "tp", "data=4,model=2"), ("qwen", "fsdp_tp", "data=4,model=2")]
-CASES += [("switch", strategy, mesh) for strategy, mesh in (("ep", "data=4,expert=2"), ("fsdp_ep", "data=2,expert=4"),
-                                                           ("ep_tp", "data=2,expert=2,model=2"), ("tp", "data=4,model=2"))]
+CASES += [("switch", strategy, mesh) for strategy, mesh in (("ep", "data=4,expert=2"),
+                                                            ("fsdp_ep", "data=2,expert=4"),
+                                                            ("ep_tp", "data=2,expert=2,model=2"),
+                                                            ("tp", "data=4,model=2"))]
 # SGD, not AdamW: AdamW's update is nearly the same for a gradient wrong by a constant factor
 TX = optax.sgd(0.5, momentum=0.9)
 _REFERENCE = {}
@@ -42,7 +45,8 @@ _REFERENCE = {}
 
 def reference(name):
     if name not in _REFERENCE:
-        one = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
+        one = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2,
+                            devices=jax.devices()[:1])
         with jax.set_mesh(one):  # the mesh-named model's constraints need a mesh; one device
             _REFERENCE[name] = plain_nnx_run(ZOO[name], TX, lm_loss, lm_batches(STEPS))
     return _REFERENCE[name]
@@ -67,7 +71,8 @@ def test_zoo_model_trains_like_plain_nnx_on_one_device(name, strategy, mesh_shap
     np.testing.assert_allclose(losses, [e["loss"] for e in expected], rtol=1e-5)
     assert losses[-1] < losses[0]
     for (path, a), b, s in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(state.params)),
-                               jax.tree.leaves(jax.device_get(nnx.state(ref_model, nnx.Param))), jax.tree.leaves(start)):
+                               jax.tree.leaves(jax.device_get(nnx.state(ref_model, nnx.Param))),
+                               jax.tree.leaves(start)):
         # each tensor's update (SGD: a sum of its gradients) within 1e-4 of one device's; a key bias
         # has no gradient but rounding (softmax ignores a shift shared by all keys)
         moved, ref_moved = (np.asarray(x, np.float64) - np.asarray(s, np.float64) for x in (a, b))
@@ -77,8 +82,10 @@ def test_zoo_model_trains_like_plain_nnx_on_one_device(name, strategy, mesh_shap
 
 
 SPLIT = {  # what tp splits over model, by the weight's own name; everything else is a norm
-    "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"},
-    "qwen": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head"},
+    "llama": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+              "lm_head"},
+    "qwen": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+             "lm_head"},
     "gemma": {"q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear", "input_embedding"},
     "mesh-annotated": {"wq", "wkv", "wo", "w_in", "w_out", "embed", "head"},
 }
@@ -91,7 +98,8 @@ def test_tp_on_model_2_holds_half_of_every_splittable_weight(name):
     tensor = "tp" if name == "mesh-annotated" else "model"
     for keypath, array in jax.tree_util.tree_leaves_with_path(state.params):
         leaf = parallel.layout.leaves[path_to_str(keypath)]
-        owner = next(part for part in reversed(leaf.path.split("/")) if part not in ("kernel", "bias", "embedding"))
+        owner = next(part for part in reversed(leaf.path.split("/"))
+                     if part not in ("kernel", "bias", "embedding"))
         per_device = {shard.data.size for shard in array.addressable_shards}
         if owner in SPLIT[name]:
             assert per_device == {array.size // 2}, f"{leaf.path}: {per_device} of {array.size}"
@@ -105,7 +113,8 @@ def _activation_reduces(compiled, rows, width):
     """All-reduces over the model pairs (the mesh data=4,model=2 groups [4,2]<=[8]), and the
     activation arrays (rows, length, width) among their operands, each counted per execution."""
     collectives = find_collectives(compiled.as_text())
-    over_model = [c for c in collectives if c.kind == "all-reduce" and c.replica_groups.startswith("[4,2]<=[8]")]
+    over_model = [c for c in collectives
+                  if c.kind == "all-reduce" and c.replica_groups.startswith("[4,2]<=[8]")]
     shape = f"f32[{rows},16,{width}]"
     return collectives, sum(c.shapes.count(shape) * c.executions for c in over_model)
 
@@ -119,7 +128,8 @@ def test_tp_step_communicates_like_megatron(name, readers, capfd):
     full rematerialization."""
     parallel = build(name, "tp", "data=4,model=2", optax.sgd(0.1))
     batch = next(lm_batches(1))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.layout.batch()), batch)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=parallel.layout.batch()), batch)
     compiled = parallel.train_step(lm_loss).lower(parallel.abstract_state, abstract).compile()
     collectives, activations = _activation_reduces(compiled, 4, 32)
     attention, mlp = readers
@@ -145,10 +155,12 @@ def test_tp_refuses_a_model_it_cannot_split_before_anything_runs():
     mesh = DeviceMeshManager().create_device_mesh("data=4,model=2")
     with pytest.raises(UsageError, match=r"splits no weight of this model over model=2.*example_batch"):
         parallelize(ConvNet, optax.sgd(0.1), mesh, "tp")  # unannotated, and nothing to read the split from
-    with pytest.raises(UsageError, match=r"splits no weight of this model over model=2.*annotate the weights$"):
+    with pytest.raises(UsageError,
+                       match=r"splits no weight of this model over model=2.*annotate the weights$"):
         Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1),
                 lambda model, batch: ((model(batch["x"]) - batch["y"]) ** 2).mean(), mesh=mesh, strategy="tp",
-                example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})  # widths: the data's
+                # widths: the data's
+                example_batch={"x": np.ones((8, 4), np.float32), "y": np.ones((8, 4), np.float32)})
 
 
 @pytest.mark.parametrize("strategy, mesh_shape, shards", [("ep", "data=4,expert=2", 2),
@@ -259,8 +271,8 @@ class RawDepthwise(nnx.Module):
         self.out = nnx.Linear(16, 2, rngs=rngs)
 
     def __call__(self, images, conv=jax.lax.conv_general_dilated):
-        x = conv(self.up(images), self.kernel[...], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                 feature_group_count=8)
+        x = conv(self.up(images), self.kernel[...], (1, 1), "SAME",
+                 dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=8)
         return self.out(nnx.relu(self.hidden(x.mean(axis=(1, 2)))))
 
 
@@ -272,8 +284,9 @@ def test_a_grouped_convolution_outside_nnx_conv_is_refused_under_tp_and_routed_o
         return lambda model, batch: optax.softmax_cross_entropy_with_integer_labels(
             model(batch["images"], conv), batch["labels"]).mean()
 
-    with pytest.raises(UsageError, match=r"grouped convolution outside nnx.Conv \(feature_group_count=8, kernel "
-                                         r"\(3, 3, 1, 8\)\); .*call shardax.grouped_conv in place of"):
+    with pytest.raises(UsageError,
+                       match=r"grouped convolution outside nnx.Conv \(feature_group_count=8, kernel "
+                             r"\(3, 3, 1, 8\)\); .*call shardax.grouped_conv in place of"):
         parallelize(RawDepthwise, optax.sgd(0.1), mesh, "tp", loss_fn=loss(jax.lax.conv_general_dilated),
                     example_batch=batch)
     parallel = parallelize(RawDepthwise, optax.sgd(0.1), mesh, "tp", loss_fn=loss(shardax.grouped_conv),
@@ -283,23 +296,29 @@ def test_a_grouped_convolution_outside_nnx_conv_is_refused_under_tp_and_routed_o
 
 def test_a_model_with_its_own_axis_names_needs_them_mapped():
     mesh = DeviceMeshManager().create_device_mesh("data=8")
-    with pytest.raises(UsageError, match=r"annotated with axis names \['fsdp', 'tp'\].*axis_names=\{'fsdp': 'data', 'tp': 'model'\}"):
+    with pytest.raises(UsageError,
+                       match=r"annotated with axis names \['fsdp', 'tp'\].*axis_names=\{'fsdp': 'data', "
+                             r"'tp': 'model'\}"):
         parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "dp")
     with pytest.raises(UsageError, match="map the model's names onto one of data, model, replica"):
-        parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "dp", axis_names={"fsdp": "data", "tp": "tensor"})
-    parallel = parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "fsdp", axis_names="fsdp=data,tp=model")
+        parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "dp",
+                    axis_names={"fsdp": "data", "tp": "tensor"})
+    parallel = parallelize(ZOO["mesh-annotated"], optax.sgd(0.1), mesh, "fsdp",
+                           axis_names="fsdp=data,tp=model")
     assert dict(parallel.mesh.shape) == {"fsdp": 8, "tp": 1}
     assert parallel.layout.leaves["blocks/0/w_in"].spec[0] == "fsdp"
 
 
 def test_pipelines_refuse_a_model_without_a_stack_of_layers_when_laid_out():
     with pytest.raises(UsageError, match=r"strategy 'pp' cuts a stack of layers into stages over 'stage'"):
-        parallelize(ZOO["llama"], optax.sgd(0.1), DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
+        parallelize(ZOO["llama"], optax.sgd(0.1), DeviceMeshManager().create_device_mesh("stage=2,data=4"),
+                    "pp")
 
 
 def test_a_context_axis_the_model_cannot_use_is_refused_by_the_trainer_before_fit():
-    with pytest.raises(UsageError, match=r"'context' mesh axis splits sequences for models that attend through "
-                                         r"shardax.blocks.Attention, and this model has none"):
+    with pytest.raises(UsageError,
+                       match=r"'context' mesh axis splits sequences for models that attend through "
+                             r"shardax.blocks.Attention, and this model has none"):
         Trainer(ZOO["gemma"], optax.sgd(0.1), lm_loss, mesh="data=2,context=4", strategy="dp",
                 example_batch=next(lm_batches(1)))
 
@@ -336,15 +355,16 @@ BLOCK_CASES = [("pp", "stage=2,data=4", "all-gather"), ("pp_tp", "stage=2,data=2
                ("fsdp_tp", "data=2,context=2,model=2", "ring")]
 
 
-@pytest.mark.parametrize("strategy, mesh_shape, variant", BLOCK_CASES, ids=[f"{s}-{m}-{v}" for s, m, v in BLOCK_CASES])
+@pytest.mark.parametrize("strategy, mesh_shape, variant", BLOCK_CASES,
+                         ids=[f"{s}-{m}-{v}" for s, m, v in BLOCK_CASES])
 def test_a_model_built_from_the_blocks_trains_like_plain_nnx_under_pipelines_and_context(strategy, mesh_shape,
                                                                                          variant):
     llama = readme_blocks_model()
     if "blocks" not in _REFERENCE:
         _REFERENCE["blocks"] = plain_nnx_run(llama, optax.adamw(1e-2), lm_loss, lm_batches(STEPS))
     expected, ref_model = _REFERENCE["blocks"]
-    parallel = parallelize(llama, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
-                           loss_fn=lm_loss, example_batch=next(lm_batches(1)))
+    parallel = parallelize(llama, optax.adamw(1e-2), DeviceMeshManager().create_device_mesh(mesh_shape),
+                           strategy, loss_fn=lm_loss, example_batch=next(lm_batches(1)))
     if "model" in mesh_shape:  # the projections split over model, read off the program; the norms stay whole
         split = {path for path, leaf in parallel.layout.leaves.items() if "model" in str(leaf.spec)}
         assert split == {f"layers/layers/{name}/kernel" for name in
@@ -375,5 +395,6 @@ def test_a_loop_of_layers_is_refused_under_a_pipeline_and_named():
         def __call__(self, x):
             return self.layers(x)
 
-    with pytest.raises(UsageError, match=r"LayerStack 'layers' runs its layers in a Python loop \(scan=False"):
+    with pytest.raises(UsageError,
+                       match=r"LayerStack 'layers' runs its layers in a Python loop \(scan=False"):
         parallelize(Looped, optax.sgd(0.1), DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")

@@ -19,7 +19,8 @@ class ConvNet(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.conv1 = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)  # BatchNorm has the bias
         self.norm1 = nnx.BatchNorm(8, momentum=0.8, rngs=rngs)
-        self.conv2 = nnx.Conv(8, 6, (3, 3), strides=2, use_bias=False, rngs=rngs)  # 6 channels: never divides by 8
+        # 6 channels: never divides by 8
+        self.conv2 = nnx.Conv(8, 6, (3, 3), strides=2, use_bias=False, rngs=rngs)
         self.norm2 = nnx.BatchNorm(6, momentum=0.8, rngs=rngs)
         self.depthwise = nnx.Conv(6, 6, (3, 3), feature_group_count=6, rngs=rngs)
         self.head = nnx.Linear(6, 10, rngs=rngs)
@@ -62,7 +63,8 @@ class LoRAMLP(nnx.Module):
 
 
 class SquareMLP(nnx.Module):
-    """16 -> 64 -> 64 -> 4 with ReLUs: a square hidden weight (jax.nn.relu's one cached jaxpr serves both calls)."""
+    """16 -> 64 -> 64 -> 4 with ReLUs: a square hidden weight (jax.nn.relu's one cached jaxpr serves both
+    calls)."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.a, self.b, self.c = (nnx.Linear(i, o, rngs=rngs) for i, o in ((16, 64), (64, 64), (64, 4)))
@@ -124,7 +126,8 @@ class DiTBlock(nnx.Module):
         self.up, self.down = nnx.Linear(width, 4 * width, rngs=rngs), nnx.Linear(4 * width, width, rngs=rngs)
 
     def __call__(self, x, condition):
-        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(self.modulation(nnx.silu(condition))[:, None], 6, -1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(
+            self.modulation(nnx.silu(condition))[:, None], 6, -1)
         x = x + gate1 * self.attention(self.norm1(x) * (1 + scale1) + shift1)
         return x + gate2 * self.down(nnx.gelu(self.up(self.norm2(x) * (1 + scale2) + shift2)))
 
@@ -155,7 +158,8 @@ class ConvNeXtBlock(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, channels: int = 16):
         self.depthwise = nnx.Conv(channels, channels, (3, 3), feature_group_count=channels, rngs=rngs)
-        self.up, self.down = nnx.Linear(channels, 4 * channels, rngs=rngs), nnx.Linear(4 * channels, channels, rngs=rngs)
+        self.up, self.down = (nnx.Linear(channels, 4 * channels, rngs=rngs),
+                              nnx.Linear(4 * channels, channels, rngs=rngs))
 
     def __call__(self, x):
         return x + self.down(nnx.gelu(self.up(self.depthwise(x))))
@@ -185,7 +189,8 @@ def generative_batch(name, rows=8, seed=0):
         return TinyConvNeXt, batch, lambda model, b: classification_loss(model, b)[0]
     if name == "square":
         batch = {"x": rng.normal(size=(rows, 16)), "y": rng.normal(size=(rows, 4))}
-        return SquareMLP, jax.tree.map(np.float32, batch), lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean()
+        return (SquareMLP, jax.tree.map(np.float32, batch),
+                lambda model, b: ((model(b["x"]) - b["y"]) ** 2).mean())
     if name == "vae":
         def elbo(model, b):
             out, mean, log_variance = model(b["x"])
@@ -242,8 +247,8 @@ def plain_nnx_run(factory, tx, loss_fn, batches, *, grad_accum=1, wrt=nnx.Param,
         totals, grads = None, None
         for i in range(grad_accum):
             micro = jax.tree.map(lambda leaf: leaf[i::grad_accum], batch)
-            (loss, metrics), micro_grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)(
-                model, micro)
+            (loss, metrics), micro_grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt),
+                                                              has_aux=True)(model, micro)
             values = {"loss": loss, **metrics}
             totals = values if totals is None else jax.tree.map(jnp.add, totals, values)
             grads = micro_grads if grads is None else jax.tree.map(jnp.add, grads, micro_grads)
@@ -331,7 +336,8 @@ def gan_batches(steps, batch_size=16, seed=0):
 
 
 class Teacher(nnx.Module):
-    """A wider classifier 12 -> 48 -> 5 with Dropout (off while it teaches: a frozen part runs in eval mode)."""
+    """A wider classifier 12 -> 48 -> 5 with Dropout (off while it teaches: a frozen part runs in eval
+    mode)."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(12, 48, rngs=rngs)

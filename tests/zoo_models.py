@@ -162,7 +162,8 @@ class SwitchBlock(nnx.Module):
         self.wi = _normal(rngs, (EXPERTS, D_MODEL, HIDDEN), D_MODEL)
         self.wo = _normal(rngs, (EXPERTS, HIDDEN, D_MODEL), HIDDEN)
 
-    def experts(self, x):  # each row of the batch is one group; an expert takes up to `capacity` of its tokens
+    # each row of the batch is one group; an expert takes up to `capacity` of its tokens
+    def experts(self, x):
         capacity = x.shape[1] * TOP_K // EXPERTS
         probs = jax.nn.softmax(jnp.einsum("btd,de->bte", x, self.router[...]))
         gates, chosen = jax.lax.top_k(probs, TOP_K)
@@ -215,7 +216,8 @@ class MeshAnnotatedBlock(nnx.Module):
         k, v = jnp.einsum("btd,dcnh->cbtnh", y, self.wkv[...])
         q = jax.lax.with_sharding_constraint(q, P("fsdp", None, "tp", None))
         x = x + jnp.einsum("btnh,nhd->btd", causal_attention(rope(q), rope(k), v), self.wo[...])
-        hidden = jax.lax.with_sharding_constraint(nnx.relu(self.norm(x) @ self.w_in[...]), P("fsdp", None, "tp"))
+        hidden = jax.lax.with_sharding_constraint(nnx.relu(self.norm(x) @ self.w_in[...]),
+                                                  P("fsdp", None, "tp"))
         return jax.lax.with_sharding_constraint(x + hidden @ self.w_out[...], P("fsdp", None, None))
 
 

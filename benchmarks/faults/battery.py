@@ -19,8 +19,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 WORK = Path(tempfile.mkdtemp(prefix="shardax-faults-"))
 CACHE = WORK / "jax-cache"
-QUICK = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--sample-bytes", "0", "--eval-every", "0",
-         "--log-every", "1"]
+QUICK = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "16", "--sample-bytes", "0", "--eval-every",
+         "0", "--log-every", "1"]
 STEPS = 8
 CORPUS = WORK / "corpus"  # the json package's source: a small real text
 BIG_CORPUS = WORK / "big"  # enough text that a BPE prepare takes a few seconds
@@ -30,15 +30,17 @@ SHARDS = WORK / "shards"
 
 def env(**extra: str) -> dict[str, str]:
     values = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    values.update(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    values.update(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(CACHE),
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1", SHARDAX_DATA_CACHE=str(WORK / "data-cache"))
     values.update(extra)
     return values
 
 
-def shardax(*args: object, cwd: Path | None = None, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=kwargs.pop("environ", env()), cwd=cwd, **kwargs)
+def shardax(*args: object, cwd: Path | None = None, timeout: float = 600,
+            **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=kwargs.pop("environ", env()), cwd=cwd, **kwargs)
 
 
 def start(*args: object, stall: tuple[int, float] | None = None, compiling: bool = False) -> subprocess.Popen:
@@ -46,8 +48,8 @@ def start(*args: object, stall: tuple[int, float] | None = None, compiling: bool
     its step (the compilation cache off, so that the compile takes a while)."""
     command = [sys.executable, "-m", "shardax.cli", *map(str, args)]
     if stall:
-        command = [sys.executable, str(ROOT / "tests" / "workers" / "stall.py"), str(stall[0]), str(stall[1]), "shardax",
-                   *map(str, args)]
+        command = [sys.executable, str(ROOT / "tests" / "workers" / "stall.py"), str(stall[0]), str(stall[1]),
+                   "shardax", *map(str, args)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=env(JAX_ENABLE_COMPILATION_CACHE="false") if compiling else env())
     if compiling:
@@ -63,11 +65,13 @@ def logged(metrics: Path) -> int:
         text = metrics.read_text()
     except FileNotFoundError:
         return 0
-    return max((json.loads(line).get("step", 0) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()),
+    return max((json.loads(line).get("step", 0)
+                for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()),
                default=0)
 
 
-def wait_for(condition: Callable[[], bool], process: subprocess.Popen | None = None, seconds: float = 300) -> bool:
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen | None = None,
+             seconds: float = 300) -> bool:
     deadline = time.time() + seconds
     while time.time() < deadline:
         if condition():
@@ -83,7 +87,8 @@ def committed(checkpoints: Path) -> dict[str, dict[str, bytes]]:
     steps = {}
     for folder in sorted(checkpoints.glob("*")):
         if folder.is_dir() and folder.name.isdigit() and (folder / "shardax_manifest.json").is_file():
-            steps[folder.name] = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+            steps[folder.name] = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+                                  if p.is_file()}
     return steps
 
 

@@ -11,8 +11,24 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from faults.battery import (BASE, CORPUS, QUICK, STEPS, case, committed, env, logged, lost, one_line,
-                            resume_to_the_end, same_as_uninterrupted, shardax, start, train_args, wait_for)
+from faults.battery import (
+    BASE,
+    CORPUS,
+    QUICK,
+    STEPS,
+    case,
+    committed,
+    env,
+    logged,
+    lost,
+    one_line,
+    resume_to_the_end,
+    same_as_uninterrupted,
+    shardax,
+    start,
+    train_args,
+    wait_for,
+)
 
 
 def damaged_latest(how: Callable[[Path], None]):
@@ -67,8 +83,8 @@ def disk_full(folder: Path) -> tuple[str | None, int]:
 
     result = subprocess.run([sys.executable, "-m", "shardax.cli",
                              *map(str, train_args(folder, "--resume", "--extend-to", STEPS + 4, steps=None))],
-                            capture_output=True, text=True, timeout=600, env=env(JAX_ENABLE_COMPILATION_CACHE="false"),
-                            preexec_fn=limit)
+                            capture_output=True, text=True, timeout=600,
+                            env=env(JAX_ENABLE_COMPILATION_CACHE="false"), preexec_fn=limit)
     return one_line(result, 2, "could not write the checkpoint of step"), lost(before, folder / "ckpt")
 
 
@@ -77,13 +93,16 @@ case("disk full while writing a checkpoint")(disk_full)
 
 def bad_directory(target: Callable[[Path], Path], says: str):
     def run(folder: Path) -> tuple[str | None, int]:
-        result = shardax(*["train", *QUICK, "--steps", 2, "--data", CORPUS, "--checkpoint-dir", target(folder)])
+        result = shardax(*["train", *QUICK, "--steps", 2, "--data", CORPUS, "--checkpoint-dir",
+                           target(folder)])
         return one_line(result, 2, says), 0
     return run
 
 
-case("--checkpoint-dir is a file")(bad_directory(lambda f: (f / "file").write_text("x") and f / "file", "is a file"))
-case("--checkpoint-dir cannot be created")(bad_directory(lambda f: Path("/proc/shardax/ckpt"), "cannot be created"))
+case("--checkpoint-dir is a file")(bad_directory(lambda f: (f / "file").write_text("x") and f / "file",
+                                                 "is a file"))
+case("--checkpoint-dir cannot be created")(bad_directory(lambda f: Path("/proc/shardax/ckpt"),
+                                                         "cannot be created"))
 
 
 def second_run(extra: tuple[str, ...]):
@@ -94,7 +113,8 @@ def second_run(extra: tuple[str, ...]):
         other = shardax("train", *QUICK, "--steps", STEPS, "--seed", 7, "--data", CORPUS, "--checkpoint-dir",
                         folder / "ckpt", *extra)
         problem = one_line(other, 2, "is being written by")
-        problem = problem or (None if committed(folder / "ckpt") == before else "the second run changed checkpoints")
+        problem = problem or (None if committed(folder / "ckpt") == before
+                              else "the second run changed checkpoints")
         os.kill(first.pid, signal.SIGTERM)
         first.communicate(timeout=600)
         return problem or resume_to_the_end(folder), lost(before, folder / "ckpt")
@@ -172,7 +192,9 @@ def resume_mismatch(extra: tuple[object, ...], says: str, extend_to: int = STEPS
 
 case("--resume with another model")(resume_mismatch(("--preset", "small"), ""))
 case("--resume to a step already passed")(resume_mismatch((), "--extend-to", extend_to=2))
-case("a fresh run into a directory holding checkpoints")(resume_mismatch(("--data", CORPUS), "--resume", fresh=True))
+case("a fresh run into a directory holding checkpoints")(resume_mismatch(("--data", CORPUS), "--resume",
+                                                                         fresh=True))
 case("--resume with no checkpoint")(
-    lambda folder: (one_line(shardax("train", *QUICK, "--steps", 2, "--resume", "--checkpoint-dir", folder / "x"), 2,
+    lambda folder: (one_line(shardax("train", *QUICK, "--steps", 2, "--resume", "--checkpoint-dir",
+                                     folder / "x"), 2,
                              "no checkpoint"), 0))

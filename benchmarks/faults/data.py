@@ -13,8 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
-from faults.battery import (BIG_CORPUS, CORPUS, QUICK, SHARDS, case, env, final_params, one_line, shardax,
-                            wait_for)
+from faults.battery import (
+    BIG_CORPUS,
+    CORPUS,
+    QUICK,
+    SHARDS,
+    case,
+    env,
+    final_params,
+    one_line,
+    shardax,
+    wait_for,
+)
 
 
 def prepared(folder: Path) -> Path:
@@ -85,8 +95,8 @@ def relative_data(folder: Path) -> tuple[str | None, int]:
     (folder / "b" / "corpus").mkdir(parents=True)
     (folder / "b" / "corpus" / "other.txt").write_text("other text entirely, " * 400)
     for where, checkpoints in (("b", "ckpt"), ("a", "ckpt2")):
-        again = shardax("train", *QUICK, "--extend-to", 3, "--resume", "--checkpoint-dir", folder / checkpoints,
-                        cwd=folder / where)
+        again = shardax("train", *QUICK, "--extend-to", 3, "--resume", "--checkpoint-dir",
+                        folder / checkpoints, cwd=folder / where)
         if again.returncode != 0:
             return again.stderr[-600:], 0
     a, b = final_params(folder / "ckpt", 3), final_params(folder / "ckpt2", 3)

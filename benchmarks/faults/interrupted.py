@@ -6,19 +6,32 @@ import shutil
 import signal
 from pathlib import Path
 
-from faults.battery import (BASE, STEPS, case, committed, logged, lost, resume_to_the_end, shardax, start,
-                            train_args, wait_for)
+from faults.battery import (
+    BASE,
+    STEPS,
+    case,
+    committed,
+    logged,
+    lost,
+    resume_to_the_end,
+    shardax,
+    start,
+    train_args,
+    wait_for,
+)
 
 
 def kill_after(step: int, how: str = "step"):
     def run(folder: Path) -> tuple[str | None, int]:
-        process = start(*train_args(folder), stall=(step, 60) if how == "step" else None, compiling=how == "compile")
+        process = start(*train_args(folder), stall=(step, 60) if how == "step" else None,
+                        compiling=how == "compile")
         if how == "step":
             wait_for(lambda: logged(folder / "metrics.jsonl") >= step, process)
         elif how == "writing":
             wait_for(lambda: any((folder / "ckpt").glob("*.orbax-checkpoint-tmp*")), process, 300)
         elif how == "sealing":
-            wait_for(lambda: any((folder / "ckpt").glob("*.orbax-checkpoint-tmp*/shardax_manifest.process_*")),
+            wait_for(lambda: any((folder / "ckpt").glob("*.orbax-checkpoint-tmp*/"
+                                                        "shardax_manifest.process_*")),
                      process, 300)
         before = committed(folder / "ckpt") if (folder / "ckpt").exists() else {}
         process.kill()

@@ -9,8 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from faults.battery import (BASE, STEPS, case, committed, env, logged, lost, resume_to_the_end, shardax,
-                            train_args, wait_for)
+from faults.battery import (
+    BASE,
+    STEPS,
+    case,
+    committed,
+    env,
+    logged,
+    lost,
+    resume_to_the_end,
+    shardax,
+    train_args,
+    wait_for,
+)
 from faults.damaged import flip, largest
 
 
@@ -20,7 +31,8 @@ def launch_killed(folder: Path) -> tuple[str | None, int]:
                                stderr=subprocess.PIPE, text=True, env=env(), start_new_session=True)
     wait_for(lambda: logged(folder / "metrics.jsonl") >= 2, process, 300)
     before = committed(folder / "ckpt")
-    workers = subprocess.run(["pgrep", "-f", str(folder / "ckpt")], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-f", str(folder / "ckpt")], capture_output=True,
+                             text=True).stdout.split()
     children = [int(pid) for pid in workers if int(pid) != process.pid]
     if not children:
         process.kill()

@@ -75,47 +75,57 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
-    from shardax.compat import DataParallel as DataParallel
-    from shardax.compat import create_data_parallel_sharding as create_data_parallel_sharding
-    from shardax.compat import data_parallel_rules as data_parallel_rules
-    from shardax.compat import data_parallel_train_step as data_parallel_train_step
-    from shardax.compat import model_state_shardings as model_state_shardings
-    from shardax.compat import place_batch_on_shards as place_batch_on_shards
-    from shardax.compat import place_model_state_on_shards as place_model_state_on_shards
-    from shardax.compat import place_nnx_state_on_shards as place_nnx_state_on_shards
-    from shardax.compat import reduce_gradient_tree as reduce_gradient_tree
-    from shardax.compat import reduce_gradients_across_devices as reduce_gradients_across_devices
-    from shardax.compat import spmd_train_step as spmd_train_step
+    from shardax.compat import (
+        DataParallel as DataParallel,
+        create_data_parallel_sharding as create_data_parallel_sharding,
+        data_parallel_rules as data_parallel_rules,
+        data_parallel_train_step as data_parallel_train_step,
+        model_state_shardings as model_state_shardings,
+        place_batch_on_shards as place_batch_on_shards,
+        place_model_state_on_shards as place_model_state_on_shards,
+        place_nnx_state_on_shards as place_nnx_state_on_shards,
+        reduce_gradient_tree as reduce_gradient_tree,
+        reduce_gradients_across_devices as reduce_gradients_across_devices,
+        spmd_train_step as spmd_train_step,
+    )
     from shardax.cpu_devices import simulate_cpu_devices as simulate_cpu_devices
-    from shardax.distributed import ClusterSpec as ClusterSpec
-    from shardax.distributed import detect_cluster as detect_cluster
-    from shardax.distributed import init_distributed as init_distributed
+    from shardax.distributed import (
+        ClusterSpec as ClusterSpec,
+        detect_cluster as detect_cluster,
+        init_distributed as init_distributed,
+    )
     from shardax.generation import generate as generate
-    from shardax.layers import ColumnParallelLinear as ColumnParallelLinear
-    from shardax.layers import RowParallelLinear as RowParallelLinear
-    from shardax.layers import ShardedEmbed as ShardedEmbed
-    from shardax.layers import ShardedLinear as ShardedLinear
-    from shardax.mesh import DeviceMeshManager as DeviceMeshManager
-    from shardax.mesh import describe_mesh as describe_mesh
-    from shardax.mesh import get_mesh_info as get_mesh_info
-    from shardax.mesh import parse_mesh_shape as parse_mesh_shape
-    from shardax.model_parallel import ParallelModel as ParallelModel
-    from shardax.parts import Part as Part
-    from shardax.model_parallel import parallelize as parallelize
-    from shardax.model_parallel import reshard as reshard
+    from shardax.layers import (
+        ColumnParallelLinear as ColumnParallelLinear,
+        RowParallelLinear as RowParallelLinear,
+        ShardedEmbed as ShardedEmbed,
+        ShardedLinear as ShardedLinear,
+    )
+    from shardax.mesh import (
+        DeviceMeshManager as DeviceMeshManager,
+        describe_mesh as describe_mesh,
+        get_mesh_info as get_mesh_info,
+        parse_mesh_shape as parse_mesh_shape,
+    )
+    from shardax.model_parallel import (
+        ParallelModel as ParallelModel,
+        parallelize as parallelize,
+        reshard as reshard,
+    )
     from shardax.models.adapters import LoRA as LoRA
-    from shardax.models.preference import dpo_loss as dpo_loss
-    from shardax.models.preference import dpo_step as dpo_step
+    from shardax.models.preference import dpo_loss as dpo_loss, dpo_step as dpo_step
     from shardax.models.transformer import TransformerLM as TransformerLM
     from shardax.models.transformer_config import TransformerConfig as TransformerConfig
+    from shardax.parts import Part as Part
     from shardax.sharding.compute import for_compute as for_compute
     from shardax.sharding.grouped_conv import grouped_conv as grouped_conv
-    from shardax.sharding.report import ShardingReport as ShardingReport
-    from shardax.sharding.report import report as report
+    from shardax.sharding.report import ShardingReport as ShardingReport, report as report
     from shardax.sharding.rules import LOGICAL_AXES as LOGICAL_AXES
-    from shardax.sharding.strategies import STRATEGIES as STRATEGIES
-    from shardax.sharding.strategies import Strategy as Strategy
-    from shardax.sharding.strategies import get_strategy as get_strategy
+    from shardax.sharding.strategies import (
+        STRATEGIES as STRATEGIES,
+        Strategy as Strategy,
+        get_strategy as get_strategy,
+    )
     from shardax.step.ema import ema_params as ema_params
     from shardax.step.settings import StepSettings as StepSettings
     from shardax.step.state import TrainState as TrainState

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.layers import metadata_only
@@ -32,8 +33,6 @@ from shardax.runtime import context, kv_cache
 from shardax.runtime.attention import allowed, dense_attention
 from shardax.runtime.context import ContextLayout
 from shardax.runtime.kv_cache import CacheLayer  # noqa: F401  (shardax.blocks.CacheLayer, as documented)
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from shardax.runtime.pipeline import PipelineRun, Specs, run_pipeline
 from shardax.sharding.compute import gather_for_compute, remat_policy
 from shardax.sharding.paths import path_to_str
@@ -174,19 +173,21 @@ class LayerStack(nnx.Module):
             laid_out = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(
                 self._for_compute, params, is_leaf=lambda node: isinstance(node, nnx.Variable)), rest)
             x = laid_out(x, *riders)
-            nnx.update(layer, nnx.split(laid_out, nnx.Param, ...)[2])  # what the layer changed besides weights
+            nnx.update(layer, nnx.split(laid_out, nnx.Param, ...)[2])  # what it changed besides weights
             return x
 
         # Under remat, which with "none" saves everything but FSDP's gathered weights; a loop of
         # layers that neither recomputes nor gathers goes without it except on GPUs (remat_plain_loop).
         policy = REMAT_POLICIES[self.remat]
-        platform = self.plan.mesh.devices.flat[0].platform if self.plan.mesh is not None else jax.default_backend()
+        mesh = self.plan.mesh
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         if not checkpointed and (policy is not None or self.scan or self.plan.gathers_weights
                                  or self.plan.sequence is not None or remat_plain_loop(platform)):
             apply_layer = nnx.remat(apply_layer, policy=remat_policy(policy))
         if self.scan:
             layer_axes: Any = 0
-            counters = [block.cache_layer for _, block in blocks_of(layers, Attention) if hasattr(block, "cache_layer")]
+            counters = [block.cache_layer for _, block in blocks_of(layers, Attention)
+                        if hasattr(block, "cache_layer")]
             if counters:  # decoding: the caches travel through the scan whole (see CacheLayer)
                 for counter in counters:
                     counter[...] = jnp.zeros_like(counter[...])
@@ -207,7 +208,8 @@ class LayerStack(nnx.Module):
 
 
 def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: str | None = None, *,
-                     masked: bool = False, named: str = "attention implementation 'cudnn'") -> tuple[str, str]:
+                     masked: bool = False,
+                     named: str = "attention implementation 'cudnn'") -> tuple[str, str]:
     """The kernel attention runs with (``"xla"`` or ``"cudnn"``) and why: the one rule, for the
     attention call and for a model's configuration alike (``named``: how the error names it).
 
@@ -215,7 +217,8 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
     multiple of 8 and at most 256, and shardax does not give it sliding windows or soft-capped
     scores (``masked``); ``auto`` takes it when all hold, ``cudnn`` where one does not is an error."""
     if implementation not in IMPLEMENTATIONS:
-        raise UsageError(f"attention implementation {implementation!r}; use one of {', '.join(IMPLEMENTATIONS)}")
+        raise UsageError(f"attention implementation {implementation!r}; use one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
     platform = platform or jax.devices()[0].platform
     problems = []
     if platform != "gpu":
@@ -223,7 +226,8 @@ def attention_kernel(implementation: str, dtype: Any, head_dim: int, platform: s
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         problems.append(f"it needs bfloat16 compute (or float16; this is {jnp.dtype(dtype).name})")
     if head_dim % 8 or head_dim > 256:
-        problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is {head_dim})")
+        problems.append(f"it needs a head dimension that is a multiple of 8 and at most 256 (this is "
+                        f"{head_dim})")
     if masked:
         problems.append("sliding windows and soft-capped scores run in XLA's attention")
     if implementation == "xla":
@@ -249,12 +253,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array 
     many tokens, the query's own included (an integer, traced or not; None or 0: none).
     ``scale``: of the scores (default ``H ** -0.5``); ``softcap``: Gemma 2's ``cap * tanh(s / cap)``
     on them."""
-    kernel = attention_kernel(implementation, q.dtype, q.shape[-1], masked=window is not None or softcap is not None)[0]
+    masked = window is not None or softcap is not None
+    kernel = attention_kernel(implementation, q.dtype, q.shape[-1], masked=masked)[0]
     if sequence is None:
         if window is None and softcap is None:
             mask = None if segments is None else (segments[:, :, None] == segments[:, None, :])[:, None]
             scaled = {} if scale is None else {"scale": scale}
-            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=kernel, **scaled)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=kernel,
+                                                **scaled)
         positions = jnp.broadcast_to(jnp.arange(q.shape[1]) if positions is None else positions, q.shape[:2])
         tokens = jnp.zeros_like(positions) if segments is None else segments
         mask = allowed(positions, tokens, positions, tokens, 0 if window is None else window)[:, None]
@@ -280,7 +286,8 @@ class Attention(nnx.Module):
     def __init__(self, *, implementation: str = "auto", scale: float | None = None,
                  softcap: float | None = None) -> None:
         if implementation not in IMPLEMENTATIONS:
-            raise UsageError(f"Attention(implementation={implementation!r}); use one of {', '.join(IMPLEMENTATIONS)}")
+            raise UsageError(f"Attention(implementation={implementation!r}); use one of "
+                             f"{', '.join(IMPLEMENTATIONS)}")
         self.implementation, self.scale, self.softcap = implementation, scale, softcap
         self.sequence: ContextLayout | None = None
 
@@ -293,8 +300,8 @@ class Attention(nnx.Module):
 
 
 def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
-               sharding: Callable[[tuple[int, ...]], Any] | None = None, *, windows: Sequence[int] | None = None,
-               ring: int | None = None) -> None:
+               sharding: Callable[[tuple[int, ...]], Any] | None = None, *,
+               windows: Sequence[int] | None = None, ring: int | None = None) -> None:
     """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
     positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
     layers dimension inside a scanned ``LayerStack`` (and a ``CacheLayer`` count there).
@@ -310,7 +317,8 @@ def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int
     for _, stack in blocks_of(model, LayerStack):
         per_layer = windows if windows is not None and len(windows) == stack.count else None
         layers = [(stack.count, per_layer, stack.layers)] if stack.scan else [
-            (0, None if per_layer is None else per_layer[i:i + 1], layer) for i, layer in enumerate(stack.layers)]
+            (0, None if per_layer is None else per_layer[i:i + 1], layer)
+            for i, layer in enumerate(stack.layers)]
         for count, layer_windows, layer in layers:
             for _, block in blocks_of(layer, Attention):
                 kv_cache.allocate(block, make, shape, dtype, layers=count, windows=layer_windows, ring=ring)
@@ -339,4 +347,5 @@ def split_sequences(model: Any, layout: ContextLayout | None) -> None:
 def sequence_split(model: Any) -> ContextLayout | None:
     """How the step ``model`` runs in splits sequences over devices (None: it does not); a loss
     that reorders tokens for balance (the LM's zig-zag order) reads it here."""
-    return next((block.sequence for _, block in blocks_of(model, Attention) if block.sequence is not None), None)
+    return next((block.sequence for _, block in blocks_of(model, Attention) if block.sequence is not None),
+                None)

@@ -65,7 +65,8 @@ def _scheduler(env: Mapping[str, str]) -> ClusterSpec | None:
         uri = env.get("OMPI_MCA_orte_hnp_uri", "") or env.get("PMIX_SERVER_URI2", "")
         host = re.search(r"tcp4?://([^:,;/]+)", uri)
         address = f"{host.group(1)}:{_port(env)}" if host else None
-        return ClusterSpec("openmpi", address, int(env["OMPI_COMM_WORLD_SIZE"]), int(env["OMPI_COMM_WORLD_RANK"]))
+        return ClusterSpec("openmpi", address, int(env["OMPI_COMM_WORLD_SIZE"]),
+                           int(env["OMPI_COMM_WORLD_RANK"]))
     if "TPU_WORKER_HOSTNAMES" in env and env.get("TPU_WORKER_ID", "").isdigit():
         hosts = env["TPU_WORKER_HOSTNAMES"].split(",")
         return ClusterSpec("tpu-pod", f"{hosts[0]}:{_port(env)}", len(hosts), int(env["TPU_WORKER_ID"]))
@@ -73,7 +74,8 @@ def _scheduler(env: Mapping[str, str]) -> ClusterSpec | None:
         count = env.get("SHARDAX_NUM_PROCESSES") or env.get("JOB_PARALLELISM") or env.get("NUM_PROCESSES")
         if count is None:
             raise UsageError("Kubernetes indexed Job found but the process count is unknown; "
-                             "set SHARDAX_NUM_PROCESSES (and SHARDAX_COORDINATOR_ADDRESS=<pod-0 host>:<port>)")
+                             "set SHARDAX_NUM_PROCESSES (and SHARDAX_COORDINATOR_ADDRESS=<pod-0 "
+                             "host>:<port>)")
         return ClusterSpec("kubernetes", None, int(count), int(env["JOB_COMPLETION_INDEX"]))
     return None
 
@@ -156,8 +158,8 @@ def _reach_coordinator(spec: ClusterSpec, deadline: float, timeout_s: float) -> 
         return
     if not _wait_for_coordinator(spec.coordinator_address, deadline):
         raise ClusterError(f"process {spec.process_id} of {spec.num_processes}: nothing answered at the "
-                           f"coordinator address {spec.coordinator_address} within {timeout_s:.0f} s; check the "
-                           "address and that process 0 runs")
+                           f"coordinator address {spec.coordinator_address} within {timeout_s:.0f} s; check "
+                           "the address and that process 0 runs")
 
 
 def _initialize(spec: ClusterSpec, timeout_s: float, heartbeat_timeout_s: int) -> None:

@@ -56,7 +56,8 @@ def _mesh_of(model: nnx.Module) -> Mesh | None:
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, NamedSharding):
             mesh = sharding.mesh
-            return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+            auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+            return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
     return None
 
 
@@ -64,26 +65,27 @@ def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: 
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """What ``generate`` refuses, refused before anything is computed (or printed)."""
     if not isinstance(model, TransformerLM):
-        raise UsageError(f"generate() decodes shardax's TransformerLM (its own, or a Hugging Face checkpoint's via "
-                         f"shardax.hf.load(...).model()); got {type(model).__name__}")
+        raise UsageError("generate() decodes shardax's TransformerLM (its own, or a Hugging Face "
+                         f"checkpoint's via shardax.hf.load(...).model()); got {type(model).__name__}")
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise UsageError("generate() needs at least one prompt, each of at least one token")
     vocab = model.config.vocab_size
     for row, prompt in enumerate(prompts):
         wrong = [int(t) for t in prompt if not 0 <= int(t) < vocab]
         if wrong:
-            raise UsageError(f"prompt {row} holds token id {wrong[0]}, outside the model's vocabulary of {vocab}; "
-                             "tokenize with the model's own tokenizer")
+            raise UsageError(f"prompt {row} holds token id {wrong[0]}, outside the model's vocabulary of "
+                             f"{vocab}; tokenize with the model's own tokenizer")
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens={max_new_tokens} must be at least 1")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise UsageError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, "
-                         f"{top_k} and {top_p} (temperature 0 is greedy, top_k 0 and top_p 1 keep every token)")
+        raise UsageError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
+                         f"{temperature}, {top_k} and {top_p} (temperature 0 is greedy, top_k 0 and top_p 1 "
+                         "keep every token)")
     longest = max(len(prompt) for prompt in prompts)
     if longest + max_new_tokens > model.config.seq_len:
-        raise UsageError(f"a prompt of {longest} tokens and {max_new_tokens} new ones need {longest + max_new_tokens} "
-                         f"positions, more than the model's {model.config.seq_len}; shorten the prompt or ask for "
-                         "fewer new tokens")
+        raise UsageError(f"a prompt of {longest} tokens and {max_new_tokens} new ones need "
+                         f"{longest + max_new_tokens} positions, more than the model's "
+                         f"{model.config.seq_len}; shorten the prompt or ask for fewer new tokens")
 
 
 def _draw(logits: jax.Array, key: jax.Array, rows: jax.Array, temperature: float, top_k: int,
@@ -135,11 +137,12 @@ class CacheLayout:
         """Bytes of the keys and values of every layer on one device, at ``length`` positions
         (default: the last)."""
         length = self.length if length is None else length
-        held = sum(min(length, self.ring) if self.ring and window else length for window in config.layer_windows)
+        held = sum(min(length, self.ring) if self.ring and window else length
+                   for window in config.layer_windows)
         whole = 2 * held * self.batch * config.kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
-        split = 1 if self.mesh is None else math.prod(
-            self.mesh.shape[axis] for entry in self.spec if entry for axis in ((entry,) if isinstance(entry, str)
-                                                                               else entry))
+        axes = [axis for entry in self.spec if entry
+                for axis in ((entry,) if isinstance(entry, str) else entry)]
+        split = 1 if self.mesh is None else math.prod(self.mesh.shape[axis] for axis in axes)
         return whole // split
 
 
@@ -212,7 +215,8 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
     del work
     if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
         weights = jax.tree.map(lambda leaf: jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
-                               if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf, weights)
+                               if isinstance(getattr(leaf, "sharding", None), NamedSharding) else leaf,
+                               weights)
     return graphdef, cache, weights
 
 

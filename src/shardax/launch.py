@@ -73,9 +73,11 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 def launch(command: Sequence[str], num_processes: int, devices_per_process: int) -> int:
     """Run ``command`` as ``num_processes`` cooperating processes; returns the exit code."""
     if num_processes < 1 or devices_per_process < 1:
-        raise UsageError(f"-n {num_processes} and --devices-per-process {devices_per_process} must be at least 1")
+        raise UsageError(f"-n {num_processes} and --devices-per-process {devices_per_process} must be at "
+                         "least 1")
     if not command:
-        raise UsageError("nothing to launch; give the command after --, e.g. shardax launch -n 2 -- shardax train")
+        raise UsageError("nothing to launch; give the command after --, e.g. shardax launch -n 2 -- shardax "
+                         "train")
     address = f"127.0.0.1:{free_port()}"
     lock = threading.Lock()
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
@@ -84,8 +86,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int)
         env = dict(os.environ, SHARDAX_COORDINATOR_ADDRESS=address, SHARDAX_NUM_PROCESSES=str(num_processes),
                    SHARDAX_PROCESS_ID=str(index), SHARDAX_DEVICES_PER_PROCESS=str(devices_per_process),
                    PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(_command(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+        process = subprocess.Popen(_command(command), env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         processes.append(process)
         print(f"[launch] process {index}: pid {process.pid}", flush=True)
         relay = threading.Thread(target=_relay, args=(index, process.stdout, lock), daemon=True)
@@ -167,7 +169,8 @@ def _supervise(processes: list[subprocess.Popen], relays: list[threading.Thread]
             preempted = True
         elif code != 0:
             index, code = _cause(index, code, exits)
-            print(f"[launch] process {index} {_describe_exit(code)}; stopping the other processes", flush=True)
+            print(f"[launch] process {index} {_describe_exit(code)}; stopping the other processes",
+                  flush=True)
             _stop(processes)
             for relay in relays:
                 relay.join(timeout=1)
@@ -178,7 +181,8 @@ def _supervise(processes: list[subprocess.Popen], relays: list[threading.Thread]
     for relay in relays:
         relay.join(timeout=5)
     if preempted:
-        print("[launch] every process stopped after a checkpoint; run the same command with --resume to go on",
+        print("[launch] every process stopped after a checkpoint; run the same command with --resume to go "
+              "on",
               flush=True)
         return EXIT_PREEMPTED
     return 0

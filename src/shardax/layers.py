@@ -59,8 +59,8 @@ class ShardedLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                  kernel_axes: tuple[str | None, ...] = (None, "model"),
                  bias_axes: tuple[str | None, ...] = ("model",)) -> None:
-        self.kernel = annotated_param(nnx.initializers.lecun_normal(), rngs.params(), (in_features, out_features),
-                                      kernel_axes)
+        self.kernel = annotated_param(nnx.initializers.lecun_normal(), rngs.params(),
+                                      (in_features, out_features), kernel_axes)
         self.bias = annotated_param(nnx.initializers.zeros, rngs.params(), (out_features,), bias_axes)
         _place(self.kernel, mesh, kernel_axes)
         _place(self.bias, mesh, bias_axes)
@@ -73,14 +73,16 @@ class ColumnParallelLinear(ShardedLinear):
     """Megatron's first projection: output features (``mlp``) split over the model axis."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs) -> None:
-        super().__init__(in_features, out_features, rngs=rngs, kernel_axes=("embed", "mlp"), bias_axes=("mlp",))
+        super().__init__(in_features, out_features, rngs=rngs, kernel_axes=("embed", "mlp"),
+                         bias_axes=("mlp",))
 
 
 class RowParallelLinear(ShardedLinear):
     """Megatron's second projection: input features (``mlp``) split, partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs) -> None:
-        super().__init__(in_features, out_features, rngs=rngs, kernel_axes=("mlp", "embed"), bias_axes=("embed",))
+        super().__init__(in_features, out_features, rngs=rngs, kernel_axes=("mlp", "embed"),
+                         bias_axes=("embed",))
 
 
 class ShardedEmbed(nnx.Module):

@@ -22,10 +22,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.models.moe import ExpertLayout, MixtureOfExperts
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
+from shardax.models.moe import ExpertLayout, MixtureOfExperts
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
@@ -38,10 +38,10 @@ from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
 from shardax.step.ema import averaged
-from shardax.step.settings import StepSettings
-from shardax.step.train import build_eval_step, build_train_step
 from shardax.step.loss import LossFn, split_loss
+from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
+from shardax.step.train import build_eval_step, build_train_step
 
 ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 
@@ -57,7 +57,8 @@ def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: i
     # the mesh, so that a model's own sharding constraints resolve while it is built; with every
     # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
     # and every device would draw the whole model (jax.make_mesh's default is Explicit).
-    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto for name in mesh.axis_names})
+    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto
+                                                 for name in mesh.axis_names})
     with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
@@ -92,9 +93,8 @@ class ParallelModel:
                axis_names: AxisNames = None, loss_fn: LossFn | None = None, example_batch: Any = None,
                trainable: Any = None, check_tensor: bool = True) -> ParallelModel:
         """Lay ``factory``'s model and ``tx`` out by ``settings`` (resolved and checked once, see
-        ``shardax.step.settings``); the keywords are ``parallelize``'s. ``check_tensor=False``:
-        a tensor axis that splits none of its weights is not refused here (a run of parts checks
-        its parts together)."""
+        ``shardax.step.settings``); the keywords are ``parallelize``'s. ``check_tensor=False``: a tensor axis
+        that splits none of its weights is not refused here (a run of parts checks its parts together)."""
         return _lay_out(factory, tx, settings, axis_names=axis_names, loss_fn=loss_fn,
                         example_batch=example_batch, trainable=trainable, check_tensor=check_tensor)
 
@@ -115,24 +115,23 @@ class ParallelModel:
         """Split a batch (or this process's slice of it) over the strategy's batch axes."""
         return place_batch(batch, self.layout.batch())
 
-    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True, nonfinite: str = "stop",
-                   microbatches: int | None = None, pipeline_repeats: int = 1,
-                   context_attention: str = "all-gather") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True,
+                   nonfinite: str = "stop", microbatches: int | None = None, pipeline_repeats: int = 1,
+                   context_attention: str = "all-gather") -> Callable[[TrainState, Any],
+                                                                      tuple[TrainState, dict]]:
         """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
 
-        ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name":
-        scalar, ...})``; the model runs in training mode (``model.train()``) and whatever it
-        updates in ``__call__`` (batch statistics, RNG counters) is carried in ``state.rest``.
-        ``metrics`` holds ``loss``, ``grad_norm`` and the named values, each averaged over the
-        global batch. With ``grad_accum=k`` the batch is split into k microbatches whose
-        gradients and metrics are averaged (same result, less activation memory). A step with a
-        non-finite loss or gradient norm is not applied and counted in ``state.skipped``; with
-        ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``).
-        Under a pipeline strategy, ``microbatches`` (default: the number of stages) flow
-        through the stages, ``pipeline_repeats`` times round for a circular schedule.
-        On a mesh with a ``context`` axis, sequences are split over it and attention gathers
-        the rest by ``context_attention``: ``all-gather`` or ``ring`` (``shardax.runtime.context``).
-        """
+        ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name": scalar, ...})``;
+        the model runs in training mode (``model.train()``) and whatever it updates in ``__call__`` (batch
+        statistics, RNG counters) is carried in ``state.rest``. ``metrics`` holds ``loss``, ``grad_norm`` and
+        the named values, each averaged over the global batch. With ``grad_accum=k`` the batch is split into k
+        microbatches whose gradients and metrics are averaged (same result, less activation memory). A step
+        with a non-finite loss or gradient norm is not applied and counted in ``state.skipped``; with
+        ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``). Under a pipeline
+        strategy, ``microbatches`` (default: the number of stages) flow through the stages,
+        ``pipeline_repeats`` times round for a circular schedule. On a mesh with a ``context`` axis, sequences
+        are split over it and attention gathers the rest by ``context_attention``: ``all-gather`` or ``ring``
+        (``shardax.runtime.context``)."""
         params = self.abstract_state.params
         graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
                                    self.context_attention(context_attention))
@@ -146,7 +145,8 @@ class ParallelModel:
             layer_layout=self._layer_layout,
             nonfinite=nonfinite,
             trainable=self.trainable,
-            select_update=self.mesh.devices.flat[0].platform == "tpu" and self.layout.strategy.pipeline_axis is None,
+            select_update=self.mesh.devices.flat[0].platform == "tpu"
+                          and self.layout.strategy.pipeline_axis is None,
         )
         replicated = NamedSharding(self.mesh, PartitionSpec())
         return jax.jit(
@@ -162,10 +162,12 @@ class ParallelModel:
         averages, no dropout), with the train step's layouts; the state is left as it was."""
         graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
                                    self.context_attention(context_attention))
-        evaluate = build_eval_step(graphdef, loss_fn, compute_shardings=self.layout.compute(self.abstract_state.params),
+        evaluate = build_eval_step(graphdef, loss_fn,
+                                   compute_shardings=self.layout.compute(self.abstract_state.params),
                                    layer_layout=self._layer_layout)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()), out_shardings=replicated)
+        return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()),
+                       out_shardings=replicated)
 
     def schedule(self, microbatches: int | None = None, pipeline_repeats: int = 1) -> Schedule | None:
         """The pipeline schedule of this layout (None unless the strategy pipelines): as many
@@ -173,8 +175,9 @@ class ParallelModel:
         axis = self.strategy.pipeline_axis
         if axis is None:
             if microbatches is not None or pipeline_repeats != 1:
-                raise UsageError(f"microbatches/pipeline repeats are for pipeline strategies; {self.strategy.name!r} "
-                                 "is not one (use `grad_accum=N` to split a batch into microbatches)")
+                raise UsageError("microbatches/pipeline repeats are for pipeline strategies; "
+                                 f"{self.strategy.name!r} is not one (use `grad_accum=N` to split a batch "
+                                 "into microbatches)")
             return None
         stages = self.mesh.shape[axis]
         schedule = Schedule(stages, stages if microbatches is None else microbatches, pipeline_repeats)
@@ -190,17 +193,17 @@ class ParallelModel:
             raise UsageError(f"`context_attention={variant!r}`; use one of {', '.join(CONTEXT_VARIANTS)}")
         if self.mesh.shape.get(CONTEXT_AXIS, 1) == 1:
             if variant != "all-gather":
-                raise UsageError(f"`context_attention={variant!r}` is for meshes with a {CONTEXT_AXIS!r} axis; this "
-                                 f"mesh has none (e.g. `mesh='data=2,{CONTEXT_AXIS}=4'`)")
+                raise UsageError(f"`context_attention={variant!r}` is for meshes with a {CONTEXT_AXIS!r} "
+                                 f"axis; this mesh has none (e.g. `mesh='data=2,{CONTEXT_AXIS}=4'`)")
             return None
         if self.strategy.pipeline_axis is not None:
-            raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis does not combine with pipeline strategies yet; use "
-                             f"dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from the mesh")
+            raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis does not combine with pipeline strategies yet; "
+                             f"use dp, fsdp, tp or fsdp_tp with it, or drop {CONTEXT_AXIS} from the mesh")
         if not blocks_of(self._abstract_model(), Attention):
             raise UsageError(f"a {CONTEXT_AXIS!r} mesh axis splits sequences for models that attend through "
                              "shardax.blocks.Attention, and this model has none, so every device of "
-                             f"{CONTEXT_AXIS} would repeat the same work; drop {CONTEXT_AXIS} from the mesh, or "
-                             "attend with shardax.blocks.Attention")
+                             f"{CONTEXT_AXIS} would repeat the same work; drop {CONTEXT_AXIS} from the mesh, "
+                             "or attend with shardax.blocks.Attention")
         return variant
 
     def _abstract_model(self) -> nnx.Module:
@@ -219,20 +222,22 @@ class ParallelModel:
         split_sequences(model, sequence)
         axis = dict(self.strategy.param_rules).get("expert")
         axis = axis if axis and self.mesh.shape.get(axis, 1) > 1 else None
-        for _, moe in blocks_of(model, MixtureOfExperts):  # dropless routing runs per device (capacity: as a whole)
+        for _, moe in blocks_of(model, MixtureOfExperts):
+            # dropless routing runs per device (capacity: as a whole)
             local = moe.config.capacity_factor is None and schedule is None
-            moe.split = ExpertLayout(self.mesh, axis, self.strategy.batch_axes, sequence and sequence.axis) if (
-                local or axis) else None
+            moe.split = (ExpertLayout(self.mesh, axis, self.strategy.batch_axes, sequence and sequence.axis)
+                         if local or axis else None)
         for path, stack in blocks_of(model, LayerStack):
             prefix = f"{path}/layers/"
-            specs = tuple((leaf.path[len(prefix):], layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
-                                                                  f"parameter {leaf.path!r}"))
+            specs = tuple((leaf.path[len(prefix):],
+                           layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
+                                         f"parameter {leaf.path!r}"))
                           for leaf in self.layout.leaves.values()
                           if leaf.path.startswith(prefix) and leaf.logical and leaf.logical[0] == "layers")
             pipeline = None
             if schedule is not None:
-                pipeline = PipelineRun(self.mesh, self.strategy.pipeline_axis, schedule, self.strategy.batch_axes,
-                                       specs)
+                pipeline = PipelineRun(self.mesh, self.strategy.pipeline_axis, schedule,
+                                       self.strategy.batch_axes, specs)
             stack.plan = StackPlan(pipeline=pipeline, sequence=sequence, mesh=self.mesh, specs=specs,
                                    gathers_weights=bool(self.strategy.gather_axes))
         return nnx.split(model, nnx.Param, ...)[0]
@@ -261,8 +266,9 @@ class ParallelModel:
 
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh | str | None,
-                strategy: str | Strategy = "dp", *, axis_names: AxisNames = None, loss_fn: LossFn | None = None,
-                example_batch: Any = None, trainable: Any = None) -> ParallelModel:
+                strategy: str | Strategy = "dp", *, axis_names: AxisNames = None,
+                loss_fn: LossFn | None = None, example_batch: Any = None,
+                trainable: Any = None) -> ParallelModel:
     """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only.
 
     Args:
@@ -300,14 +306,16 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
     warn_if_starved(mesh)
     tensor, expert = strategy.tensor_axis(mesh), strategy.expert_axis(mesh)
-    if tensor is not None:  # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
+    if tensor is not None:
+        # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
         factory = _routing_grouped_convs(factory)
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
     trainable = _trainable(params, trainable)
     abstract = jax.eval_shape(functools.partial(build_state, factory, tx, 0, mesh, trainable))
     derived = None
-    if (tensor or expert) and loss_fn is not None and example_batch is not None and not _all_annotated(abstract.params):
+    if ((tensor or expert) and loss_fn is not None and example_batch is not None
+            and not _all_annotated(abstract.params)):
         sizes = (mesh.shape[tensor] if tensor else 1, mesh.shape[expert] if expert else 1)
         derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, sizes)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
@@ -325,7 +333,8 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
 
 
 def _routing_grouped_convs(factory: ModelFactory) -> ModelFactory:
-    """``factory`` whose models' grouped ``nnx.Conv``s use ``grouped_conv`` (``shardax.sharding.grouped_conv``)."""
+    """``factory`` whose models' grouped ``nnx.Conv``s use ``grouped_conv``
+    (``shardax.sharding.grouped_conv``)."""
 
     @functools.wraps(factory)
     def build(rngs: nnx.Rngs) -> nnx.Module:
@@ -340,8 +349,8 @@ def _trainable(params: Any, trainable: Any) -> Any:
         adapters = nnx.split_state(params, nnx.LoRAParam, ...)[0]
         return nnx.LoRAParam if jax.tree.leaves(adapters) else None
     if not jax.tree.leaves(nnx.split_state(params, trainable, ...)[0]):
-        raise UsageError(f"trainable={trainable!r} selects none of the model's parameters, so nothing would train; "
-                         "give a filter that matches some (e.g. nnx.LoRAParam, or a path predicate)")
+        raise UsageError(f"trainable={trainable!r} selects none of the model's parameters, so nothing would "
+                         "train; give a filter that matches some (e.g. nnx.LoRAParam, or a path predicate)")
     return trainable
 
 
@@ -373,12 +382,14 @@ def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
     if any(stack.scan for _, stack in stacks):
         return
     if stacks:
-        raise UsageError(f"strategy {layout.strategy.name!r} cuts the stacked layers into stages over {axis!r}, and "
-                         f"this model's LayerStack {stacks[0][0]!r} runs its layers in a Python loop (scan=False; "
-                         "shardax train: --no-scan-layers), which has no stack: use scan=True (drop --no-scan-layers)")
-    raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, and this "
-                     "model has none (no shardax.blocks.LayerStack), so every stage would repeat the same work; build "
-                     "the repeated layers with LayerStack, or use dp, fsdp, tp or fsdp_tp")
+        raise UsageError(f"strategy {layout.strategy.name!r} cuts the stacked layers into stages over "
+                         f"{axis!r}, and this model's LayerStack {stacks[0][0]!r} runs its layers in a "
+                         "Python loop (scan=False; shardax train: --no-scan-layers), which has no stack: use "
+                         "scan=True (drop --no-scan-layers)")
+    raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, "
+                     "and this model has none (no shardax.blocks.LayerStack), so every stage would repeat "
+                     "the same work; build the repeated layers with LayerStack, or use dp, fsdp, tp or "
+                     "fsdp_tp")
 
 
 def reshard(tree: Any, target: Any) -> Any:

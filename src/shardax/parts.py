@@ -67,15 +67,19 @@ def check_parts(parts: Any) -> dict[str, Part]:
     """``parts`` as a dict of ``Part``, refused in one line unless it is one."""
     if not isinstance(parts, Mapping) or not parts:
         raise UsageError(f"parts={type(parts).__name__}; give a dict of named parts, e.g. "
-                         "{'generator': Part(make_generator, optax.adam(2e-4)), 'teacher': Part(make_teacher)}")
+                         "{'generator': Part(make_generator, optax.adam(2e-4)), 'teacher': "
+                         "Part(make_teacher)}")
     for name, part in parts.items():
         if not isinstance(name, str) or not name.isidentifier():
-            raise UsageError(f"part name {name!r} is not a Python identifier; name parts like 'generator' or 'teacher'")
+            raise UsageError(f"part name {name!r} is not a Python identifier; name parts like 'generator' or "
+                             "'teacher'")
         if not isinstance(part, Part):
             given = f"the class {part.__name__}" if isinstance(part, type) else f"a {type(part).__name__}"
-            raise UsageError(f"part {name!r} is {given}, not a Part; wrap it: Part(lambda rngs: Model(rngs=rngs), "
-                             "optax.adam(1e-3)), or Part(...) with no optimizer to freeze it")
-        if part.optimizer is not None and not (hasattr(part.optimizer, "init") and hasattr(part.optimizer, "update")):
+            raise UsageError(f"part {name!r} is {given}, not a Part; wrap it: Part(lambda rngs: "
+                             "Model(rngs=rngs), optax.adam(1e-3)), or Part(...) with no optimizer to freeze "
+                             "it")
+        if part.optimizer is not None and not (hasattr(part.optimizer, "init")
+                                               and hasattr(part.optimizer, "update")):
             raise UsageError(f"part {name!r} has optimizer {type(part.optimizer).__name__}; give one optax "
                              "transformation per part (e.g. optax.adam(1e-3)), or None to freeze the part")
     if all(part.optimizer is None for part in parts.values()):
@@ -99,8 +103,8 @@ def _check_split_axes(parts: dict[str, Part], models: dict[str, ParallelModel], 
     name = next(iter(models))
     read_off = parts[name].forward is not None and example_batch is not None
     check_split_axes([model.layout for model in models.values()], read_off,
-                     hint="give each part forward=lambda model, batch: model(...) and the Trainer example_batch, "
-                          "so shardax reads the split off their calls")
+                     hint="give each part forward=lambda model, batch: model(...) and the Trainer "
+                          "example_batch, so shardax reads the split off their calls")
 
 
 def _described(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -129,16 +133,16 @@ class ParallelParts:
                example_batch: Any = None) -> ParallelParts:
         parts = check_parts(parts)
         if settings.strategy.pipeline_axis is not None or settings.mesh.shape.get("context", 1) > 1:
-            raise UsageError(f"strategy {settings.strategy.name!r} on mesh {dict(settings.mesh.shape)} pipelines or "
-                             "splits sequences of one model; a run of several parts uses dp, zero1, zero2, fsdp, "
-                             "hsdp, tp or fsdp_tp on a mesh without a context axis")
+            raise UsageError(f"strategy {settings.strategy.name!r} on mesh {dict(settings.mesh.shape)} "
+                             "pipelines or splits sequences of one model; a run of several parts uses dp, "
+                             "zero1, zero2, fsdp, hsdp, tp or fsdp_tp on a mesh without a context axis")
         models = {}
         for name, part in parts.items():
             derive = part.forward is not None and example_batch is not None
             models[name] = ParallelModel.create(
                 part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
-                loss_fn=_as_loss(part.forward) if derive else None, example_batch=example_batch if derive else None,
-                trainable=part.trainable, check_tensor=False)
+                loss_fn=_as_loss(part.forward) if derive else None,
+                example_batch=example_batch if derive else None, trainable=part.trainable, check_tensor=False)
         _check_split_axes(parts, models, example_batch)
         trained = [name for name, part in parts.items() if part.optimizer is not None]
         mesh = next(iter(models.values())).mesh
@@ -171,7 +175,8 @@ class ParallelParts:
         return self.first.layout
 
     def seeds(self, seed: int) -> dict[str, int]:
-        return {name: seed + i if part.seed is None else part.seed for i, (name, part) in enumerate(self.parts.items())}
+        return {name: seed + i if part.seed is None else part.seed
+                for i, (name, part) in enumerate(self.parts.items())}
 
     def init(self, seed: int = 0) -> TrainState:
         """Every part initialised straight into its shards (in one program)."""
@@ -182,7 +187,8 @@ class ParallelParts:
                       for name, model in self.models.items()}
             zero = jnp.zeros((), jnp.int32)
             return TrainState(step=zero, skipped=zero, params={name: s.params for name, s in states.items()},
-                              opt_state={name: states[name].opt_state for name in self.abstract_state.opt_state},
+                              opt_state={name: states[name].opt_state
+                                         for name in self.abstract_state.opt_state},
                               rest={name: s.rest for name, s in states.items()})
 
         state = jax.jit(build, out_shardings=self.state_shardings)()
@@ -195,15 +201,17 @@ class ParallelParts:
         """``state`` with part ``name``'s parameters (and its other variables, when ``source`` has
         them) taken from ``source``, each device given its slices."""
         given = nnx.state(source) if isinstance(source, nnx.Module) else source
-        params, rest = nnx.split_state(given, nnx.Param, ...) if isinstance(given, nnx.State) else (given, None)
+        params, rest = (nnx.split_state(given, nnx.Param, ...) if isinstance(given, nnx.State)
+                        else (given, None))
         model = self.models[name]
-        for what, tree, template in (("parameters", params, state.params[name]), ("variables", rest, state.rest[name])):
+        for what, tree, template in (("parameters", params, state.params[name]),
+                                     ("variables", rest, state.rest[name])):
             if what == "variables" and not jax.tree.leaves(tree):
                 continue  # parameters alone: the part's own variables stay
             if _described(tree) != _described(template):
                 shapes = jax.tree.leaves(tree)
-                raise UsageError(f"Part(init_from=...) of part {name!r} holds {what} of another structure than "
-                                 f"{type(model._abstract_model()).__name__}'s ({len(shapes)} arrays, "
+                raise UsageError(f"Part(init_from=...) of part {name!r} holds {what} of another structure "
+                                 f"than {type(model._abstract_model()).__name__}'s ({len(shapes)} arrays, "
                                  f"{len(jax.tree.leaves(template))} expected); give a module built by the "
                                  "part's own model factory, or its nnx.state")
         params = jax.device_put(_like(params, state.params[name]), model.state_shardings.params)
@@ -247,13 +255,15 @@ class ParallelParts:
         """``state`` with each averaged part's trained parameters replaced by their moving average."""
         names = self.averaged_parts(state)
         if not names:
-            raise UsageError("no part keeps a moving average of its weights; chain shardax.ema_params(decay) last "
-                             "in a part's optimizer: Part(model, optax.chain(optax.adam(1e-3), ema_params(0.999)))")
+            raise UsageError("no part keeps a moving average of its weights; chain shardax.ema_params(decay) "
+                             "last in a part's optimizer: Part(model, optax.chain(optax.adam(1e-3), "
+                             "ema_params(0.999)))")
         params = dict(state.params)
         for name in names:
             model = self.models[name]
             average = averaged(state.opt_state[name], trained_part(params[name], model.trainable))
-            params[name] = jax.device_put(nnx.merge_state(params[name], average), model.state_shardings.params)
+            params[name] = jax.device_put(nnx.merge_state(params[name], average),
+                                          model.state_shardings.params)
         return state.replace(params=params)
 
     def part(self, state: TrainState, name: str) -> nnx.Module:

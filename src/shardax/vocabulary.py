@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-StrategyName = Literal["dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp", "ep",
-                       "fsdp_ep", "ep_tp"]
+StrategyName = Literal["dp", "zero1", "zero2", "fsdp", "tp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "pp_tp",
+                       "ep", "fsdp_ep", "ep_tp"]
 RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
 AttentionKernel = Literal["auto", "xla", "cudnn"]
 ContextAttention = Literal["all-gather", "ring"]

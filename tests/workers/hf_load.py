@@ -16,7 +16,8 @@ folder, expected_path, out = sys.argv[1:4]
 loaded = hf.load(folder, "data=8", "fsdp")
 own = 0  # the bytes of the distinct slices this process's devices hold (the files are float32)
 for leaf in jax.tree.leaves(loaded.state.params):
-    slices = {tuple((s.start, s.stop) for s in shard.index): shard.data.size for shard in leaf.addressable_shards}
+    slices = {tuple((s.start, s.stop) for s in shard.index): shard.data.size
+              for shard in leaf.addressable_shards}
     own += 4 * sum(slices.values())
 total = sum(4 * leaf.size for leaf in jax.tree.leaves(loaded.state.params))
 expected = np.load(expected_path)

@@ -24,7 +24,8 @@ assert not inputs.is_fully_addressable
 for shard in inputs.addressable_shards:  # this process's devices hold its own rows
     np.testing.assert_array_equal(np.asarray(shard.data), global_inputs[shard.index])
     assert shard.device.process_index == process
-total = jax.jit(lambda b: (b["inputs"] * b["scale"]).sum(), out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(batch)
+total = jax.jit(lambda b: (b["inputs"] * b["scale"]).sum(),
+                out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(batch)
 assert float(total) == float(global_inputs.sum() * 2), float(total)
 
 try:

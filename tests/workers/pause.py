@@ -23,7 +23,8 @@ import jax
 from shardax.cli import signals
 from shardax.trainer import checkpoint, trainer
 
-train_command = importlib.import_module("shardax.cli.train")  # the module (the package's `train` is the function)
+# the module (the package's `train` is the function)
+train_command = importlib.import_module("shardax.cli.train")
 
 MOMENT, READY, TARGET = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
 

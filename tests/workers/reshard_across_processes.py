@@ -15,8 +15,10 @@ from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa:
 config = TransformerConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 manager = DeviceMeshManager()
 layouts = {
-    "dp": parallelize(lambda r: TransformerLM(config, rngs=r), optax.adamw(1e-3), manager.create_device_mesh("data=8"), "dp"),
-    "fsdp": parallelize(lambda r: TransformerLM(config, rngs=r), optax.adamw(1e-3), manager.create_device_mesh("data=8"), "fsdp"),
+    "dp": parallelize(lambda r: TransformerLM(config, rngs=r), optax.adamw(1e-3),
+                      manager.create_device_mesh("data=8"), "dp"),
+    "fsdp": parallelize(lambda r: TransformerLM(config, rngs=r), optax.adamw(1e-3),
+                        manager.create_device_mesh("data=8"), "fsdp"),
     "fsdp_tp": parallelize(lambda r: TransformerLM(config, rngs=r), optax.adamw(1e-3),
                            manager.create_device_mesh("data=4,model=2"), "fsdp_tp"),
 }

@@ -29,9 +29,18 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shardax.analysis.hlo import (Computation, Instruction, array_bytes, array_shapes, called_computation,
-                                  executions, fused_computation_names, parse_module, shape_bytes,
-                                  split_top_level)
+from shardax.analysis.hlo import (
+    Computation,
+    Instruction,
+    array_bytes,
+    array_shapes,
+    called_computation,
+    executions,
+    fused_computation_names,
+    parse_module,
+    shape_bytes,
+    split_top_level,
+)
 
 REDUCE_SCATTER_PATTERN = "reduce-scatter (all-reduce + dynamic-slice)"
 
@@ -172,7 +181,8 @@ def _collectives_from(
     arrays = array_shapes(shape)
     total = shape_bytes(shape)
     if kind != "all-reduce":
-        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total, operand_bytes=operands)]
+        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total,
+                           operand_bytes=operands)]
     kept = _sliced_bytes(computations, computation, value)
     if kept is not None:
         return [Collective(REDUCE_SCATTER_PATTERN, instruction.name, tuple(arrays), total, groups, kept,
@@ -180,13 +190,15 @@ def _collectives_from(
     by_element = _sliced_elements(computations, computation, value, arrays) if len(arrays) > 1 else [None]
     sliced = [i for i, element in enumerate(by_element) if element is not None]
     if not sliced:
-        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total, operand_bytes=operands)]
+        return [Collective(kind, instruction.name, tuple(arrays), total, groups, total,
+                           operand_bytes=operands)]
     whole = [i for i in range(len(arrays)) if i not in sliced]
     scattered_bytes = sum(array_bytes(arrays[i]) for i in sliced)
     whole_bytes = total - scattered_bytes
     return [
-        Collective(REDUCE_SCATTER_PATTERN, instruction.name, tuple(arrays[i] for i in sliced), scattered_bytes,
-                   groups, sum(by_element[i] for i in sliced), operand_bytes=scattered_bytes),
+        Collective(REDUCE_SCATTER_PATTERN, instruction.name, tuple(arrays[i] for i in sliced),
+                   scattered_bytes, groups, sum(by_element[i] for i in sliced),
+                   operand_bytes=scattered_bytes),
         Collective(kind, instruction.name, tuple(arrays[i] for i in whole), whole_bytes, groups, whole_bytes,
                    operand_bytes=whole_bytes),
     ]

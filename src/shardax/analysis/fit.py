@@ -41,7 +41,8 @@ class Fit:
         return self.batch_size * self.seq_len / self.plan.roofline["step_s"]
 
 
-def batch_granule(strategy: str, mesh_shape: str | None, target: Target, microbatches: int | None = None) -> int:
+def batch_granule(strategy: str, mesh_shape: str | None, target: Target,
+                  microbatches: int | None = None) -> int:
     """The rows a global batch must be a multiple of: the devices its rows are split over (times
     a pipeline's microbatches, one per stage unless given)."""
     return StepSettings.resolve(strategy, mesh_shape, microbatches=microbatches,
@@ -51,7 +52,13 @@ def batch_granule(strategy: str, mesh_shape: str | None, target: Target, microba
 def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, target: Target, batch: int,
           **options: Any) -> float:
     """The compiled peak per device at this batch; infinity where XLA:TPU refuses, out of HBM."""
-    from shardax.analysis.plan import compile_step, compiled_memory, device_bytes, out_of_memory, transformer_for
+    from shardax.analysis.plan import (
+        compile_step,
+        compiled_memory,
+        device_bytes,
+        out_of_memory,
+        transformer_for,
+    )
 
     parallel = transformer_for(model, strategy, mesh_shape, None, target)
     pipeline = {key: value for key, value in options.items() if parallel.strategy.pipeline_axis}
@@ -123,8 +130,8 @@ def fit(model: TransformerConfig, strategy: str, mesh_shape: str | None, target:
 def best(fits: list[Fit]) -> Fit:
     usable = [f for f in fits if f.batch_size]
     if not usable:
-        raise UsageError("no batch fits the target's memory with any remat policy; use more chips, a strategy "
-                         "that shards more (fsdp, fsdp_tp) or a smaller model")
+        raise UsageError("no batch fits the target's memory with any remat policy; use more chips, a "
+                         "strategy that shards more (fsdp, fsdp_tp) or a smaller model")
     return max(usable, key=lambda f: f.tokens_per_s)
 
 

@@ -82,10 +82,11 @@ def compile_with_heap(lowered: Any, compiler_options: dict[str, Any] | None = No
     if found is not None:
         _heaps[compiled] = found
     elif _for_tpu(compiled):
-        warnings.warn("XLA:TPU's heap is unknown for this step (libtpu started before shardax described a TPU "
-                      "target, or LIBTPU_INIT_ARGS has its own --xla_jf_dump_to, or the compile was cached): "
-                      "its memory is XLA's memory analysis, an estimate that runs higher; describe the target "
-                      "(shardax.analysis.targets.parse_target(...).devices()) before anything else uses JAX",
+        warnings.warn("XLA:TPU's heap is unknown for this step (libtpu started before shardax described a "
+                      "TPU target, or LIBTPU_INIT_ARGS has its own --xla_jf_dump_to, or the compile was "
+                      "cached): its memory is XLA's memory analysis, an estimate that runs higher; describe "
+                      "the target (shardax.analysis.targets.parse_target(...).devices()) before anything "
+                      "else uses JAX",
                       stacklevel=3)
     return compiled
 

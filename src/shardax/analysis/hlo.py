@@ -10,7 +10,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-
 _DTYPE_BITS = {
     "pred": 8, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16,
     "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64,
@@ -94,7 +93,8 @@ def _balanced_end(text: str, start: int) -> int:
 
 def split_top_level(text: str) -> list[str]:
     """Split on commas that sit outside every bracket and string."""
-    cuts = [position for position, char, depth, outside in _scan(text) if outside and char == "," and depth == 0]
+    cuts = [position for position, char, depth, outside in _scan(text)
+            if outside and char == "," and depth == 0]
     parts = [text[begin + 1:end].strip() for begin, end in zip([-1, *cuts], [*cuts, len(text)])]
     return parts if parts[-1] else parts[:-1]
 
@@ -196,7 +196,8 @@ def shape_bytes(shape: str) -> int:
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
-def _trip_count(computations: dict[str, Computation], loop: Instruction, parent: Computation | None = None) -> int:
+def _trip_count(computations: dict[str, Computation], loop: Instruction,
+                parent: Computation | None = None) -> int:
     """A while loop's trip count: XLA's ``known_trip_count`` where it wrote one (CPU, GPU), else
     read off its condition ``counter < N``, the counter's step in the body and its start in the
     loop's initial tuple (XLA:TPU's form; JAX's loops count up from 0 by 1, and XLA:TPU's windowed
@@ -209,13 +210,15 @@ def _trip_count(computations: dict[str, Computation], loop: Instruction, parent:
         return 1
     by_name = {instruction.name: instruction for instruction in condition.instructions}
     root = by_name.get(condition.root)
-    if root is None or root.opcode != "compare" or root.attributes.get("direction") != "LT" or len(root.operands) != 2:
+    if (root is None or root.opcode != "compare" or root.attributes.get("direction") != "LT"
+            or len(root.operands) != 2):
         return 1
     bound = _constant(by_name, root.operands[1])
     if bound is None:
         return 1
     counter = by_name.get(root.operands[0])
-    index = counter.attributes.get("index", "") if counter is not None and counter.opcode == "get-tuple-element" else ""
+    index = (counter.attributes.get("index", "")
+             if counter is not None and counter.opcode == "get-tuple-element" else "")
     if not index.isdigit():
         return bound
     step = _counter_step(computations.get(loop.attributes.get("body", "").lstrip("%")), int(index))

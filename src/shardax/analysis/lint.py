@@ -25,10 +25,11 @@ def replicated_parameters(layout: Any, limit: int = REPLICATED_LIMIT) -> list[st
     if not _shards_parameters(layout.strategy) or layout.mesh.devices.size == 1:
         return []
     findings = []
-    for leaf in sorted(layout.leaves.values(), key=lambda l: -math.prod(l.shape)):
+    for leaf in sorted(layout.leaves.values(), key=lambda held: -math.prod(held.shape)):
         size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         if size > limit and not any(spec_axes(entry) for entry in leaf.spec):
-            findings.append(f"replicated parameter {leaf.path} {leaf.shape} holds {format_bytes(size)} on every device")
+            findings.append(f"replicated parameter {leaf.path} {leaf.shape} holds {format_bytes(size)} on "
+                            "every device")
     return findings
 
 
@@ -57,7 +58,8 @@ def optimizer_mismatches(parallel: Any) -> list[str]:
         spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
         for dim, entry in enumerate(owner.spec):
             if not set(spec_axes(entry)) <= set(spec_axes(spec[dim])):
-                findings.append(f"optimizer state {path} is {sharding.spec} but its parameter is {owner.spec}")
+                findings.append(f"optimizer state {path} is {sharding.spec} but its parameter is "
+                                f"{owner.spec}")
                 break
     return findings
 
@@ -85,17 +87,21 @@ def full_parameter_gathers(layout: Any, collectives: list[Collective]) -> list[s
             scattered.remove(collective.bytes)
             continue
         for shape in collective.shapes:
-            if not shape.startswith(("f", "bf")):  # token positions and ids (context parallelism), not weights
+            if not shape.startswith(("f", "bf")):
+                # token positions and ids (context parallelism), not weights
                 continue
             for leaf in by_shape.get(_dims(shape), []):
-                stacked = bool(layout.strategy.gather_axes) and "layers" in (leaf.logical or ()) and leaf.shape[0] > 1
+                stacked = (bool(layout.strategy.gather_axes) and "layers" in (leaf.logical or ())
+                           and leaf.shape[0] > 1)
                 if stacked or never_gathers:
-                    why = "all layers at once" if stacked else f"under {layout.strategy.name}, which never gathers"
+                    why = ("all layers at once" if stacked
+                           else f"under {layout.strategy.name}, which never gathers")
                     findings.append(f"unexpected all-gather of the whole {leaf.path} {leaf.shape} ({why})")
     return sorted(set(findings))
 
 
-def lint(parallel: Any, collectives: list[Collective] | None = None, limit: int = REPLICATED_LIMIT) -> list[str]:
+def lint(parallel: Any, collectives: list[Collective] | None = None,
+         limit: int = REPLICATED_LIMIT) -> list[str]:
     layout = parallel.layout
     return (replicated_parameters(layout, limit) + uneven_dimensions(layout) + optimizer_mismatches(parallel)
             + full_parameter_gathers(layout, collectives or []))

@@ -25,7 +25,6 @@ from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 
 
-
 def _axes_size(mesh_shape: dict[str, int], axes: Any) -> int:
     return math.prod(mesh_shape.get(axis, 1) for axis in axes)
 
@@ -87,7 +86,8 @@ def _per_device(layout: Layout, attribute: str, tiled: bool = False, only: set[s
         splits += [1] * (len(leaf.shape) - len(splits))
         itemsize = np.dtype(leaf.dtype).itemsize
         if tiled:  # each device's block, rounded up where a dimension does not split evenly
-            total += tiled_bytes(tuple(round_up(size, split) // split for size, split in zip(leaf.shape, splits)),
+            total += tiled_bytes(tuple(round_up(size, split) // split
+                                       for size, split in zip(leaf.shape, splits)),
                                  itemsize)
         else:
             total += math.prod(leaf.shape) * itemsize // math.prod(splits)
@@ -95,7 +95,8 @@ def _per_device(layout: Layout, attribute: str, tiled: bool = False, only: set[s
 
 
 def batch_rows_per_device(layout: Layout, batch_size: int) -> int:
-    split = _axes_size(dict(layout.mesh.shape), [a for a in layout.strategy.batch_axes if a in layout.mesh.shape])
+    split = _axes_size(dict(layout.mesh.shape),
+                       [a for a in layout.strategy.batch_axes if a in layout.mesh.shape])
     return max(batch_size // split, 1)
 
 
@@ -244,8 +245,10 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
     weights = (4 * d * d // split["heads"] + mlp * d * f // split["mlp"]) * 4
     gathers = bool(layout.strategy.gather_axes)
     if not model.scan_layers:
-        residuals, layerwise = _looped_residual_bytes(model, rows, split), gathers or layout.strategy.shard_gradients
-        return {"kept": 0, "residuals": residuals, "gathered_layers": model.n_layers * weights if gathers else 0,
+        residuals, layerwise = (_looped_residual_bytes(model, rows, split),
+                                gathers or layout.strategy.shard_gradients)
+        return {"kept": 0, "residuals": residuals,
+                "gathered_layers": model.n_layers * weights if gathers else 0,
                 "sharded_residuals": residuals if layerwise else 0}
     shards = _axes_size(dict(layout.mesh.shape), layout.strategy.gather_axes)
     kept, layer, scores = _residual_bytes(model, rows, split, compiler, shards)
@@ -260,14 +263,17 @@ def working_set_factors(kind: str, compiler: str = "cpu") -> tuple[float, ...]:
     return WORKING_SET_TPU[kind] if compiler == "tpu" and kind in WORKING_SET_TPU else WORKING_SET[kind]
 
 
-def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1, compiler: str = "cpu") -> int:
+def activation_bytes(layout: Layout, model: Any, batch_size: int, grad_accum: int = 1,
+                     compiler: str = "cpu") -> int:
     """Activation memory of ``TransformerLM`` per device: the residuals autodiff keeps under the
     model's remat policy, plus the working set of one layer's backward pass (see above)."""
     if model is None:
         return 0
-    terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model, compiler)
+    terms, kind = (working_set_terms(layout, model, batch_size, grad_accum, compiler),
+                   working_set_class(model, compiler))
     factors = working_set_factors(kind, compiler)
-    return int(terms["kept"] + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind], factors)))
+    return int(terms["kept"]
+               + sum(factor * terms[name] for name, factor in zip(WORKING_SET_TERMS[kind], factors)))
 
 
 def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any,
@@ -295,11 +301,12 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
                         if _split_into_stages(leaf, strategy))
     copies = (2.5 if strategy.gather_axes else 1) if compiler == "tpu" else 1 + (1 if groups > 1 else 0)
     weight_copies = _weight_copy_bytes(layout, virtual, compiler) // virtual.n_layers  # a layer's
-    kept = activation_bytes(layout, virtual, rows * groups, compiler=compiler) - weight_copies * virtual.n_layers
+    kept = (activation_bytes(layout, virtual, rows * groups, compiler=compiler)
+            - weight_copies * virtual.n_layers)
     # a chunk of one layer is no scan: its residuals go straight into the loop's stack
     one_fewer = activation_bytes(layout, dataclasses.replace(virtual, n_layers=virtual.n_layers - chunk),
-                                 rows * groups, compiler=compiler) - weight_copies * (virtual.n_layers - chunk) \
-        if chunk > 1 else kept
+                                 rows * groups, compiler=compiler) \
+        - weight_copies * (virtual.n_layers - chunk) if chunk > 1 else kept
     return int(kept + (kept - one_fewer) + (schedule.microbatches + 2) * boundary + copies * stage_weights)
 
 
@@ -321,7 +328,8 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
     if shards == 1 or model is None:
         return activation_bytes(layout, model, batch_size, grad_accum, compiler)
     if variant == "ring":
-        terms, kind = working_set_terms(layout, model, batch_size, grad_accum, compiler), working_set_class(model, compiler)
+        terms, kind = (working_set_terms(layout, model, batch_size, grad_accum, compiler),
+                       working_set_class(model, compiler))
         if "scores" in terms:  # scanned layers (blocks in a loop keep no separate scores term)
             saved_scores = model.n_layers * terms["scores"] if model.remat != "full" else 0
             terms = terms | {"kept": terms["kept"] - saved_scores, "scores": 0}
@@ -367,18 +375,21 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     looped = model is not None and not model.scan_layers
     gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
     # gradients of the trained parameters only (LoRA: the adapters; a frozen weight has none)
-    gradients, replicas = _per_device(layout, gradient_spec, tiled, _trained_paths(parallel)), _replicas(layout)
+    gradients, replicas = (_per_device(layout, gradient_spec, tiled, _trained_paths(parallel)),
+                           _replicas(layout))
     # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
     # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
     # XLA:CPU keeps it for some shapes and not others (medium yes, small no): half is counted.
     scattered = 0
     if replicas > 1 and layout.strategy.gather_axes:
         scattered = gradients // replicas // (2 if grad_accum > 1 else 1)
-    gradients = gradients * (2 if grad_accum > 1 else 1) + scattered  # accumulation: the sum and one microbatch's
+    # accumulation: the sum and one microbatch's
+    gradients = gradients * (2 if grad_accum > 1 else 1) + scattered
     if schedule is not None:
         activations = pipeline_activation_bytes(layout, model, batch_size, schedule, compiler)
     else:
-        activations = context_activation_bytes(layout, model, batch_size, grad_accum, context_attention, compiler)
+        activations = context_activation_bytes(layout, model, batch_size, grad_accum, context_attention,
+                                               compiler)
         activations -= held_on_chip(on_chip, gradients + activations)
     return MemoryPrediction(
         params=_sharded_bytes(abstract.params, shardings.params, tiled), gradients=gradients,

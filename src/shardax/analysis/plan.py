@@ -20,16 +20,16 @@ import optax
 from shardax.analysis.collectives import find_collectives, summarize
 from shardax.analysis.heap import compile_with_heap, hbm_heap, on_chip_heap
 from shardax.analysis.lint import lint
-from shardax.analysis.targets import Target, roofline
 from shardax.analysis.memory import predict_memory
-from shardax.analysis.theory import experts_bytes, theoretical_collective_bytes
+from shardax.analysis.plan_notes import model_notes
+from shardax.analysis.targets import Target, roofline
+from shardax.analysis.theory import theoretical_collective_bytes
 from shardax.analysis.traffic import wire_bytes
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh, parse_mesh_shape
 from shardax.model_parallel import ParallelModel
 from shardax.models.presets import blocks_in_a_loop, flops_per_token
-from shardax.models.transformer import (TransformerConfig, TransformerLM, attention_implementation,
-                                        weighted_next_token_loss)
+from shardax.models.transformer import TransformerConfig, TransformerLM, weighted_next_token_loss
 from shardax.sharding.report import format_bytes
 from shardax.sharding.strategies import STRATEGIES, get_strategy
 from shardax.step.settings import StepSettings
@@ -60,7 +60,8 @@ class StrategyPlan:
     compile_s: float
     bubble: float | None = None  # pipeline strategies: the fraction of idle stage iterations
     target: str | None = None  # the accelerator compiled for (None: fake CPU devices)
-    cost: dict[str, float | None] | None = None  # a target's: flops, hbm_bytes, model_flops per device per step
+    # a target's: flops, hbm_bytes, model_flops per device per step
+    cost: dict[str, float | None] | None = None
     roofline: dict[str, Any] | None = None  # a target's: compute_s, memory_s, network_s, step_s, bound, mfu
     scan_layers: bool = True  # the model's blocks scanned, or in a Python loop
 
@@ -113,7 +114,8 @@ def compiled_memory(compiled) -> dict[str, int]:
     memory = compiled.memory_analysis()
     measured = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
                 "temporaries": memory.temp_size_in_bytes, "aliased": memory.alias_size_in_bytes}
-    measured["peak"] = measured["arguments"] + measured["temporaries"] + measured["outputs"] - measured["aliased"]
+    measured["peak"] = (measured["arguments"] + measured["temporaries"]
+                        + measured["outputs"] - measured["aliased"])
     heap = hbm_heap(compiled)
     if heap is not None:
         measured["hbm_heap"] = heap
@@ -133,8 +135,10 @@ def transformer_for(model: TransformerConfig, strategy: Any, mesh_shape: str | N
     """``TransformerLM(model)`` parallelized by ``strategy`` (a name or a ``Strategy``) over
     ``mesh_shape`` (default: the strategy's own) of fake CPU devices or a ``target``'s devices,
     built abstractly: what ``shardax plan`` compiles."""
-    settings = StepSettings.resolve(strategy, mesh_shape, devices=target.devices() if target is not None else None)
-    return ParallelModel.create(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3), settings)
+    settings = StepSettings.resolve(strategy, mesh_shape,
+                                    devices=target.devices() if target is not None else None)
+    return ParallelModel.create(lambda rngs: TransformerLM(model, rngs=rngs), tx or optax.adamw(1e-3),
+                                settings)
 
 
 def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | None, *, batch_size: int,
@@ -143,13 +147,13 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
                   pipeline_repeats: int = 1, context_attention: str = "all-gather",
                   target: Target | None = None) -> StrategyPlan:
     """Compile one strategy's step and measure it (see the module docstring).
-    ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy;
-    ``context_attention``: how attention spans a sequence split over a ``context`` axis;
-    ``target``: a TPU slice to compile for (default: fake CPU devices); its chip's HBM is then
-    the default ``device_memory``."""
+    ``microbatches`` and ``pipeline_repeats``: the schedule of a pipeline strategy; ``context_attention``:
+    how attention spans a sequence split over a ``context`` axis; ``target``: a TPU slice to compile for
+    (default: fake CPU devices); its chip's HBM is then the default ``device_memory``."""
     parallel = transformer_for(model, strategy, mesh_shape, tx, target)
     resolved, mesh = parallel.strategy, parallel.mesh  # a pipeline's schedule: for pipeline strategies only
-    pipeline = {"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis else {}
+    pipeline = ({"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis
+                else {})
     schedule = parallel.schedule(**pipeline)
     context = parallel.context_attention(context_attention) if "context" in mesh.shape else None
     if context is not None:
@@ -167,7 +171,8 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     summary = {kind: {"count": entry["count"], "bytes": entry["bytes"], "wire_bytes": 0.0}
                for kind, entry in summarize(collectives).items()}
     for collective in collectives:
-        summary[collective.kind]["wire_bytes"] += wire_bytes(collective, mesh.devices.size) * collective.executions
+        summary[collective.kind]["wire_bytes"] += wire_bytes(collective,
+                                                             mesh.devices.size) * collective.executions
     if target is not None and device_memory is None:
         device_memory = int(target.per_device()["hbm_bytes"])
     plan = StrategyPlan(
@@ -177,15 +182,13 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
         theoretical_collective_bytes=theoretical_collective_bytes(
             parallel.layout, model, batch_size, schedule, context or "all-gather", compiler=compiler),
         fits=None if device_memory is None else device_bytes(measured) <= device_memory,
-        lint=(lint(parallel, collectives) + _looped_layers_note(model, parallel, target) + _bfloat16_note(model, target)
-              + _swiglu_note(model) + _experts_note(model, parallel) + _deviceless_attention_note(model, target)
-              + _bubble_note(schedule)
+        lint=(lint(parallel, collectives) + model_notes(model, parallel, target, schedule)
               + _collective_matmul_note(measured, device_memory)),
         compile_s=compile_s, bubble=None if schedule is None else schedule.bubble,
-        target=None if target is None else target.name,
-    )
+        target=None if target is None else target.name)
     if target is not None:
-        _add_costs(plan, target, model, resolved, mesh_shape, tx, batch_size, grad_accum, whole or compiled, pipeline)
+        _add_costs(plan, target, model, resolved, mesh_shape, tx, batch_size, grad_accum, whole or compiled,
+                   pipeline)
     return plan
 
 
@@ -200,7 +203,8 @@ def _whole_matmuls(compiled: Any, parallel: Any, batch_size: int, seq_len: int, 
     noted in ``measured``), else None."""
     if parallel.mesh.devices.flat[0].platform != "tpu" or not collective_matmuls(compiled):
         return None
-    whole = compile_step(parallel, batch_size, seq_len, grad_accum, compiler_options=WHOLE_MATMULS, **pipeline)
+    whole = compile_step(parallel, batch_size, seq_len, grad_accum, compiler_options=WHOLE_MATMULS,
+                         **pipeline)
     measured["peak_without_collective_matmuls"] = device_bytes(compiled_memory(whole))
     return whole
 
@@ -216,9 +220,10 @@ def _collective_matmul_note(measured: dict[str, int], device_memory: int | None)
     if whole is None or whole > 0.95 * peak:
         return []
     fits = device_memory is not None and whole <= device_memory < peak
-    return [f"collective matmuls: XLA:TPU overlaps some of the step's collectives with their matmuls (windowed "
-            f"einsums), and they hold {format_bytes(peak - whole)} more per device here: {format_bytes(peak)}, "
-            f"{format_bytes(whole)} without them" + (", which fits" if fits else "") + f"; to go without them (if "
+    return ["collective matmuls: XLA:TPU overlaps some of the step's collectives with their matmuls "
+            f"(windowed einsums), and they hold {format_bytes(peak - whole)} more per device here: "
+            f"{format_bytes(peak)}, {format_bytes(whole)} without them"
+            + (", which fits" if fits else "") + f"; to go without them (if "
             f"the step's time allows), start the run with LIBTPU_INIT_ARGS=\"{WHOLE_MATMULS_FLAGS}\""]
 
 
@@ -230,8 +235,7 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
     compiled again with one and with two layers in a Python loop, and the cost extrapolated
     linearly to the model's depth (every layer costs the same). Gradient accumulation's loop
     likewise: one microbatch's step is costed and multiplied by ``grad_accum`` (which counts
-    the optimizer's update, a few FLOPs per parameter, that many times too).
-    """
+    the optimizer's update, a few FLOPs per parameter, that many times too)."""
     if target.chip.platform == "cuda":  # XLA:GPU has no cost analysis without a GPU
         return None, None
     if not model.scan_layers and grad_accum == 1:
@@ -256,8 +260,9 @@ def step_cost(model: TransformerConfig, strategy: Any, mesh_shape: str | None, t
 _WITHOUT_PIPELINE = {"pp": "dp", "pp_fsdp": "fsdp", "pp_tp": "tp"}
 
 
-def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, strategy: Any, mesh_shape: str | None,
-               tx: Any, batch_size: int, grad_accum: int, compiled: Any, pipeline: dict[str, Any]) -> None:
+def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, strategy: Any,
+               mesh_shape: str | None, tx: Any, batch_size: int, grad_accum: int, compiled: Any,
+               pipeline: dict[str, Any]) -> None:
     devices = len(target.devices())
     model_flops = flops_per_token(model) * batch_size * model.seq_len / devices
     if strategy.pipeline_axis:
@@ -279,62 +284,8 @@ def _add_costs(plan: StrategyPlan, target: Target, model: TransformerConfig, str
         compute_flops, hbm_bytes = (model_flops, 0.0) if flops is None else (flops, hbm)
     plan.cost = {"flops": flops, "hbm_bytes": hbm, "model_flops": model_flops}
     bound = roofline(target, compute_flops, hbm_bytes, plan.collective_bytes, model_flops)
-    plan.roofline = dataclasses.asdict(bound) | {"step_s": bound.step_s, "bound": bound.bound, "mfu": bound.mfu}
-
-
-def _bubble_note(schedule: Any) -> list[str]:
-    """A pipeline that idles more than a quarter of its stage iterations."""
-    if schedule is None or schedule.bubble <= 0.25:
-        return []
-    # the fewest microbatches (a multiple of the stages) that bring the bubble to 25% or less
-    enough = schedule.stages
-    while (schedule.stages - 1) / (schedule.repeats * enough + schedule.stages - 1) > 0.25:
-        enough += schedule.stages
-    return [f"pipeline bubble {100 * schedule.bubble:.0f}%: {schedule.stages - 1} of every "
-            f"{schedule.iterations} stage iterations idle ((S-1)/(R*M+S-1) with S={schedule.stages}, "
-            f"M={schedule.microbatches}, R={schedule.repeats}); --microbatches {enough} brings it to "
-            f"{100 * (schedule.stages - 1) / (schedule.repeats * enough + schedule.stages - 1):.0f}%"]
-
-
-def _deviceless_attention_note(model: TransformerConfig, target: Target | None) -> list[str]:
-    """A GPU target's step traces XLA's attention where a GPU would run cuDNN's fused kernel."""
-    if target is None or target.chip.platform != "cuda" or attention_implementation(model, "gpu")[0] != "cudnn":
-        return []
-    return ["attention: on GPUs this model runs cuDNN's fused kernel, but tracing it needs cuDNN, which a host "
-            "without a GPU lacks, so this compile holds XLA's attention and its score matrices: the peak overstates "
-            "a GPU's (small, batch 64, dp on one H100: 3.14 GB compiled on a CPU host, 1.99 GB on the GPU, benchmark 23)"]
-
-
-def _bfloat16_note(model: TransformerConfig, target: Target | None = None) -> list[str]:
-    if model.compute_dtype != "bfloat16" or target is not None:
-        return []
-    return ["bfloat16 compute on fake CPU devices: XLA:CPU computes bfloat16 in float32 and keeps both widths, "
-            "so its compiled peak overstates an accelerator's (the small preset under dp needs 730 MB in bfloat16 "
-            "and 715 MB in float32); the prediction counts the residuals at the widths autodiff keeps them"]
-
-
-def _experts_note(model: TransformerConfig, parallel: Any) -> list[str]:
-    if not model.n_experts:
-        return []
-    whole, held = experts_bytes(parallel.layout)
-    return [f"experts: {format_bytes(held)} of their {format_bytes(whole)} per device ({held / whole:.3g} of them; "
-            f"{model.n_experts} experts, {model.experts_per_token} per token)"]
-
-
-def _swiglu_note(model: TransformerConfig) -> list[str]:
-    if model.mlp != "swiglu":
-        return []
-    return ["a SwiGLU MLP (the Llama family, every preset since shardax 0.2): the predicted peak's working-set "
-            "factors were fitted on GELU MLPs, and XLA:CPU's compiled peak of the tiny preset runs 2-4% above the "
-            "prediction under full remat and 6-11% above it without; the compiled figure is the one to go by"]
-
-
-def _looped_layers_note(model: TransformerConfig, parallel: Any, target: Any) -> list[str]:
-    if model.scan_layers or target is not None:  # XLA:TPU and XLA:GPU free a looped layer's activations under remat
-        return []
-    return [f"layers in a Python loop (scan_layers=False): XLA:CPU keeps every layer's activations live whatever "
-            f"the remat policy, so remat only costs time here (not on GPUs or TPUs). The peak predicted "
-            f"for {parallel.strategy.name} with looped layers is rough (up to 20% off XLA:CPU's)"]
+    plan.roofline = dataclasses.asdict(bound) | {"step_s": bound.step_s, "bound": bound.bound,
+                                                 "mfu": bound.mfu}
 
 
 def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape: str | None,
@@ -344,7 +295,8 @@ def plan_all(model: TransformerConfig, strategies: list[str] | None, mesh_shape:
     takes, as ``shardax train`` lays them there (``blocks_in_a_loop``); else the model's."""
     plans, skipped = [], []
     # the expert-parallel strategies are data-parallel for a model without experts: listed for one with them
-    for name in strategies or [n for n in STRATEGIES if model.n_experts or "expert" not in STRATEGIES[n].required_axes]:
+    for name in strategies or [n for n in STRATEGIES
+                               if model.n_experts or "expert" not in STRATEGIES[n].required_axes]:
         laid = model if layout_for is None else dataclasses.replace(
             model, scan_layers=not blocks_in_a_loop(layout_for, name))
         try:
@@ -363,18 +315,22 @@ def recommend(plans: list[StrategyPlan], device_memory: int | None, model: Trans
     fitting = [p for p in plans if p.fits is not False]
     if fitting and all(p.roofline for p in fitting):  # compiled for a target: the fastest step that fits
         best = min(fitting, key=lambda p: (p.roofline["step_s"], p.compiled_bytes_per_device))
-        others = ", ".join(f"{p.strategy} {p.roofline['step_s'] * 1e3:.3f} ms" for p in fitting if p is not best)
+        others = ", ".join(f"{p.strategy} {p.roofline['step_s'] * 1e3:.3f} ms"
+                           for p in fitting if p is not best)
         return (f"Recommended: {best.strategy} on mesh {best.mesh}: the shortest roofline step, "
                 f"{best.roofline['step_s'] * 1e3:.3f} ms ({best.roofline['bound']}-bound, MFU at most "
-                f"{100 * best.roofline['mfu']:.1f}%), {format_bytes(best.compiled_bytes_per_device)} per device within "
-                f"{format_bytes(device_memory)}" + (f" (others: {others})." if others else "."))
+                f"{100 * best.roofline['mfu']:.1f}%), {format_bytes(best.compiled_bytes_per_device)} per "
+                f"device within {format_bytes(device_memory)}" + (f" (others: {others})." if others else "."))
     if fitting:
         best = min(fitting, key=lambda p: (p.collective_bytes, p.compiled_bytes_per_device))
-        budget = f"within {format_bytes(device_memory)} per device" if device_memory else "(no --device-memory given)"
-        others = ", ".join(f"{p.strategy} {format_bytes(p.collective_bytes)}" for p in fitting if p is not best)
+        budget = (f"within {format_bytes(device_memory)} per device"
+                  if device_memory else "(no --device-memory given)")
+        others = ", ".join(f"{p.strategy} {format_bytes(p.collective_bytes)}"
+                           for p in fitting if p is not best)
         return (f"Recommended: {best.strategy} on mesh {best.mesh}. It needs "
                 f"{format_bytes(best.compiled_bytes_per_device)} per device {budget} and sends "
-                f"{format_bytes(best.collective_bytes)} per device per step, the least of the strategies that fit" + (f" (others: {others})." if others else "."))
+                f"{format_bytes(best.collective_bytes)} per device per step, the least of the strategies "
+                "that fit" + (f" (others: {others})." if others else "."))
     smallest = min(plans, key=lambda p: p.compiled_bytes_per_device)
     need = smallest.compiled_bytes_per_device / max(device_memory or 1, 1)
     hints = [f"about {need:.1f}x the devices with {smallest.strategy} (its state shrinks with the data axis)"]
@@ -382,5 +338,5 @@ def recommend(plans: list[StrategyPlan], device_memory: int | None, model: Trans
         hints.append("--remat full (activations kept per layer only at its input)")
     hints.append("--grad-accum 4 or more (a quarter of the activations)")
     hints.append("tensor parallelism (fsdp_tp) to split activations and weights further")
-    return (f"Nothing fits {format_bytes(device_memory)} per device: the smallest is {smallest.strategy} with "
-            f"{format_bytes(smallest.compiled_bytes_per_device)}. To fit, try " + "; ".join(hints) + ".")
+    return (f"Nothing fits {format_bytes(device_memory)} per device: the smallest is {smallest.strategy} "
+            f"with {format_bytes(smallest.compiled_bytes_per_device)}. To fit, try " + "; ".join(hints) + ".")

@@ -78,8 +78,9 @@ def traced_residuals(model: Any, layers: int = STAND_IN["layers"]) -> tuple[Resi
     # every key/value head its own and the head width d_model / heads: a checkpoint's grouped-query
     # attention and explicit head_dim (a Hugging Face config's) are estimated as plain multi-head
     stand_in = dataclasses.replace(model, vocab_size=size["vocab"], seq_len=size["seq"],
-                                   d_model=size["heads"] * size["head"], n_heads=size["heads"], n_kv_heads=None,
-                                   attention_head_dim=None, n_layers=layers, d_ff=size["mlp"])
+                                   d_model=size["heads"] * size["head"], n_heads=size["heads"],
+                                   n_kv_heads=None, attention_head_dim=None, n_layers=layers,
+                                   d_ff=size["mlp"])
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: TransformerLM(stand_in, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     params, rest = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), (params, rest))

@@ -131,7 +131,8 @@ class Target:
         hosts = f"on {self.hosts} host{'s' if self.hosts > 1 else ''}"
         if self.chip.platform == "cuda":
             return f"{self.name}: {self.chips} {self.chip.name} GPUs {hosts}"
-        return f"{self.name}: {self.chips} {self.chip.name} chips ({self.topology}), {len(self.devices())} devices {hosts}"
+        return (f"{self.name}: {self.chips} {self.chip.name} chips ({self.topology}), {len(self.devices())} "
+                f"devices {hosts}")
 
 
 _GPU = re.compile(r"^(?:gpu-)?(?P<gen>h100)-(?P<count>\d+)$")
@@ -151,12 +152,14 @@ def topology_for(generation: str, chips: int) -> str:
 
 
 def parse_target(text: str) -> Target:
-    """``tpu-v5p-8``, ``tpu-v5e-256`` or ``tpu-v6e:4x4``: a :class:`Target` (checked against the chip table)."""
+    """``tpu-v5p-8``, ``tpu-v5e-256`` or ``tpu-v6e:4x4``: a :class:`Target` (checked against the chip
+    table)."""
     name = text.strip().lower()
     gpu = _GPU.match(name)
     if gpu:
         count = int(gpu["count"])
-        if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST) or (count < GPUS_PER_HOST and count & (count - 1)):
+        if (count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST)
+                or (count < GPUS_PER_HOST and count & (count - 1))):
             raise UsageError(f"--target {text!r}: GPUs come 1, 2, 4 or 8 to a host, or in whole hosts of "
                              f"{GPUS_PER_HOST}; try h100-8 or h100-16")
         hosts, per_host = max(count // GPUS_PER_HOST, 1), min(count, GPUS_PER_HOST)
@@ -169,12 +172,12 @@ def parse_target(text: str) -> Target:
         chips = count // 2 if CHIPS[generation].counts_cores else count
         smallest = 8 if CHIPS[generation].counts_cores else 4
         if count < smallest or count & (count - 1):
-            raise UsageError(f"--target {text!r}: {generation} slices come in powers of two from {generation}-"
-                             f"{smallest}; try tpu-{generation}-{smallest} or a topology such as tpu-{generation}:"
-                             f"{topology_for(generation, 16).split(':')[1]}")
+            raise UsageError(f"--target {text!r}: {generation} slices come in powers of two from "
+                             f"{generation}-{smallest}; try tpu-{generation}-{smallest} or a topology such "
+                             f"as tpu-{generation}:{topology_for(generation, 16).split(':')[1]}")
         return Target(text, CHIPS[generation], generation, topology_for(generation, chips))
-    raise UsageError(f"--target {text!r} is not a TPU slice or GPU host; write it like tpu-v5p-8, tpu-v5e-16, "
-                     f"tpu-v6e-64, tpu-v4-32 or h100-8 (chips: {', '.join(CHIPS)})")
+    raise UsageError(f"--target {text!r} is not a TPU slice or GPU host; write it like tpu-v5p-8, "
+                     f"tpu-v5e-16, tpu-v6e-64, tpu-v4-32 or h100-8 (chips: {', '.join(CHIPS)})")
 
 
 def require_compiler(target: Target) -> None:
@@ -182,8 +185,8 @@ def require_compiler(target: Target) -> None:
     if target.chip.platform != "cuda":
         return require_tpu_compiler()
     if cuda_plugin() is None:
-        raise UsageError(f"--target {target.name}: needs XLA:GPU's compiler (JAX's CUDA plugin), which is not "
-                         f"installed; {GPU_INSTALL_HINT} installs it (no GPU or CUDA libraries needed)")
+        raise UsageError(f"--target {target.name}: needs XLA:GPU's compiler (JAX's CUDA plugin), which is "
+                         f"not installed; {GPU_INSTALL_HINT} installs it (no GPU or CUDA libraries needed)")
 
 
 def cuda_plugin() -> str | None:
@@ -202,8 +205,10 @@ def _gpu_topology(topology: str) -> Any:
 
     try:
         return topologies.get_topology_desc(topology_name="", platform="cuda",
-                                            topology=f"1 x {hosts} x {per_host}", target_config=H100_TARGET_CONFIG)
-    except NotImplementedError:  # the plugin did not register: it found no CUDA, and JAX was not told CPU only
+                                            topology=f"1 x {hosts} x {per_host}",
+                                            target_config=H100_TARGET_CONFIG)
+    except NotImplementedError:
+        # the plugin did not register: it found no CUDA, and JAX was not told CPU only
         raise UsageError("XLA:GPU's compiler did not start: on a host without CUDA, JAX's CUDA plugin loads "
                          "only when JAX runs on CPU; set JAX_PLATFORMS=cpu before JAX starts "
                          "(`shardax plan` does)") from None
@@ -232,7 +237,8 @@ def _libtpu_environment(generation: str) -> Iterator[None]:
     # libtpu takes a lock file so that one process owns the host's TPUs; compiling owns none
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if "xla_jf_dump_to" not in os.environ.get("LIBTPU_INIT_ARGS", ""):  # the heap each compile reserves
-        os.environ["LIBTPU_INIT_ARGS"] = f"{os.environ.get('LIBTPU_INIT_ARGS', '')} {heap.libtpu_flags()}".strip()
+        os.environ["LIBTPU_INIT_ARGS"] = (f"{os.environ.get('LIBTPU_INIT_ARGS', '')} "
+                                          f"{heap.libtpu_flags()}").strip()
     try:
         yield
     finally:
@@ -252,7 +258,8 @@ def _topology(generation: str, topology: str) -> Any:
         with _libtpu_environment(generation):
             return topologies.get_topology_desc(topology_name=topology, platform="tpu", **chips)
     except Exception as error:  # libtpu's own message says which shapes it takes
-        raise UsageError(f"--target {topology!r}: XLA:TPU does not describe this slice ({str(error).splitlines()[0]})"
+        raise UsageError(f"--target {topology!r}: XLA:TPU does not describe this slice "
+                         f"({str(error).splitlines()[0]})"
                          ) from None
 
 
@@ -283,7 +290,8 @@ class Roofline:
         return self.model_flops / (self.step_s * self.peak_flops) if self.step_s else 0.0
 
 
-def roofline(target: Target, flops: float, hbm_bytes: float, wire_bytes: float, model_flops: float) -> Roofline:
+def roofline(target: Target, flops: float, hbm_bytes: float, wire_bytes: float,
+             model_flops: float) -> Roofline:
     peaks = target.per_device()
     return Roofline(compute_s=flops / peaks["peak_flops"], memory_s=hbm_bytes / peaks["hbm_bandwidth"],
                     network_s=wire_bytes / peaks["ici_bandwidth"], model_flops=model_flops,

@@ -18,12 +18,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from shardax.analysis.memory import (
+    _axes_size,
+    _bytes_per_group,
+    _model_split_dims,
+    _replicas,
+    _split_into_stages,
+    batch_rows_per_device,
+    check_compiler,
+)
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
-
-
-from shardax.analysis.memory import (_axes_size, _bytes_per_group, _model_split_dims, _replicas,
-                                     _split_into_stages, batch_rows_per_device, check_compiler)
 
 
 def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
@@ -36,7 +41,8 @@ def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, s
     slot = rows * model.seq_len * model.d_model * 4
     stages = schedule.stages
     shift = 2 * (schedule.iterations + 1) * slot
-    hand_out = 2 * (stages - 1) / stages * schedule.microbatches * slot if schedule.microbatches % stages == 0 else 0
+    hand_out = (2 * (stages - 1) / stages * schedule.microbatches * slot
+                if schedule.microbatches % stages == 0 else 0)
     hand_in = 2 * (stages - 1) / stages * schedule.microbatches * slot
     return shift + hand_out + hand_in
 
@@ -51,7 +57,8 @@ def circular_regroup_share(schedule: Any) -> float:
     return 1.0 - kept / (stages * repeats)
 
 
-def context_attention_bytes(layout: Layout, model: Any, batch_size: int, variant: str = "all-gather") -> float:
+def context_attention_bytes(layout: Layout, model: Any, batch_size: int,
+                            variant: str = "all-gather") -> float:
     """What attention over a sequence split C ways sends per device per step (0 without a
     ``context`` axis). With K the bytes of one device's share of a layer's keys (as many of its
     values), G the same in float32 and I of the share's token positions (as many of its document
@@ -142,7 +149,8 @@ def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, compiler: str)
             total += (gather - 1) / gather * gradient
         elif gather > 1:  # a leaf FSDP could not shard is all-reduced within the group
             total += 2 * (gather - 1) / gather * gradient
-        if staged and schedule.repeats > 1:  # a circular schedule regroups the stage's layers, and their gradients
+        if staged and schedule.repeats > 1:
+            # a circular schedule regroups the stage's layers, and their gradients
             total += 2 * circular_regroup_share(schedule) * within_group
         # under a pipeline, what is not split into stages (embeddings, the head) is used by rows
         # split over the stages too, so its gradients are summed over them as well

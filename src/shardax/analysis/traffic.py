@@ -11,7 +11,6 @@ import re
 
 from shardax.analysis.collectives import REDUCE_SCATTER_PATTERN, Collective
 
-
 # mesh['a'=2,'b'=4] {'b'}, possibly with ", device_ids=([2,4]T(1,0))" before the used axes
 _MESH_GROUPS = re.compile(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\S+)?\s*(\{(?P<used>[^}]*)\})?")
 _IOTA_GROUPS = re.compile(r"^\[(?P<groups>\d+),(?P<size>\d+)\]")

@@ -14,16 +14,25 @@ import threading
 from typing import NoReturn
 
 from shardax.cli import signals
-from shardax.cli.errors import (EXIT_BAD_INPUT, EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError,
-                                NonFiniteError, Preempted, UsageError, in_flags)
+from shardax.cli.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLUSTER,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    ClusterError,
+    NonFiniteError,
+    Preempted,
+    UsageError,
+    in_flags,
+)
 from shardax.cli.export import add_export_parser, export_command
 from shardax.cli.generate import add_generate_parser, generate_command
 from shardax.cli.launch import add_launch_parser, launch_command
 from shardax.cli.plan import add_plan_parser, plan_command
 from shardax.cli.prepare import add_prepare_parser, prepare_command
 from shardax.cli.train import add_train_parser, train
-from shardax.vocabulary import STRATEGY_NAMES
 from shardax.errors import Stopped
+from shardax.vocabulary import STRATEGY_NAMES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,7 +83,8 @@ def _run(args: argparse.Namespace, command: argparse.ArgumentParser) -> int:
     """The command ``args`` names; the errors a user can cause end it with their code and one line."""
     try:
         return {"train": train, "prepare": prepare_command, "plan": plan_command,
-                "launch": launch_command, "export": export_command, "generate": generate_command}[args.command](args)
+                "launch": launch_command, "export": export_command,
+                "generate": generate_command}[args.command](args)
     except UsageError as error:  # anything else is a bug and keeps its traceback (exit code 1)
         # the library names its parameters; here they are this command's flags
         print(f"shardax {args.command}: error: {in_flags(str(error), command)}", file=sys.stderr)

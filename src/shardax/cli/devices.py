@@ -26,7 +26,8 @@ def configure_jax(devices: int, *, start: bool = False) -> None:
             if jax.devices()[0].platform == "cpu" and jax.device_count() != devices:
                 raise UsageError(f"--devices {devices}: JAX already started here with {jax.device_count()} "
                                  "devices") from None
-        logging.getLogger("absl").setLevel(logging.CRITICAL)  # orbax logs what it also raises; the CLI reports it
+        # orbax logs what it also raises; the CLI reports it
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
         warnings.formatwarning = _one_line
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if start:

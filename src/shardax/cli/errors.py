@@ -22,14 +22,21 @@ import threading
 import warnings
 from typing import Any
 
-from shardax.errors import (EXIT_CLUSTER, EXIT_NONFINITE, EXIT_PREEMPTED, ClusterError, NonFiniteError, Preempted,
-                            UsageError)
+from shardax.errors import (
+    EXIT_CLUSTER,
+    EXIT_NONFINITE,
+    EXIT_PREEMPTED,
+    ClusterError,
+    NonFiniteError,
+    Preempted,
+    UsageError,
+)
 
 EXIT_BAD_INPUT = 2
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_CLUSTER", "EXIT_NONFINITE", "EXIT_PREEMPTED", "ClusterError", "NonFiniteError",
-           "Preempted", "UsageError", "end_cluster_wait", "in_flags", "quiet_failed_writers",
-           "silence_abandoned_writers"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_CLUSTER", "EXIT_NONFINITE", "EXIT_PREEMPTED", "ClusterError",
+           "NonFiniteError", "Preempted", "UsageError", "end_cluster_wait", "in_flags",
+           "quiet_failed_writers", "silence_abandoned_writers"]
 
 # a library parameter given a value, as its errors write it: `seq_len=30`, `mesh='data=2,context=4'`
 _PARAMETER = re.compile(r"`(?P<name>[a-z][a-z_]*)=(?P<value>[^`]+)`")

@@ -22,24 +22,25 @@ from typing import Any
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
 
 
 def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "export", help="write a shardax train checkpoint as a Hugging Face checkpoint",
-        description="Write a checkpoint of shardax train (a Llama-family model) as config.json and safetensors, "
-                    "as Hugging Face transformers reads them.")
+        description="Write a checkpoint of shardax train (a Llama-family model) as config.json and "
+                    "safetensors, as Hugging Face transformers reads them.")
     add = parser.add_argument
     add("checkpoint_dir", help="the run's directory (its checkpoints/), or its --checkpoint-dir")
     add("--hf", required=True, metavar="OUT", help="directory to write (new, or empty)")
     add("--step", type=int, help="which checkpoint (default: the latest good one)")
     add("--merge", action="store_true",
-        help="a LoRA run (--lora-rank): write the weights with its adapters merged in; without it, the adapters "
-             "alone in PEFT's layout (adapter_config.json, adapter_model.safetensors)")
+        help="a LoRA run (--lora-rank): write the weights with its adapters merged in; without it, the "
+             "adapters alone in PEFT's layout (adapter_config.json, adapter_model.safetensors)")
     add("--ema", action="store_true",
-        help="write the moving average of the weights that a run trained with --ema DECAY kept, not the weights")
+        help="write the moving average of the weights that a run trained with --ema DECAY kept, not the "
+             "weights")
     add("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the tensors' dtype")
     add("--max-shard-size", type=int, default=2 << 30, metavar="BYTES", help="bytes per safetensors file")
     add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
@@ -76,16 +77,16 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None,
         record = checkpointer.record(step)
         run, model = record.get("run"), record.get("model")
         if not isinstance(run, dict) or not isinstance(model, dict):
-            raise UsageError(f"{checkpoint_dir} step {step} was not written by shardax train (no run record); "
-                             "use the Trainer's model in Python")
+            raise UsageError(f"{checkpoint_dir} step {step} was not written by shardax train (no run "
+                             "record); use the Trainer's model in Python")
         fields = {f.name for f in dataclasses.fields(TransformerConfig)}
         model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}
         config = TransformerConfig(**model)
         if check is not None:
             check(config, step)
         if ema and run.get("ema") is None:
-            raise UsageError(f"--ema: step {step} of {checkpoint_dir} keeps no moving average of the weights (it was "
-                             "trained without shardax train --ema DECAY); drop --ema")
+            raise UsageError(f"--ema: step {step} of {checkpoint_dir} keeps no moving average of the weights "
+                             "(it was trained without shardax train --ema DECAY); drop --ema")
         tx, _ = optimizer(run["lr"], run["steps"], run.get("ema"))
         parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
@@ -103,12 +104,13 @@ def export_command(args: argparse.Namespace) -> int:
     def check(config: Any, step: int) -> None:
         hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
         if args.merge and not config.lora_rank:
-            raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} trained every "
-                             "weight (no --lora-rank); drop --merge")
+            raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} "
+                             "trained every weight (no --lora-rank); drop --merge")
 
     step, run, config, _, state = restore_run(args.checkpoint_dir, args.step, check, ema=args.ema)
     source = Path(run["init_from"]) if run.get("init_from") else None
-    base = json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file() else None
+    base = (json.loads((source / "config.json").read_text()) if source and (source / "config.json").is_file()
+            else None)
     tokenizer = tokenizer_of(args.checkpoint_dir, run)
     if base is None and tokenizer is not None:  # a run of a preset: its documents end with <|endoftext|>
         base = _token_ids(tokenizer)
@@ -116,8 +118,8 @@ def export_command(args: argparse.Namespace) -> int:
         hf.save_adapters(out, state.params, config, base_model=run.get("init_from"), dtype=args.dtype)
         what = f"as LoRA adapters in PEFT's layout (rank {config.lora_rank})"
     else:
-        hf.save(out, state.params, config, hf_config=base, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                merge=args.merge)
+        hf.save(out, state.params, config, hf_config=base, dtype=args.dtype,
+                max_shard_bytes=args.max_shard_size, merge=args.merge)
         what = "as a Hugging Face checkpoint" + (" (LoRA adapters merged)" if args.merge else "")
     copied = []
     for name in TOKENIZER_FILES:
@@ -155,7 +157,8 @@ def _token_ids(tokenizer: Path) -> dict[str, Any]:
     from shardax.data.tokenizer import END_OF_DOCUMENT, load_tokenizer
 
     end = load_tokenizer(tokenizer)
-    return {"bos_token_id": end.eod_id, "eos_token_id": end.eod_id} if end.end_of_document == END_OF_DOCUMENT else {}
+    return ({"bos_token_id": end.eod_id, "eos_token_id": end.eod_id} if end.end_of_document == END_OF_DOCUMENT
+            else {})
 
 
 def _tokenizer_config(config: Any) -> dict[str, Any]:

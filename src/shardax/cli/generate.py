@@ -32,28 +32,33 @@ from shardax.cli.errors import UsageError
 def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "generate", help="generate text from a checkpoint or a Hugging Face model",
-        description="Continue prompts with a model trained by shardax train or a Hugging Face checkpoint of the "
-                    "Llama or Gemma family, decoding from a key/value cache.")
+        description="Continue prompts with a model trained by shardax train or a Hugging Face checkpoint of "
+                    "the Llama or Gemma family, decoding from a key/value cache.")
     add = parser.add_argument
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="a shardax train run directory, or its --checkpoint-dir")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (config.json, safetensors, "
-                                                    "tokenizer.json)")
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="a shardax train run directory, or its --checkpoint-dir")
+    source.add_argument("--hf", metavar="DIR",
+                        help="a Hugging Face model directory (config.json, safetensors, "
+                             "tokenizer.json)")
     add("--step", type=int, help="with --checkpoint: which step (default: the latest good one)")
-    add("--ema", action="store_true", help="with --checkpoint: generate with the moving average of the weights that "
-                                           "a run trained with --ema DECAY kept")
+    add("--ema", action="store_true",
+        help="with --checkpoint: generate with the moving average of the weights that "
+             "a run trained with --ema DECAY kept")
     add("--prompt", action="append", help="text to continue (give it more than once for a batch)")
     add("--prompt-file", metavar="FILE", help="prompts, one per line")
     add("--max-new-tokens", type=int, default=64, help="tokens to add to each prompt (default 64)")
     add("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; 0: greedy)")
     add("--top-k", type=int, default=40, help="draw from the k most likely tokens (default 40; 0: all)")
-    add("--top-p", type=float, default=1.0, help="draw from the smallest set of tokens holding this much of the "
-                                                 "probability (default 1: all)")
+    add("--top-p", type=float, default=1.0,
+        help="draw from the smallest set of tokens holding this much of the "
+             "probability (default 1: all)")
     add("--seed", type=int, default=0, help="seed of the draws (default 0)")
     add("--chat", action="store_true", help="each prompt is a user's message: rendered with the model's chat "
                                             "template, the reply ending at the template's end of turn")
     add("--system", help="with --chat: a system message before each prompt")
-    add("--chat-template", help="with --chat: a checkpoint's folder or a .jinja file (default: the model's own)")
+    add("--chat-template",
+        help="with --chat: a checkpoint's folder or a .jinja file (default: the model's own)")
     add("--devices", type=int, default=8, help="simulated CPU devices when running on CPU (default 8)")
     return parser
 
@@ -66,7 +71,8 @@ def _prompts(args: argparse.Namespace) -> list[str]:
         except OSError as error:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({error.strerror})") from None
     if not prompts:
-        raise UsageError("give the text to continue: --prompt TEXT (or --prompt-file FILE, one prompt per line)")
+        raise UsageError("give the text to continue: --prompt TEXT (or --prompt-file FILE, one prompt per "
+                         "line)")
     return prompts
 
 
@@ -115,7 +121,8 @@ def _chat(args: argparse.Namespace, prompts: list[str], tokenizer: Any,
 
     template = chat_template(args.chat_template, tokenizer_file)
     if template is BUILT_IN:
-        print(f"--chat: no chat template beside {tokenizer_file or 'the model'}; rendering with {template.where}",
+        print(f"--chat: no chat template beside {tokenizer_file or 'the model'}; rendering with "
+              f"{template.where}",
               file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
     texts = [template.render([*system, {"role": "user", "content": text}], add_generation_prompt=True)
@@ -160,8 +167,8 @@ class _Stream:
 def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.ema and args.hf:
-        raise UsageError("--ema reads the moving average a shardax train run kept; give --checkpoint DIR with it, "
-                         "not --hf")
+        raise UsageError("--ema reads the moving average a shardax train run kept; give --checkpoint DIR "
+                         "with it, not --hf")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} must be at least 1")
     if (args.system or args.chat_template) and not args.chat:
@@ -175,14 +182,17 @@ def generate_command(args: argparse.Namespace) -> int:
     if args.chat:
         ids, stop, end = _chat(args, prompts, tokenizer, tokenizer_file)
     else:
-        ids, stop, end = [[int(t) for t in tokenizer.encode_batch([text])[0]] for text in prompts], tokenizer.eod_id, ""
-    check_request(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p)  # before any output
+        ids, stop, end = ([[int(t) for t in tokenizer.encode_batch([text])[0]] for text in prompts],
+                          tokenizer.eod_id, "")
+    # before any output
+    check_request(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     writing = jax.process_index() == 0
     stream = _Stream(tokenizer, end, writing) if len(prompts) == 1 else None
     if stream is not None and writing:
         sys.stdout.write("" if args.chat else prompts[0])  # a chat prints the reply alone
-    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=stop, vocab=tokenizer.vocab_size, on_token=stream)
+    out = generate(model, ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=stop, vocab=tokenizer.vocab_size,
+                   on_token=stream)
     if stream is not None:
         stream.close()
     elif writing:

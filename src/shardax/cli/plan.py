@@ -20,10 +20,12 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
                     "and collectives with shardax's predictions.")
     add = parser.add_argument
     add("--preset", help="model size (default tiny)")
-    add("--init-from", metavar="DIR", help="plan a Hugging Face checkpoint's model, as shardax train --init-from builds "
-                                           "it: only DIR/config.json is read, no weights")
-    add("--lora-rank", type=int, metavar="R", help="plan fine-tuning with LoRA adapters of rank R (the other weights "
-                                                   "frozen), as shardax train --lora-rank")
+    add("--init-from", metavar="DIR",
+        help="plan a Hugging Face checkpoint's model, as shardax train --init-from builds "
+             "it: only DIR/config.json is read, no weights")
+    add("--lora-rank", type=int, metavar="R",
+        help="plan fine-tuning with LoRA adapters of rank R (the other weights "
+             "frozen), as shardax train --lora-rank")
     add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R)")
     add("--lora-targets", metavar="LIST", help="projections that get adapters (default: the model's own)")
     add("--mesh", help="target mesh, e.g. data=64 or data=8,model=8 (default: each strategy's own)")
@@ -33,20 +35,23 @@ def add_plan_parser(subparsers: Any, strategies: tuple[str, ...]) -> argparse.Ar
     add("--batch-size", type=int, help="global batch (default: the preset's)")
     add("--seq-len", type=int, help="sequence length (default: the preset's)")
     add("--grad-accum", type=int, default=1, help="microbatches per step")
-    add("--microbatches", type=int, help="pipeline strategies: microbatches through the stages (default: one per stage)")
-    add("--pipeline-repeats", type=int, default=1, help="pipeline strategies: times round the stages (circular)")
+    add("--microbatches", type=int,
+        help="pipeline strategies: microbatches through the stages (default: one per stage)")
+    add("--pipeline-repeats", type=int, default=1,
+        help="pipeline strategies: times round the stages (circular)")
     add("--context-attention", choices=CONTEXT_ATTENTIONS, default="all-gather",
         help="meshes with a context axis: attention by all-gather (default) or ring")
     add("--remat", choices=REMAT_POLICIES)
     add("--precision", choices=PRECISIONS, default="float32")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-        help="plan the blocks scanned or, with --no-scan-layers, in a Python loop (default: as shardax train lays "
-             "them on the target: a loop for GPUs under dp, zero1 and tp, else a scan)")
+        help="plan the blocks scanned or, with --no-scan-layers, in a Python loop (default: as shardax train "
+             "lays them on the target: a loop for GPUs under dp, zero1 and tp, else a scan)")
     add("--target", help="compile for a TPU slice with XLA:TPU, e.g. tpu-v5p-8, tpu-v5e-16, tpu-v6e-64 "
                          "(needs pip install \"shardax[tpu-plan]\"), or for H100s with XLA:GPU, e.g. h100-8 "
                          "(needs shardax[gpu-plan]): HBM fit, FLOPs, roofline step time and MFU")
-    add("--fit", action="store_true", help="with --target: the largest batch that fits for each remat policy, "
-                                           "and the gradient accumulation that reaches --batch-size")
+    add("--fit", action="store_true",
+        help="with --target: the largest batch that fits for each remat policy, "
+             "and the gradient accumulation that reaches --batch-size")
     add("--json", action="store_true", help="print a JSON list, one object per strategy")
     return parser
 
@@ -68,10 +73,12 @@ def mesh_devices(mesh: str | None, devices: int | None) -> int:
 def _row(plan: Any) -> list[str]:
     from shardax.sharding.report import format_bytes
 
-    ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
+    ratio = (plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes
+             else 0)
     fits = "-" if plan.fits is None else ("yes" if plan.fits else "no")
-    return [plan.strategy, plan.mesh, format_bytes(plan.predicted["params"]), format_bytes(plan.predicted["optimizer"]),
-            format_bytes(plan.predicted["gradients"]), format_bytes(plan.predicted["activations"]),
+    return [plan.strategy, plan.mesh, format_bytes(plan.predicted["params"]),
+            format_bytes(plan.predicted["optimizer"]), format_bytes(plan.predicted["gradients"]),
+            format_bytes(plan.predicted["activations"]),
             f"{format_bytes(plan.predicted['state'])} / {format_bytes(plan.compiled['arguments'])}",
             format_bytes(plan.compiled["temporaries"]),
             f"{format_bytes(plan.predicted['total'])} / {format_bytes(plan.compiled['peak'])}",
@@ -99,7 +106,8 @@ def print_plans(plans: list[Any], skipped: list[str], recommendation: str, model
                   "theoretical minimum.")
     for plan in plans:
         if plan.bubble is not None:
-            console.print(f"pipeline [{plan.strategy}]: bubble {100 * plan.bubble:.1f}% of stage iterations idle",
+            console.print(f"pipeline [{plan.strategy}]: bubble {100 * plan.bubble:.1f}% of stage iterations "
+                          "idle",
                           markup=False)
     print_findings(console, plans, skipped)
     console.print(recommendation)
@@ -109,7 +117,8 @@ def _target_row(plan: Any) -> list[str]:
     from shardax.sharding.report import format_bytes
 
     cost, bound = plan.cost, plan.roofline
-    ratio = plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes else 0
+    ratio = (plan.collective_bytes / plan.theoretical_collective_bytes if plan.theoretical_collective_bytes
+             else 0)
     flops = (f"{cost['flops'] / 1e9:.2f} G ({cost['flops'] / cost['model_flops']:.2f}x)" if cost["flops"]
              else f"{cost['model_flops'] / 1e9:.2f} G (model)")
     needs = format_bytes(plan.compiled_bytes_per_device)
@@ -142,20 +151,22 @@ def print_target_plans(plans: list[Any], skipped: list[str], target: Any, descri
     compiler = "XLA:GPU" if target.chip.platform == "cuda" else "XLA:TPU"
     table = Table(title=f"shardax plan: {description} on {target.describe()} ({compiler})")
     heap = any("hbm_peak" in plan.compiled for plan in plans)
-    for header in ("strategy", "mesh", "HBM per chip (estimate)" if heap else "peak per chip", f"fits {format_bytes(target.per_device()['hbm_bytes'])}",
-                   "sent per step (vs theory)", "FLOPs (vs 6N·tokens + attention)", "roofline step", "bound", "MFU"):
+    for header in ("strategy", "mesh", "HBM per chip (estimate)" if heap else "peak per chip",
+                   f"fits {format_bytes(target.per_device()['hbm_bytes'])}", "sent per step (vs theory)",
+                   "FLOPs (vs 6N·tokens + attention)", "roofline step", "bound", "MFU"):
         table.add_column(header)
     for plan in plans:
         table.add_row(*_target_row(plan))
     console.print(table)
     heap_note = ("HBM per chip is what XLA:TPU's buffer assignment reserves (its heap, the arguments and the "
-                 "outputs), which XLA:TPU checks against the chip; in brackets, XLA's memory analysis, an estimate "
-                 "that runs higher. " if heap else "")
-    console.print(f"Per device, as {compiler} compiled the step for this target. {heap_note}The roofline step is the slowest of "
-                  "compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / bandwidth) and ICI or NVLink traffic "
-                  "(bytes sent / bandwidth) as if they overlapped perfectly: a lower bound on the step time, "
-                  "so the MFU is an upper bound. A pipeline's compute and HBM traffic are those of the same step "
-                  "without the pipeline, spread over its busy stage iterations (XLA counts a loop's body once).")
+                 "outputs), which XLA:TPU checks against the chip; in brackets, XLA's memory analysis, an "
+                 "estimate that runs higher. " if heap else "")
+    console.print(f"Per device, as {compiler} compiled the step for this target. {heap_note}The roofline "
+                  "step is the slowest of compute (FLOPs / peak), HBM traffic (XLA's bytes accessed / "
+                  "bandwidth) and ICI or NVLink traffic (bytes sent / bandwidth) as if they overlapped "
+                  "perfectly: a lower bound on the step time, so the MFU is an upper bound. A pipeline's "
+                  "compute and HBM traffic are those of the same step without the pipeline, spread over its "
+                  "busy stage iterations (XLA counts a loop's body once).")
     print_findings(console, plans, skipped)
 
 
@@ -182,15 +193,17 @@ def run_fit(args: argparse.Namespace, model: Any, target: Any, batch_size: int) 
             print(f"  remat {r.remat:<34} nothing fits ({r.probes} compiles)")
             continue
         bound = r.plan.roofline
-        print(f"  remat {r.remat:<34} largest batch {r.batch_size:>6}: {format_bytes(r.plan.compiled_bytes_per_device)} per "
-              f"chip, roofline {bound['step_s'] * 1e3:.2f} ms ({bound['bound']}-bound), MFU {100 * bound['mfu']:.1f}%, "
+        print(f"  remat {r.remat:<34} largest batch {r.batch_size:>6}: "
+              f"{format_bytes(r.plan.compiled_bytes_per_device)} per chip, roofline "
+              f"{bound['step_s'] * 1e3:.2f} ms ({bound['bound']}-bound), MFU {100 * bound['mfu']:.1f}%, "
               f"{r.tokens_per_s:,.0f} tokens/s ({r.probes} compiles)")
     chosen = best(results)
     line = f"Best: --remat {chosen.remat} --batch-size {chosen.batch_size}"
     if batch_size > chosen.batch_size:
         granule = batch_granule(strategy, args.mesh, target, args.microbatches)
         steps, micro = accumulation_for(batch_size, chosen, granule)
-        line += f"; for a global batch of {batch_size}: --batch-size {batch_size} --grad-accum {steps} (microbatches of {micro})"
+        line += (f"; for a global batch of {batch_size}: --batch-size {batch_size} --grad-accum {steps} "
+                 f"(microbatches of {micro})")
     print(line)
     return 0
 
@@ -203,7 +216,8 @@ def run_plan(args: argparse.Namespace) -> int:
     model = _model(args)
     preset = get_preset(args.preset or "tiny")
     # no --scan-layers: each strategy's blocks as shardax train lays them on the target's platform
-    layout_for = "gpu" if args.scan_layers is None and target is not None and target.chip.platform == "cuda" else None
+    layout_for = ("gpu" if args.scan_layers is None and target is not None and target.chip.platform == "cuda"
+                  else None)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     batch_size = args.batch_size or preset.batch_size
     if args.fit:
@@ -211,9 +225,9 @@ def run_plan(args: argparse.Namespace) -> int:
             model = dataclasses.replace(model, scan_layers=not blocks_in_a_loop(layout_for, args.strategy[0]))
         return run_fit(args, model, target, batch_size)
     plans, skipped = plan_all(model, args.strategy, args.mesh, batch_size=batch_size,
-                              grad_accum=args.grad_accum, device_memory=memory, microbatches=args.microbatches,
-                              pipeline_repeats=args.pipeline_repeats, context_attention=args.context_attention,
-                              target=target, layout_for=layout_for)
+                              grad_accum=args.grad_accum, device_memory=memory,
+                              microbatches=args.microbatches, pipeline_repeats=args.pipeline_repeats,
+                              context_attention=args.context_attention, target=target, layout_for=layout_for)
     if args.json:
         json.dump([plan.to_json() for plan in plans], sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -248,8 +262,8 @@ def _described(args: argparse.Namespace, model: Any) -> str:
     from shardax.models.presets import parameter_count
 
     name = f"{args.init_from} (config.json)" if args.init_from else args.preset or "tiny"
-    described = f"{name} ({parameter_count(model) / 1e9:.2f}B parameters" if parameter_count(model) >= 1e9 else (
-        f"{name} ({parameter_count(model) / 1e6:.1f}M parameters")
+    described = (f"{name} ({parameter_count(model) / 1e9:.2f}B parameters" if parameter_count(model) >= 1e9
+                 else f"{name} ({parameter_count(model) / 1e6:.1f}M parameters")
     if model.lora_rank:
         described += f", LoRA rank {model.lora_rank} on {','.join(model.lora_targets)}"
     return described + ")"

@@ -20,7 +20,8 @@ def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("inputs", nargs="+", help="text, .jsonl or .parquet files, or folders of them")
     add("--out", required=True, help="directory for the shards (created; train with --data DIR)")
-    add("--tokenizer", default="bytes", help="bytes (default), bpe (trained on the corpus) or a tokenizer.json file")
+    add("--tokenizer", default="bytes",
+        help="bytes (default), bpe (trained on the corpus) or a tokenizer.json file")
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary size (default 4096)")
     add("--field", default="text", help="the text field of .jsonl and .parquet inputs (default text)")
     add("--format", default="auto", choices=("auto", *DATA_FORMATS),
@@ -40,9 +41,9 @@ def prepare_command(args: argparse.Namespace) -> int:
         from shardax.errors import UsageError
 
         raise UsageError(f"--workers {args.workers} must be at least 1")
-    done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size, field=args.field,
-                   validation_fraction=args.validation_fraction, workers=args.workers, overwrite=args.overwrite,
-                   data_format=args.format, template=args.chat_template)
+    done = prepare(args.inputs, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                   field=args.field, validation_fraction=args.validation_fraction, workers=args.workers,
+                   overwrite=args.overwrite, data_format=args.format, template=args.chat_template)
     splits = done.index["splits"]
     if not done.built:
         print(f"{done.root}: {done.reason}; nothing to do")
@@ -51,8 +52,8 @@ def prepare_command(args: argparse.Namespace) -> int:
     for split in ("train", "validation"):
         counts = splits[split]
         learned = f" ({counts['trained']:,} to learn)" if "trained" in counts else ""
-        print(f"{split}: {counts['documents']:,} {kind}, {counts['tokens']:,} tokens{learned}, {counts['bytes']:,} "
-              f"bytes in {len(counts['shards'])} shards")
+        print(f"{split}: {counts['documents']:,} {kind}, {counts['tokens']:,} tokens{learned}, "
+              f"{counts['bytes']:,} bytes in {len(counts['shards'])} shards")
     if kind == "conversations":
         print(f"rendered with {done.index['chat_template']}")
     skipped = done.index.get("skipped") or []

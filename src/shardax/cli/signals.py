@@ -74,7 +74,8 @@ def end(stop: BaseException) -> NoReturn:
     if isinstance(stop, Stopped):
         line = str(stop)
     else:  # KeyboardInterrupt: the Trainer's answer to a second SIGINT
-        line = "stopped by SIGINT at once (asked twice): the step in progress is lost; checkpoints written before stay"
+        line = ("stopped by SIGINT at once (asked twice): the step in progress is lost; checkpoints written "
+                "before stay")
     name = stop.signal_name if isinstance(stop, Stopped) else "SIGINT"
     print(f"{_command[0]}: {line}", file=sys.stderr)
     sys.stdout.flush()

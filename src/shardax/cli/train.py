@@ -16,64 +16,81 @@ from typing import Any
 from shardax.cli import signals
 from shardax.cli.devices import configure_jax
 from shardax.cli.errors import UsageError
-from shardax.vocabulary import (ATTENTION_KERNELS, CONTEXT_ATTENTIONS, DATA_FORMATS, NONFINITE_MODES, PRECISIONS,
-                                REMAT_POLICIES, STRATEGY_NAMES)
 from shardax.errors import Stopped
-
+from shardax.vocabulary import (
+    ATTENTION_KERNELS,
+    CONTEXT_ATTENTIONS,
+    DATA_FORMATS,
+    NONFINITE_MODES,
+    PRECISIONS,
+    REMAT_POLICIES,
+    STRATEGY_NAMES,
+)
 
 
 def _add_model_flags(group: Any) -> None:
     add = group.add_argument
-    add("--preset", help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped, so every run "
-                         "exports with shardax export --hf)")
+    add("--preset",
+        help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped, so every run "
+             "exports with shardax export --hf)")
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
              "mixtral, qwen2_moe, qwen3_moe; a run's own export too): its model, weights (read straight into "
              "shards) and tokenizer.json")
     add("--lora-rank", type=int, metavar="R",
-        help="fine-tune with LoRA adapters of rank R on the projections of --lora-targets, the other weights frozen "
-             "(no optimizer state); 0: full fine-tuning (default)")
-    add("--lora-alpha", type=float, metavar="A", help="the adapters' scale is A / R (default: R, a scale of 1)")
+        help="fine-tune with LoRA adapters of rank R on the projections of --lora-targets, the other weights "
+             "frozen (no optimizer state); 0: full fine-tuning (default)")
+    add("--lora-alpha", type=float, metavar="A",
+        help="the adapters' scale is A / R (default: R, a scale of 1)")
     add("--lora-targets", metavar="LIST",
-        help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the model has)")
+        help="projections to adapt, by Hugging Face name: any of q,k,v,o,gate,up,down (default: all the "
+             "model has)")
     add("--ema", type=float, metavar="DECAY",
-        help="keep an exponential moving average of the weights with this decay (e.g. 0.999), laid out like the "
-             "optimizer state and checkpointed; shardax export --ema and generate --ema use it")
+        help="keep an exponential moving average of the weights with this decay (e.g. 0.999), laid out like "
+             "the optimizer state and checkpointed; shardax export --ema and generate --ema use it")
     add("--precision", choices=PRECISIONS, help="compute dtype; parameters stay float32")
     add("--remat", choices=REMAT_POLICIES,
         help="what the backward pass recomputes instead of storing")
     add("--attention", choices=ATTENTION_KERNELS,
-        help="attention kernel: auto (default: cuDNN's fused kernel on a GPU with bfloat16 and head dimension a "
-             "multiple of 8 up to 256, else XLA; the run says which and why), xla, or cudnn")
+        help="attention kernel: auto (default: cuDNN's fused kernel on a GPU with bfloat16 and head "
+             "dimension a multiple of 8 up to 256, else XLA; the run says which and why), xla, or cudnn")
     add("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
-        help="apply the blocks with a scan (compile time flat in depth) or, with --no-scan-layers, in a Python "
-             "loop (steps 1.14-1.27x faster on an H100). Default: a loop on GPUs under dp, zero1 and tp, a scan "
-             "elsewhere (on XLA:CPU a loop keeps every layer's activations live: --remat then saves no memory)")
+        help="apply the blocks with a scan (compile time flat in depth) or, with --no-scan-layers, in a "
+             "Python loop (steps 1.14-1.27x faster on an H100). Default: a loop on GPUs under dp, zero1 and "
+             "tp, a scan elsewhere (on XLA:CPU a loop keeps every layer's activations live: --remat then "
+             "saves no memory)")
 
 
 def _add_data_flags(group: Any) -> None:
     add = group.add_argument
-    add("--data", nargs="+", help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
-                                   "prepare (default: the Python standard library's source)")
-    add("--tokenizer", help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
-                            "prepare) and pack documents; default: bytes held in memory for --data, a BPE of 1024 "
-                            "tokens for the built-in corpus")
-    add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
-                                       "built-in corpus)")
+    add("--data", nargs="+",
+        help="text, .jsonl or .parquet files or folders, or a directory written by shardax "
+              "prepare (default: the Python standard library's source)")
+    add("--tokenizer",
+        help="bytes, bpe, or a tokenizer.json: tokenize --data into shards first (cached; see shardax "
+             "prepare) and pack documents; default: bytes held in memory for --data, a BPE of 1024 "
+             "tokens for the built-in corpus")
+    add("--vocab-size", type=int,
+        help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
+             "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
-    add("--format", dest="data_format", choices=DATA_FORMATS, help="documents, conversations or preference pairs "
-                                                                   "(default: read off each file's first record)")
+    add("--format", dest="data_format", choices=DATA_FORMATS,
+        help="documents, conversations or preference pairs "
+             "(default: read off each file's first record)")
     add("--no-packing", dest="packing", action="store_const", const=False,
         help="conversations: one a row (default: whole conversations packed into rows, kept apart)")
     add("--dpo-beta", type=float, help="preference pairs (prompt, chosen, rejected): DPO's beta, how far the "
                                        "model may move from the reference (default 0.1)")
-    add("--dpo-label-smoothing", type=float, help="preference pairs: the share of pairs taken to be mislabelled "
-                                                  "(conservative DPO; default 0)")
-    add("--chat-template", help="conversations (.jsonl/.parquet of messages or prompt/completion): the template "
-                                "to render them with, a checkpoint's folder or a .jinja file (default: the "
-                                "tokenizer's own, else shardax's built-in one)")
-    add("--seq-len", type=int, help="tokens per training sequence (bytes with the byte tokenizer; default: the "
-                                    "preset's, 64 for tiny)")
+    add("--dpo-label-smoothing", type=float,
+        help="preference pairs: the share of pairs taken to be mislabelled "
+             "(conservative DPO; default 0)")
+    add("--chat-template",
+        help="conversations (.jsonl/.parquet of messages or prompt/completion): the template "
+             "to render them with, a checkpoint's folder or a .jinja file (default: the "
+             "tokenizer's own, else shardax's built-in one)")
+    add("--seq-len", type=int,
+        help="tokens per training sequence (bytes with the byte tokenizer; default: the "
+             "preset's, 64 for tiny)")
 
 
 def _add_parallelism_flags(group: Any) -> None:
@@ -82,10 +99,12 @@ def _add_parallelism_flags(group: Any) -> None:
     add("--mesh", help="device mesh over every device, e.g. data=4,model=2 (default: all devices on data)")
     add("--devices", type=int, help="simulated CPU devices when running on CPU (default 8)")
     add("--grad-accum", type=int, help="microbatches per step (default 1)")
-    add("--microbatches", type=int, help="pipeline strategies (pp, pp_fsdp, pp_tp): microbatches flowing through the "
-                                         "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
-    add("--pipeline-repeats", type=int, help="pipeline strategies: times round the stages, each stage holding that many "
-                                             "chunks of layers (a circular schedule; default 1)")
+    add("--microbatches", type=int,
+        help="pipeline strategies (pp, pp_fsdp, pp_tp): microbatches flowing through the "
+             "stages (default: one per stage); the bubble is (S-1)/(R*M+S-1)")
+    add("--pipeline-repeats", type=int,
+        help="pipeline strategies: times round the stages, each stage holding that many "
+             "chunks of layers (a circular schedule; default 1)")
     add("--context-attention", choices=CONTEXT_ATTENTIONS,
         help="a mesh with a context axis (the sequence split over it, e.g. data=2,context=4): gather every "
              "share's keys and values (all-gather, default) or pass them round the devices (ring)")
@@ -94,13 +113,14 @@ def _add_parallelism_flags(group: Any) -> None:
 def _add_run_flags(group: Any) -> None:
     add = group.add_argument
     add("--config", help="YAML file of settings (flag names with _ or -); flags given here win")
-    add("--steps", type=int, help="optimizer steps: the schedule's length and the last step (default: the preset's)")
+    add("--steps", type=int,
+        help="optimizer steps: the schedule's length and the last step (default: the preset's)")
     add("--batch-size", type=int, help="global batch size in sequences")
     add("--lr", type=float, help="peak learning rate")
     add("--seed", type=int, help="seed for initialisation and data order (default 0)")
     add("--on-nonfinite", choices=NONFINITE_MODES,
-        help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or skip "
-             "that update and count it (metric skipped_steps)")
+        help="a NaN/Inf loss or gradient norm: stop the run, keeping the last good checkpoint (default), or "
+             "skip that update and count it (metric skipped_steps)")
     add("--sample-tokens", "--sample-bytes", dest="sample_bytes", type=int, metavar="N",
         help="tokens of text sampled at the end (bytes with the byte tokenizer; default 160; 0: none)")
     add("--sample-temperature", type=float, help="sampling temperature (default 0.7; 0: greedy)")
@@ -110,15 +130,16 @@ def _add_run_flags(group: Any) -> None:
 def _add_checkpoint_flags(group: Any) -> None:
     add = group.add_argument
     add("--run-dir", metavar="DIR",
-        help="the run's directory: its config.yaml, tokenizer.json, metrics.jsonl, metrics.png and checkpoints/ "
-             "(default: a new one under runs/, named by the time and strategy); with --resume, the run to continue")
+        help="the run's directory: its config.yaml, tokenizer.json, metrics.jsonl, metrics.png and "
+             "checkpoints/ (default: a new one under runs/, named by the time and strategy); with --resume, "
+             "the run to continue")
     add("--checkpoint-dir", help="directory for checkpoints (default: the run directory's checkpoints/)")
     add("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
     add("--keep-checkpoints", type=int, help="how many of the latest checkpoints to keep (default 3)")
     add("--resume", action="store_true", default=None,
-        help="continue the run of --run-dir from its latest good checkpoint: model, seed, batch size, data, schedule "
-             "and data position come from there, the other settings from its config.yaml; strategy, mesh, "
-             "processes, remat, precision and logging may change with flags")
+        help="continue the run of --run-dir from its latest good checkpoint: model, seed, batch size, data, "
+             "schedule and data position come from there, the other settings from its config.yaml; strategy, "
+             "mesh, processes, remat, precision and logging may change with flags")
     add("--extend-to", type=int, metavar="N",
         help="with --resume: train to step N instead of the saved run's end; past the schedule's end the "
              "learning rate stays at its final value")
@@ -126,11 +147,13 @@ def _add_checkpoint_flags(group: Any) -> None:
 
 def _add_logging_flags(group: Any) -> None:
     add = group.add_argument
-    add("--eval-every", type=int, help="steps between validation evaluations (default 100; 0: only at the end)")
+    add("--eval-every", type=int,
+        help="steps between validation evaluations (default 100; 0: only at the end)")
     add("--eval-batches", type=int, help="validation batches per evaluation (default 4)")
     add("--log-every", type=int, help="steps between metric records (default 10)")
-    add("--metrics", help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
-                          "metrics.jsonl)")
+    add("--metrics",
+        help="JSON-lines metrics file, a PNG of the loss curves beside it (default: the run directory's "
+             "metrics.jsonl)")
     add("--tracker", action="append", metavar="KIND:DIR",
         help="also log the run to tensorboard:DIR, mlflow:DIR (a local MLflow file store) or wandb:DIR (W&B, "
              "offline); repeat for several")
@@ -199,8 +222,8 @@ def _join_cluster(devices: int) -> None:
     except ValueError:
         timeout_s = -1.0
     if not timeout_s > 0:
-        raise UsageError(f"SHARDAX_JOIN_TIMEOUT_S={timeout!r}: give the seconds to wait for the cluster to form, "
-                         "a number above 0 (default 300)")
+        raise UsageError(f"SHARDAX_JOIN_TIMEOUT_S={timeout!r}: give the seconds to wait for the cluster to "
+                         "form, a number above 0 (default 300)")
     init_distributed(timeout_s=timeout_s, on_timeout=end_cluster_wait)
     import jax
 

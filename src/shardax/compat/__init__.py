@@ -8,9 +8,14 @@ gradients averaged rather than collapsed). They place state and batches with the
 cover every strategy. Every name here is importable from ``shardax`` too.
 """
 
-from shardax.compat.data_parallel import (DataParallel, create_data_parallel_sharding, model_state_shardings,
-                                          place_batch_on_shards, place_model_state_on_shards,
-                                          place_nnx_state_on_shards)
+from shardax.compat.data_parallel import (
+                                          DataParallel,
+                                          create_data_parallel_sharding,
+                                          model_state_shardings,
+                                          place_batch_on_shards,
+                                          place_model_state_on_shards,
+                                          place_nnx_state_on_shards,
+)
 from shardax.compat.gradients import reduce_gradient_tree, reduce_gradients_across_devices
 from shardax.compat.steps import data_parallel_train_step, spmd_train_step
 from shardax.sharding.rules import data_parallel_rules

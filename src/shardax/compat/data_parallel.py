@@ -13,11 +13,11 @@ from typing import Any, Literal
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
+from shardax.compat.gradients import reduce_gradients_across_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding import modes
 from shardax.sharding.place import place_batch, place_tree
-from shardax.compat.gradients import reduce_gradients_across_devices
 
 
 def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:

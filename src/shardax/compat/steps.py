@@ -19,11 +19,11 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.compat.gradients import check_reduce_type
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import place_batch
-from shardax.compat.gradients import check_reduce_type
 from shardax.step.state import TrainState
 from shardax.step.train import build_train_step
 
@@ -133,10 +133,11 @@ def _step(params: Any, opt_state: Any, batch: Any, rng: jax.Array, *, loss_fn: C
     replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
     step = build_train_step(None, tx, _device_loss(loss_fn, mesh, data_axis, reduce_type, has_aux, with_rng,
                                                    batch_specs),
-                            param_shardings=replicated, compute_shardings=replicated, gradient_shardings=replicated,
-                            batch_sharding=None, nonfinite="skip")
+                            param_shardings=replicated, compute_shardings=replicated,
+                            gradient_shardings=replicated, batch_sharding=None, nonfinite="skip")
     zero = jnp.zeros((), jnp.int32)
-    return step(TrainState(step=zero, params=params, opt_state=opt_state, rest=None, skipped=zero), (batch, rng))
+    return step(TrainState(step=zero, params=params, opt_state=opt_state, rest=None, skipped=zero),
+                (batch, rng))
 
 
 def data_parallel_train_step(
@@ -182,10 +183,11 @@ def data_parallel_train_step(
     batch = place_batch(batch, NamedSharding(mesh, PartitionSpec(data_axis)))
     batch_specs = _specs(batch)
     params, opt_state = jax.device_put(_state_fields(state), NamedSharding(mesh, PartitionSpec()))
-    rng = jax.device_put(rngs if rngs is not None else jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
-    new, metrics = _step(params, opt_state, batch, rng, loss_fn=loss_fn, tx=tx, mesh=mesh, data_axis=data_axis,
-                         reduce_type=reduce_type, has_aux=has_aux, with_rng=rngs is not None,
-                         batch_specs=batch_specs)
+    rng = jax.device_put(rngs if rngs is not None else jax.random.key(0),
+                         NamedSharding(mesh, PartitionSpec()))
+    new, metrics = _step(params, opt_state, batch, rng, loss_fn=loss_fn, tx=tx, mesh=mesh,
+                         data_axis=data_axis, reduce_type=reduce_type, has_aux=has_aux,
+                         with_rng=rngs is not None, batch_specs=batch_specs)
     return _with_fields(state, new.params, new.opt_state), _metrics(metrics, has_aux)
 
 
@@ -195,5 +197,6 @@ def _metrics(engine: dict[str, Any], has_aux: bool) -> dict[str, Any]:
     metrics = {name: value for name, value in engine.items() if not name.startswith("aux/")}
     metrics["loss"] = metrics.pop("mean_loss")
     if has_aux:
-        metrics["aux"] = {name[len("aux/"):]: value for name, value in engine.items() if name.startswith("aux/")}
+        metrics["aux"] = {name[len("aux/"):]: value for name, value in engine.items()
+                          if name.startswith("aux/")}
     return metrics

@@ -54,7 +54,8 @@ class WindowSampler:
         """The batch of ``step`` as a global array; this process reads only the rows its devices hold."""
         ids = self.window_ids(step)
         shape = (self.batch_size, self.seq_len + 1)
-        tokens = jax.make_array_from_callback(shape, sharding, lambda index: self.rows(ids[index[0]])[:, index[1]])
+        tokens = jax.make_array_from_callback(shape, sharding,
+                                              lambda index: self.rows(ids[index[0]])[:, index[1]])
         return {"tokens": tokens}
 
     def epoch(self, step: int) -> float:
@@ -66,6 +67,7 @@ def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, count:
     sampler = WindowSampler(tokens, seq_len, batch_size, seed=0)
     ids = np.arange(min(count * batch_size, sampler.windows - sampler.windows % batch_size or batch_size))
     ids = ids % sampler.windows
-    return [sampler.rows(ids[i : i + batch_size]) for i in range(0, len(ids) - batch_size + 1, batch_size)] or [
+    return [sampler.rows(ids[i : i + batch_size])
+            for i in range(0, len(ids) - batch_size + 1, batch_size)] or [
         sampler.rows(np.arange(batch_size) % sampler.windows)
     ]

@@ -57,7 +57,8 @@ def _environment() -> Any:
 
     def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[Generation, jinja2.ext.loopcontrols])
@@ -105,8 +106,8 @@ class ChatTemplate:
         if source is None and (directory / "chat_template.jinja").is_file():
             source = (directory / "chat_template.jinja").read_text()
         if not isinstance(source, str):
-            raise UsageError(f"{directory} has no chat template (no chat_template in tokenizer_config.json, no "
-                             "chat_template.jinja); give one, or train on plain text")
+            raise UsageError(f"{directory} has no chat template (no chat_template in tokenizer_config.json, "
+                             "no chat_template.jinja); give one, or train on plain text")
         tokens = {name: _token_text(config[name]) for name in SPECIAL_TOKENS if _token_text(config.get(name))}
         return cls(source, tokens, f"the chat template of {directory}")
 
@@ -122,8 +123,8 @@ class ChatTemplate:
             return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                    **{**self.special_tokens, **variables})
         except jinja2.exceptions.TemplateError as error:
-            raise UsageError(f"{self.where} failed to render this conversation ({error}); check its roles and "
-                             "order, or give another template") from None
+            raise UsageError(f"{self.where} failed to render this conversation ({error}); check its roles "
+                             "and order, or give another template") from None
 
     def assistant_spans(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the ``[start, end)`` character spans the assistant's turns
@@ -136,9 +137,10 @@ class ChatTemplate:
             opened = self.render(messages[:index], add_generation_prompt=True) if index else ""
             closed = self.render(messages[:index + 1])
             if not (closed.startswith(opened) and text.startswith(closed)):
-                raise UsageError(f"{self.where} renders the first {index + 1} turns as other than the start of the "
-                                 "whole conversation, so the assistant's turns cannot be told apart; use a template "
-                                 "whose turns only add to the text (as Llama, Qwen and Mistral's do)")
+                raise UsageError(f"{self.where} renders the first {index + 1} turns as other than the start "
+                                 "of the whole conversation, so the assistant's turns cannot be told apart; "
+                                 "use a template whose turns only add to the text (as Llama, Qwen and "
+                                 "Mistral's do)")
             if len(closed) > len(opened):
                 spans.append((len(opened), len(closed)))
         return text, spans
@@ -151,9 +153,11 @@ def check_messages(messages: Any, where: str = "the conversation") -> None:
                          "{'role': ..., 'content': ...} messages")
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise UsageError(f"{where}: message {index} is not {{'role': ..., 'content': ...}} ({str(message)[:60]})")
+            raise UsageError(f"{where}: message {index} is not {{'role': ..., 'content': ...}} "
+                             f"({str(message)[:60]})")
         if message["role"] not in ROLES:
-            raise UsageError(f"{where}: message {index} has role {message['role']!r}; use one of {', '.join(ROLES)}")
+            raise UsageError(f"{where}: message {index} has role {message['role']!r}; use one of "
+                             f"{', '.join(ROLES)}")
 
 
 BUILT_IN = ChatTemplate(
@@ -173,7 +177,8 @@ def chat_template(given: str | Path | None, tokenizer: str | Path | None = None)
             raise UsageError(f"--chat-template {given} is neither a checkpoint's folder nor a .jinja file")
         return ChatTemplate.from_tokenizer_config(path)
     folder = Path(tokenizer).parent if tokenizer is not None and Path(tokenizer).is_file() else None
-    if folder is not None and ((folder / "chat_template.jinja").is_file() or "chat_template" in _config(folder)):
+    if folder is not None and ((folder / "chat_template.jinja").is_file()
+                               or "chat_template" in _config(folder)):
         return ChatTemplate.from_tokenizer_config(folder)
     return BUILT_IN
 

@@ -164,7 +164,8 @@ def lay_rows(rows: Sequence[Sequence[tuple[np.ndarray, np.ndarray]]], length: in
     ``tokens``, ``mask``, ``segments`` (each row's examples numbered from 1, 0 for padding:
     attention stays within an example) and ``positions`` (from 0 in each example). Each example is
     cut to the row; its first token is never learned (no prediction crosses examples)."""
-    batch = {key: np.zeros((len(rows), length), np.int32) for key in ("tokens", "mask", "segments", "positions")}
+    batch = {key: np.zeros((len(rows), length), np.int32)
+             for key in ("tokens", "mask", "segments", "positions")}
     for r, row in enumerate(rows):
         at = 0
         for number, (ids, mask) in enumerate(row, 1):

@@ -20,8 +20,8 @@ from shardax.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".csv", ".html",
-                 ".xml", ".c", ".h", ".js", ".ts", ".sh", ".tex"}
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".yaml", ".yml", ".toml", ".cfg", ".ini", ".csv",
+                 ".html", ".xml", ".c", ".h", ".js", ".ts", ".sh", ".tex"}
 SEPARATOR = b"\n\n"
 
 
@@ -59,8 +59,9 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
             if not found:
                 raise UsageError(
-                    f"--data folder {str(given)!r} holds no text files (looked for {', '.join(sorted(TEXT_SUFFIXES))}); "
-                    "point --data at files or folders of text, or run shardax prepare on other formats"
+                    f"--data folder {str(given)!r} holds no text files (looked for "
+                    f"{', '.join(sorted(TEXT_SUFFIXES))}); point --data at files or folders of text, or run "
+                    "shardax prepare on other formats"
                 )
             files.extend(found)
         else:
@@ -103,10 +104,11 @@ def load_corpus(paths: Sequence[str | Path] | None = None, *, validation_fractio
             continue
         (validation if _is_validation(path, validation_fraction) else train).append(data)
     if skipped:
-        logger.info("skipped %d of %d files: %s", len(skipped), len(files), "; ".join(skipped[:5]))  # the header counts them
+        # the header counts them
+        logger.info("skipped %d of %d files: %s", len(skipped), len(files), "; ".join(skipped[:5]))
     if not train and not validation:
-        raise UsageError(f"no usable text in --data {source} ({len(skipped)} files skipped: {'; '.join(skipped[:3])}); "
-                         "give UTF-8 text files")
+        raise UsageError(f"no usable text in --data {source} ({len(skipped)} files skipped: "
+                         f"{'; '.join(skipped[:3])}); give UTF-8 text files")
     if not train or not validation:  # one file, or an unlucky split: hold out the tail instead
         text = SEPARATOR.join(train + validation)
         cut = int(len(text) * (1 - max(validation_fraction, 0.1)))

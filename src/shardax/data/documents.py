@@ -52,7 +52,8 @@ def input_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[str]]:
             path = built_in_file(str(given))
         if not path.exists():
             raise UsageError(f"--data {str(given)!r} does not exist; give text, .jsonl or .parquet files or "
-                             f"folders of them (or {' or '.join(BUILT_IN_SETS)}, the built-in conversations and pairs)")
+                             f"folders of them (or {' or '.join(BUILT_IN_SETS)}, the built-in conversations "
+                             "and pairs)")
         if path.is_file():
             if path.stat().st_size == 0:
                 raise UsageError(f"{path} is empty; remove it from the inputs")
@@ -130,8 +131,9 @@ def _decoded(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise UsageError(f"{where} is not UTF-8 text (byte {error.start}: {data[error.start:error.start + 1]!r}); "
-                         "convert it (e.g. iconv -t utf-8) or leave it out") from None
+        raise UsageError(f"{where} is not UTF-8 text (byte {error.start}: "
+                         f"{data[error.start:error.start + 1]!r}); convert it (e.g. iconv -t utf-8) or leave "
+                         "it out") from None
 
 
 def _first_record(path: Path) -> Any:
@@ -167,7 +169,8 @@ def detect_format(files: Sequence[Path], field: str) -> str:
     are refused in one line naming one file of each."""
     kinds: dict[str, Path] = {}
     for path in files:
-        kinds.setdefault(_record_kind(_first_record(path), field) if _kind(path) != "text" else "documents", path)
+        kinds.setdefault(_record_kind(_first_record(path), field) if _kind(path) != "text" else "documents",
+                         path)
     if len(kinds) > 1:
         (one, first), (other, second) = list(kinds.items())[:2]
         raise UsageError(f"--data mixes {one} ({first}) and {other} ({second}); prepare them into separate "

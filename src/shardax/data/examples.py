@@ -67,7 +67,8 @@ def on_devices(read: Callable[[list[int]], dict[str, np.ndarray]], ids: list[int
             done[span] = read(ids[span[0]: span[1]])
         return done[span][key][:, index[1]]
 
-    return {key: jax.make_array_from_callback((len(ids), length), sharding, lambda index, key=key: rows(key, index))
+    return {key: jax.make_array_from_callback((len(ids), length), sharding,
+                                              lambda index, key=key: rows(key, index))
             for key in keys}
 
 
@@ -140,11 +141,12 @@ class PairRows:
         """The pairs of ``step`` as global arrays; this process reads only its devices' rows."""
         first = step * self.batch_size
         ids = [int(self.order[i]) for i in range(first, first + self.batch_size)]
-        return on_devices(lambda some: pair_rows(self.examples, some, self.length), ids, self.length, PAIR_KEYS,
-                          sharding)
+        return on_devices(lambda some: pair_rows(self.examples, some, self.length), ids, self.length,
+                          PAIR_KEYS, sharding)
 
 
-def pair_validation(examples: Examples, seq_len: int, batch_size: int, count: int) -> list[dict[str, np.ndarray]]:
+def pair_validation(examples: Examples, seq_len: int, batch_size: int,
+                    count: int) -> list[dict[str, np.ndarray]]:
     """Up to ``count`` batches of the held-out pairs (the same every evaluation); a last batch
     that is not full is filled by the first pairs again, so every pair in it is a real one."""
     pairs = len(examples) // 2

@@ -40,11 +40,13 @@ def read_index(root: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"{root / INDEX} is unreadable ({error}); run shardax prepare again into it") from None
+        raise UsageError(f"{root / INDEX} is unreadable ({error}); run shardax prepare again into "
+                         "it") from None
 
 
 def shard_digest(path: Path) -> str:
-    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified when the shard is first read."""
+    """A shard's checksum (BLAKE2b, 16 bytes), recorded in the index and verified when the shard is first
+    read."""
     with path.open("rb") as file:
         return hashlib.file_digest(file, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
@@ -83,7 +85,8 @@ def make_index(settings: dict[str, Any], listing: list[list[Any]], skipped: list
             "tokenizer_name": chosen.name, "tokenizer": chosen.fingerprint, "vocab_size": chosen.vocab_size,
             "eod_id": chosen.eod_id, "dtype": dtype,
             **({"kind": kind, "chat_template": chat.where} if chat else {}),
-            "splits": {split: {**{key: sum(s.get(key, 0) for s in shards) for key in totals}, "shards": shards}
+            "splits": {split: {**{key: sum(s.get(key, 0) for s in shards) for key in totals},
+                               "shards": shards}
                        for split, shards in splits.items()}}
 
 

@@ -2,9 +2,11 @@
 
 Layout of a prepared directory::
 
-    index.json                 what was read, with which tokenizer; per split: shards, documents, tokens, bytes
+    index.json                 what was read, with which tokenizer; per split: shards, documents, tokens,
+                               bytes
     tokenizer.json             the tokenizer itself (bytes, or a Hugging Face tokenizer)
-    train-00000.tokens         the split's documents, each as [end-of-document, its tokens...], raw uint16/uint32
+    train-00000.tokens         the split's documents, each as [end-of-document, its tokens...], raw
+                               uint16/uint32
     train-00000.docs.npy       int64 offsets of each document's start in that file, then the file's length
     validation-00000.tokens    documents held out by a hash of their text (the same split on every machine)
     train-00000.mask           conversations only: 1 for each token the loss learns (the assistant's), uint8
@@ -139,7 +141,8 @@ def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str, template: 
         for text in read_piece(piece, field):
             pending.append(text)
             if len(pending) >= ENCODE_BATCH:
-                yield from ((text, text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
+                yield from ((text, text, ids, None)
+                            for text, ids in zip(pending, tokenizer.encode_batch(pending)))
                 pending = []
     yield from ((text, text, ids, None) for text, ids in zip(pending, tokenizer.encode_batch(pending)))
 
@@ -173,7 +176,8 @@ def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_
         for handle in [*handles.values(), *masks.values()]:
             handle.close()
     for split in SPLITS:
-        np.save(names[split].with_suffix(".docs.npy"), np.asarray(offsets[split] + [counts[split]["tokens"]], np.int64))
+        np.save(names[split].with_suffix(".docs.npy"),
+                np.asarray(offsets[split] + [counts[split]["tokens"]], np.int64))
     return counts
 
 
@@ -197,8 +201,8 @@ def _hold_out_examples(folder: Path, splits: dict[str, list[dict[str, Any]]], dt
     last = splits["train"][-1]
     offsets = np.load(folder / f"{last['name']}.docs.npy")
     if len(offsets) - 1 <= whole:
-        raise UsageError(f"--data holds a single {'pair' if whole == 2 else 'conversation'}; give at least two "
-                         "(one is held out to validate on)")
+        raise UsageError(f"--data holds a single {'pair' if whole == 2 else 'conversation'}; give at least "
+                         "two (one is held out to validate on)")
     cut, name = int(offsets[-1 - whole]), last["name"].replace("train-", "validation-")
     for suffix, kind in ((".tokens", dtype), (".mask", np.uint8)):
         values = np.fromfile(folder / f"{last['name']}{suffix}", kind)
@@ -249,7 +253,8 @@ def _hold_out(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str,
 
 def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fraction: float, folder: Path,
                dtype: str, workers: int, show_progress: bool,
-               template: ChatTemplate | None = None, kind: str = "documents") -> list[dict[str, dict[str, int]]]:
+               template: ChatTemplate | None = None,
+               kind: str = "documents") -> list[dict[str, dict[str, int]]]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -260,8 +265,8 @@ def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fract
     )
 
     sizes = [sum(piece.size for piece in unit) for unit in units]
-    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype, template,
-             kind) for n, unit in enumerate(units)]
+    args = [(n, unit, tokenizer.to_json(), tokenizer.end_of_document, field, fraction, str(folder), dtype,
+             template, kind) for n, unit in enumerate(units)]
     results: list[Any] = [None] * len(units)
     with Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), disable=not show_progress) as progress:
@@ -331,8 +336,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     request = _tokenizer_request(tokenizer, vocab_size)
     files, skipped = input_files(inputs)
     extra, chat = conversation_settings(files, field, data_format, template, request)
-    settings = {"format": FORMAT, "tokenizer": request, "field": field, "validation_fraction": validation_fraction,
-                **extra}
+    settings = {"format": FORMAT, "tokenizer": request, "field": field,
+                "validation_fraction": validation_fraction, **extra}
     listing = input_listing(files)
     old = read_index(root) if root.is_dir() else None
     reason = rebuild_reason(root, old, settings, listing, tokenizer, overwrite)
@@ -348,7 +353,8 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     folder.mkdir()
     try:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
-                            workers or os.cpu_count() or 1, show_progress, chat, extra.get("kind", "documents"))
+                            workers or os.cpu_count() or 1, show_progress, chat,
+                            extra.get("kind", "documents"))
         splits = _collect_splits(folder, counts)
         if not splits["train"] and not splits["validation"]:
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")

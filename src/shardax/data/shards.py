@@ -45,8 +45,8 @@ class TokenStream:
             except OSError:
                 raise UsageError(f"{path} is missing; run shardax prepare again into {root}") from None
             if size != shard["tokens"] * self.dtype.itemsize:
-                raise UsageError(f"{path} holds {size} bytes, not the {shard['tokens']} tokens its index lists; "
-                                 f"run shardax prepare again into {root}")
+                raise UsageError(f"{path} holds {size} bytes, not the {shard['tokens']} tokens its index "
+                                 f"lists; run shardax prepare again into {root}")
             self.descriptors.append(os.open(path, os.O_RDONLY))
             self.paths.append(path)
             digest = "blake2b" if suffix == ".tokens" else f"{suffix[1:]}_blake2b"  # checked when first read
@@ -69,9 +69,9 @@ class TokenStream:
             if self.vocab_size is not None and piece.size and int(piece.max()) >= self.vocab_size:
                 at = int(np.argmax(piece >= self.vocab_size))
                 raise UsageError(f"{self.paths[shard]} holds token id {int(piece[at])} at token "
-                                 f"{start - int(self.starts[shard]) + at}, beyond the tokenizer's {self.vocab_size} "
-                                 "ids: the shard is damaged; run shardax prepare again into "
-                                 f"{self.paths[shard].parent}")
+                                 f"{start - int(self.starts[shard]) + at}, beyond the tokenizer's "
+                                 f"{self.vocab_size} ids: the shard is damaged; run shardax prepare again "
+                                 f"into {self.paths[shard].parent}")
             pieces.append(piece)
             start += take
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
@@ -101,8 +101,8 @@ def _check_index(index: Any, path: Path) -> None:
             missing += [f"splits.{split}.{key}" for key in ("shards", "documents", "tokens", "bytes")
                         if not isinstance(entry, dict) or key not in entry]
     if missing:
-        raise UsageError(f"{path} lacks {', '.join(missing)}; it was not written whole by shardax prepare: run "
-                         f"shardax prepare again into {path.parent}")
+        raise UsageError(f"{path} lacks {', '.join(missing)}; it was not written whole by shardax prepare: "
+                         f"run shardax prepare again into {path.parent}")
 
 
 class PreparedData:
@@ -112,7 +112,8 @@ class PreparedData:
         self.root = Path(root)
         index = read_index(self.root) if self.root.is_dir() else None
         if index is None:
-            raise UsageError(f"{self.root} holds no prepared data ({INDEX} missing); run shardax prepare first")
+            raise UsageError(f"{self.root} holds no prepared data ({INDEX} missing); run shardax prepare "
+                             "first")
         _check_index(index, self.root / INDEX)
         self.index = index
         self.tokenizer: Tokenizer = from_json((self.root / TOKENIZER).read_text(), str(self.root / TOKENIZER))
@@ -121,7 +122,8 @@ class PreparedData:
                              f"run shardax prepare again into {self.root}")
         vocab = self.tokenizer.vocab_size
         self.train = TokenStream(self.root, index["splits"]["train"]["shards"], index["dtype"], vocab)
-        self.validation = TokenStream(self.root, index["splits"]["validation"]["shards"], index["dtype"], vocab)
+        self.validation = TokenStream(self.root, index["splits"]["validation"]["shards"], index["dtype"],
+                                      vocab)
 
     @property
     def eod_id(self) -> int:
@@ -129,10 +131,10 @@ class PreparedData:
 
     def describe(self) -> str:
         splits = self.index["splits"]
-        return (f"{self.root}: {self.index['tokenizer_name']} tokens, {splits['train']['documents']:,} train / "
-                f"{splits['validation']['documents']:,} validation documents, {splits['train']['tokens']:,} / "
-                f"{splits['validation']['tokens']:,} tokens ({splits['train']['bytes'] / max(splits['train']['tokens'], 1):.2f} "
-                "bytes per token)")
+        return (f"{self.root}: {self.index['tokenizer_name']} tokens, {splits['train']['documents']:,} train "
+                f"/ {splits['validation']['documents']:,} validation documents, "
+                f"{splits['train']['tokens']:,} / {splits['validation']['tokens']:,} tokens "
+                f"({splits['train']['bytes'] / max(splits['train']['tokens'], 1):.2f} bytes per token)")
 
 
 def packed(tokens: np.ndarray, eod_id: int, valid: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -158,8 +160,8 @@ class PackedBatches:
         self.stream, self.seq_len, self.batch_size, self.eod_id = stream, seq_len, batch_size, eod_id
         self.windows = (stream.length - 1) // seq_len
         if self.windows < 1:
-            raise UsageError(f"the training split has {stream.length} tokens, fewer than one window of --seq-len "
-                             f"{seq_len} + 1; give more text or a shorter --seq-len")
+            raise UsageError(f"the training split has {stream.length} tokens, fewer than one window of "
+                             f"--seq-len {seq_len} + 1; give more text or a shorter --seq-len")
         self.order = grain.MapDataset.range(self.windows).shuffle(seed=seed)  # a new order each epoch
 
     def window_ids(self, step: int) -> np.ndarray:
@@ -203,6 +205,7 @@ def validation_rows(stream: TokenStream, seq_len: int, batch_size: int, count: i
             tokens[row, : part.size] = part
             valid[row, : part.size] = True
         batch = packed(tokens, eod_id, valid)
-        batch["target_bytes"] = np.where(valid[:, 1:] & valid[:, :-1], token_bytes[tokens[:, 1:]], 0).astype(np.int32)
+        batch["target_bytes"] = np.where(valid[:, 1:] & valid[:, :-1], token_bytes[tokens[:, 1:]],
+                                         0).astype(np.int32)
         batches.append(batch)
     return batches

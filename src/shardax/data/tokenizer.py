@@ -74,7 +74,8 @@ class ByteTokenizer:
 def _byte_characters() -> list[str]:
     """The printable character byte-level BPE writes for each byte (byte ``b`` is entry ``b``):
     printable Latin-1 bytes stand for themselves, the others for code points from 256 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+    kept = [*range(ord("!"), ord("~") + 1),
+            *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
             *range(ord("\N{REGISTERED SIGN}"), 256)]
     characters, spare = {}, 256
     for byte in range(256):
@@ -91,12 +92,13 @@ class BPETokenizer:
     def __init__(self, tokenizer, source: str, end_of_document: str = END_OF_DOCUMENT) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        self.name = f"bpe ({source})" if "vocabulary" in source else f"bpe (vocabulary {self.vocab_size}, {source})"
+        self.name = (f"bpe ({source})" if "vocabulary" in source
+                     else f"bpe (vocabulary {self.vocab_size}, {source})")
         self.end_of_document = end_of_document
         eod = tokenizer.token_to_id(end_of_document)
         if eod is None:
-            raise UsageError(f"tokenizer {source} has no {end_of_document!r} token to end documents; add it as a "
-                             "special token, or let shardax train one (--tokenizer bpe --vocab-size N)")
+            raise UsageError(f"tokenizer {source} has no {end_of_document!r} token to end documents; add it "
+                             "as a special token, or let shardax train one (--tokenizer bpe --vocab-size N)")
         self.eod_id = eod
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -120,7 +122,8 @@ class BPETokenizer:
 
         byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)
         lengths = np.ones(self.vocab_size, np.int32)
-        special = {token.content for token in self.tokenizer.get_added_tokens_decoder().values() if token.special}
+        special = {token.content for token in self.tokenizer.get_added_tokens_decoder().values()
+                   if token.special}
         for token, index in self.tokenizer.get_vocab().items():
             if token in special:
                 continue
@@ -146,7 +149,8 @@ def _hf():
     try:
         import tokenizers
     except ImportError:
-        raise UsageError("BPE needs the Hugging Face tokenizers library; pip install 'tokenizers>=0.19'") from None
+        raise UsageError("BPE needs the Hugging Face tokenizers library; pip install "
+                         "'tokenizers>=0.19'") from None
     return tokenizers
 
 
@@ -188,14 +192,15 @@ def from_json(text: str, source: str, end_of_document: str | None = None) -> Tok
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as error:
-        raise UsageError(f"tokenizer {source} is not JSON ({error.msg} at line {error.lineno}); give a Hugging "
-                         "Face tokenizer.json") from None
+        raise UsageError(f"tokenizer {source} is not JSON ({error.msg} at line {error.lineno}); give a "
+                         "Hugging Face tokenizer.json") from None
     if spec == BYTES_SPEC:
         return ByteTokenizer()
     try:
         tokenizer = _hf().Tokenizer.from_str(text)
     except Exception as error:  # the Rust side raises plain Exceptions with its own message
-        raise UsageError(f"tokenizer {source} is not a Hugging Face tokenizer.json ({str(error)[:120]})") from None
+        raise UsageError(f"tokenizer {source} is not a Hugging Face tokenizer.json "
+                         f"({str(error)[:120]})") from None
     return BPETokenizer(tokenizer, Path(source).name, end_of_document or _end_of_document(source))
 
 
@@ -204,6 +209,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         text = path.read_text()
     except OSError as error:
-        raise UsageError(f"--tokenizer {path}: cannot read it ({error.strerror}); give a tokenizer.json file, "
-                         "'bytes' or 'bpe'") from None
+        raise UsageError(f"--tokenizer {path}: cannot read it ({error.strerror}); give a tokenizer.json "
+                         "file, 'bytes' or 'bpe'") from None
     return from_json(text, str(path))

@@ -21,11 +21,11 @@ The package: ``names`` (``config.json`` and where each parameter comes from), ``
 (safetensors read by slice and written), ``load`` and ``save``.
 """
 
+from shardax.hf.families import FAMILY, config_json, read_config
 from shardax.hf.files import DTYPES, SafeTensors
 from shardax.hf.load import Loaded, Pretrained, factory, initial_state, load
-from shardax.hf.families import FAMILY, config_json, read_config
 from shardax.hf.names import hf_names, is_adapter
 from shardax.hf.save import save, save_adapters
 
-__all__ = ["DTYPES", "FAMILY", "Loaded", "Pretrained", "SafeTensors", "config_json", "factory", "hf_names", "initial_state",
-           "is_adapter", "load", "read_config", "save", "save_adapters"]
+__all__ = ["DTYPES", "FAMILY", "Loaded", "Pretrained", "SafeTensors", "config_json", "factory", "hf_names",
+           "initial_state", "is_adapter", "load", "read_config", "save", "save_adapters"]

@@ -14,7 +14,6 @@ import numpy as np
 
 from shardax.errors import UsageError
 
-
 DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", jnp.bfloat16), "float16": ("F16", np.float16)}
 
 
@@ -36,8 +35,8 @@ class SafeTensors:
         elif (path / "model.safetensors").is_file():
             weight_map, files = None, ["model.safetensors"]
         else:
-            raise UsageError(f"{path} holds neither model.safetensors nor model.safetensors.index.json; give a "
-                             "Hugging Face model directory saved with safetensors")
+            raise UsageError(f"{path} holds neither model.safetensors nor model.safetensors.index.json; give "
+                             "a Hugging Face model directory saved with safetensors")
         self.files: dict[str, Any] = {}  # open handles (each maps its file; ``release`` lets them go)
         self.where: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -56,8 +55,8 @@ class SafeTensors:
         if weight_map is not None:
             absent = [key for key, name in weight_map.items() if self.where.get(key) != name]
             if absent:
-                raise UsageError(f"{path / weight_map[absent[0]]} lacks {absent[0]}, which the index places there; "
-                                 "download the checkpoint again")
+                raise UsageError(f"{path / weight_map[absent[0]]} lacks {absent[0]}, which the index places "
+                                 "there; download the checkpoint again")
         self.bytes_read = 0
 
     def close(self) -> None:
@@ -121,7 +120,8 @@ def _check_out(out: Path, dtype: str) -> None:
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r}; use one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} already exists and is not an empty directory; choose a new directory to save in")
+        raise UsageError(f"{out} already exists and is not an empty directory; choose a new directory to "
+                         "save in")
 
 
 def _begin(out: Path) -> tuple[bool, Path]:

@@ -15,14 +15,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardax.errors import UsageError
+from shardax.hf.families import read_config
+from shardax.hf.files import SafeTensors, _give_back_freed_memory
+from shardax.hf.names import _check_names, _normalize, _parameter_source, _sources, is_adapter
+from shardax.hf.save import save
 from shardax.model_parallel import ParallelModel, parallelize, trained_part
 from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
 from shardax.step.state import TrainState
-from shardax.hf.files import SafeTensors, _give_back_freed_memory
-from shardax.hf.families import read_config
-from shardax.hf.names import _check_names, _normalize, _parameter_source, _sources, is_adapter
-from shardax.hf.save import save
 
 
 @dataclasses.dataclass
@@ -73,17 +73,18 @@ def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig
     model = nnx.merge(parallel.graphdef, abstract.params, abstract.rest)
     config = getattr(model, "config", None)
     if not isinstance(model, TransformerLM) or not isinstance(config, TransformerConfig):
-        raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM (shardax.hf.factory(path) "
-                         f"makes the checkpoint's); got {type(model).__name__}")
-    expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype, remat=config.remat,
-                           scan_layers=config.scan_layers, attention=config.attention, lora_rank=config.lora_rank,
-                           lora_alpha=config.lora_alpha, lora_targets=config.lora_targets,
-                           capacity_factor=config.capacity_factor)
+        raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM "
+                         f"(shardax.hf.factory(path) makes the checkpoint's); got {type(model).__name__}")
+    expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype,
+                           remat=config.remat, scan_layers=config.scan_layers, attention=config.attention,
+                           lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
+                           lora_targets=config.lora_targets, capacity_factor=config.capacity_factor)
     if expected != config:
-        differ = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(expected, f.name)]
-        raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} but the "
-                         f"checkpoint's config.json gives {getattr(expected, differ[0])!r}; build the model with "
-                         "shardax.hf.factory(path)")
+        differ = [f.name for f in dataclasses.fields(config)
+                  if getattr(config, f.name) != getattr(expected, f.name)]
+        raise UsageError(f"init_from={str(path)!r}: the model's {differ[0]}={getattr(config, differ[0])!r} "
+                         f"but the checkpoint's config.json gives {getattr(expected, differ[0])!r}; build "
+                         "the model with shardax.hf.factory(path)")
     return config
 
 
@@ -135,8 +136,8 @@ def _with_the_rest(parallel: ParallelModel, seed: int, loaded: dict[str, jax.Arr
     weights init would make for the loaded ones are never computed)."""
     def start(loaded: dict[str, jax.Array]) -> TrainState:
         fresh = parallel.init(seed)
-        params = jax.tree_util.tree_map_with_path(lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf),
-                                                  fresh.params)
+        params = jax.tree_util.tree_map_with_path(
+            lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf), fresh.params)
         return dataclasses.replace(fresh, params=params, opt_state=parallel.tx.init(
             trained_part(params, parallel.trainable)))
 
@@ -167,14 +168,15 @@ def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp",
          lora: LoRA | None = None, seed: int = 0, capacity_factor: float | None = None) -> Loaded:
     """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
     slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
-    ``"data=4,model=2"``, default every device on ``data`` plus what the strategy needs). ``tx`` (default: none) sets up the
-    optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone train;
-    ``capacity_factor`` routes a mixture of experts with that capacity (None: dropless)."""
+    ``"data=4,model=2"``, default every device on ``data`` plus what the strategy needs). ``tx`` (default:
+    none) sets up the optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone
+    train; ``capacity_factor`` routes a mixture of experts with that capacity (None: dropless)."""
     path = Path(path)
-    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat, scan_layers=scan_layers,
-                         capacity_factor=capacity_factor)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat,
+                         scan_layers=scan_layers, capacity_factor=capacity_factor)
     config = config if lora is None else lora.applied(config)
     SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh, strategy)
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh,
+                           strategy)
     state, read = initial_state(parallel, path, seed)
     return Loaded(config, parallel, state, read, json.loads((path / "config.json").read_text()))

@@ -84,7 +84,8 @@ class Source:
             stride = math.prod(shape[1:])
             return slice(cut[0].start * stride, cut[0].stop * stride)
 
-        def local(shape: tuple[int, ...], cut: tuple[slice, ...]) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+        def local(shape: tuple[int, ...],
+                  cut: tuple[slice, ...]) -> tuple[tuple[int, ...], tuple[slice, ...]]:
             return (cut[0].stop - cut[0].start, *shape[1:]), (slice(None), *cut[1:])
 
         out_shape, out_cut = local(self.outputs, out_index)
@@ -130,14 +131,14 @@ def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
         moe, gate, up, down = at + "mlp.", "gate_proj", "up_proj", "down_proj"
     expert = moe + "experts.{e}."
     sources = {"experts/router": Source((moe + "gate.weight",), (d,), (e,)),
-               "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,), axis=1,
-                                          count=e),
+               "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,),
+                                          axis=1, count=e),
                "experts/down": Experts((expert + down + ".weight",), (f,), (d,), count=e)}
     if s:
         shared = moe + "shared_expert."
         sources.update({
-            "experts/shared_gate_up": Source((shared + "gate_proj.weight", shared + "up_proj.weight"), (d,), (s,),
-                                             axis=1),
+            "experts/shared_gate_up": Source((shared + "gate_proj.weight", shared + "up_proj.weight"), (d,),
+                                             (s,), axis=1),
             "experts/shared_down": Source((shared + "down_proj.weight",), (s,), (d,)),
             "experts/shared_gate": Source((moe + "shared_expert_gate.weight",), (d,), (1,))})
     return sources
@@ -155,7 +156,8 @@ def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     if config.n_experts:
         sources.update(_expert_sources(config, at))
     else:
-        sources["mlp_gate_up"] = Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,), axis=1)
+        sources["mlp_gate_up"] = Source((mlp + "gate_proj.weight", mlp + "up_proj.weight"), (d,), (f,),
+                                        axis=1)
         sources["mlp_out"] = Source((mlp + "down_proj.weight",), (f,), (d,))
     if config.post_norms:  # Gemma 2 and 3: a norm after attention, and one before and one after the MLP
         sources["attn_post_norm/scale"] = Source((at + "post_attention_layernorm.weight",), (), (d,))
@@ -199,16 +201,17 @@ def _check_names(tensors: SafeTensors, config: TransformerConfig) -> None:
             expected[name] = source.hf_shape()
     for name, shape in expected.items():
         if name not in tensors.where:
-            raise UsageError(f"{tensors.path} lacks the tensor {name}, which its config.json implies; the checkpoint "
-                             "is incomplete or of another model")
+            raise UsageError(f"{tensors.path} lacks the tensor {name}, which its config.json implies; the "
+                             "checkpoint is incomplete or of another model")
         if tensors.shape(name) != shape:
-            raise UsageError(f"{tensors.path}: {name} has shape {list(tensors.shape(name))} but config.json implies "
-                             f"{list(shape)}; the checkpoint and its config.json do not match")
+            raise UsageError(f"{tensors.path}: {name} has shape {list(tensors.shape(name))} but config.json "
+                             f"implies {list(shape)}; the checkpoint and its config.json do not match")
     unknown = sorted(name for name in tensors.where if name not in expected and not name.endswith(IGNORED)
                      and not (config.tie_embeddings and name == "lm_head.weight"))
     if unknown:
-        raise UsageError(f"{tensors.path}: tensor {unknown[0]} has no place in the {config.n_layers}-layer model its "
-                         f"config.json describes ({len(unknown)} such tensors); the checkpoint is of another model")
+        raise UsageError(f"{tensors.path}: tensor {unknown[0]} has no place in the {config.n_layers}-layer "
+                         f"model its config.json describes ({len(unknown)} such tensors); the checkpoint is "
+                         "of another model")
 
 
 def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -12,12 +12,11 @@ import jax
 import numpy as np
 
 from shardax.errors import UsageError
+from shardax.hf.families import config_json
+from shardax.hf.files import DTYPES, _begin, _check_out, _finish, _write_safetensors
+from shardax.hf.names import MODULES, TARGETS, Source, _parameter_source, _sources, hf_names, is_adapter
 from shardax.models.transformer import TransformerConfig
 from shardax.sharding.paths import path_to_str
-from shardax.hf.files import DTYPES, _begin, _check_out, _finish, _write_safetensors
-from shardax.hf.families import config_json
-from shardax.hf.names import (MODULES, TARGETS, Source, _parameter_source, _sources, hf_names,
-                               is_adapter)
 
 
 def _gather(array: jax.Array, layer: int | None) -> np.ndarray:
@@ -37,10 +36,12 @@ def _lora_summary(config: TransformerConfig) -> str:
 def _check_merge(config: TransformerConfig, merge: bool) -> None:
     """Refuse a LoRA model saved without ``merge``, and ``merge`` on a model without LoRA."""
     if config.lora_rank and not merge:
-        raise UsageError(f"this model carries LoRA adapters ({_lora_summary(config)}): save(..., merge=True) writes "
-                         "its weights with them merged in, save_adapters(...) the adapters alone in PEFT's layout")
+        raise UsageError(f"this model carries LoRA adapters ({_lora_summary(config)}): save(..., merge=True) "
+                         "writes its weights with them merged in, save_adapters(...) the adapters alone in "
+                         "PEFT's layout")
     if merge and not config.lora_rank:
-        raise UsageError("merge=True merges LoRA adapters into the weights, and this model has none; drop merge")
+        raise UsageError("merge=True merges LoRA adapters into the weights, and this model has none; drop "
+                         "merge")
 
 
 def _lora_delta(config: TransformerConfig, adapters: dict[str, jax.Array], name: str, below: str,
@@ -156,7 +157,8 @@ def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, ba
     out = Path(out)
     _check_out(out, dtype)
     if not config.lora_rank:
-        raise UsageError("this model has no LoRA adapters to save (it trained every weight); save(...) writes it whole")
+        raise UsageError("this model has no LoRA adapters to save (it trained every weight); save(...) "
+                         "writes it whole")
     arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
     entries = []
     for layer in range(config.n_layers):
@@ -167,10 +169,11 @@ def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, ba
                 array, index = (arrays[looped], None) if looped in arrays else (
                     arrays[f"blocks/layers/lora_{target}_{part}"], layer)
 
-                def tensor(array: jax.Array = array, index: int | None = index, shape: tuple[int, ...] = shape,
-                           part: str = part) -> np.ndarray:
+                def tensor(array: jax.Array = array, index: int | None = index,
+                           shape: tuple[int, ...] = shape, part: str = part) -> np.ndarray:
                     one = _gather(array, index)
-                    return one.reshape(-1, config.lora_rank).T if part == "a" else one.reshape(config.lora_rank, -1).T
+                    return (one.reshape(-1, config.lora_rank).T if part == "a"
+                            else one.reshape(config.lora_rank, -1).T)
 
                 name = f"base_model.model.model.layers.{layer}.{MODULES[target]}.lora_{part.upper()}.weight"
                 entries.append((name, shape, tensor))

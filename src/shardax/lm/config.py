@@ -20,21 +20,30 @@ from typing import Any
 
 from shardax.data.python_chats import BUILT_IN_SETS
 from shardax.errors import UsageError
-from shardax.vocabulary import (ATTENTION_KERNELS, CONTEXT_ATTENTIONS, DATA_FORMATS, NONFINITE_MODES, PRECISIONS,
-                                REMAT_POLICIES)
 from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
+from shardax.vocabulary import (
+    ATTENTION_KERNELS,
+    CONTEXT_ATTENTIONS,
+    DATA_FORMATS,
+    NONFINITE_MODES,
+    PRECISIONS,
+    REMAT_POLICIES,
+)
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything ``shardax train`` takes; ``None`` means "the preset's value" (or, on resume, the checkpoint's)."""
+    """Everything ``shardax train`` takes; ``None`` means "the preset's value" (or, on resume, the
+    checkpoint's)."""
 
     strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp, pp, pp_fsdp, pp_tp
     mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
     preset: str | None = None  # model size, see shardax.models.presets (default tiny)
-    init_from: str | None = None  # a Hugging Face checkpoint (Llama or Gemma family) to fine-tune: its model and tokenizer
-    lora_rank: int | None = None  # LoRA adapters of this rank, the base weights frozen (0 or None: full training)
+    # a Hugging Face checkpoint (Llama or Gemma family) to fine-tune: its model and tokenizer
+    init_from: str | None = None
+    # LoRA adapters of this rank, the base weights frozen (0 or None: full training)
+    lora_rank: int | None = None
     lora_alpha: float | None = None  # the adapters' scale is alpha / rank (default: the rank)
     lora_targets: str | None = None  # e.g. "q,v" (default: every projection the model has)
     steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
@@ -47,15 +56,19 @@ class TrainConfig:
     lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
     ema: float | None = None  # keep a moving average of the weights with this decay (export/generate --ema)
     seed: int | None = None  # model initialisation and data order (default 0)
-    data: list[str] | None = None  # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib
-    tokenizer: str | None = None  # bytes, bpe or a tokenizer.json: tokenize into shards first (see shardax prepare)
+    # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib
+    data: list[str] | None = None
+    # bytes, bpe or a tokenizer.json: tokenize into shards first (see shardax prepare)
+    tokenizer: str | None = None
     vocab_size: int | None = None  # with --tokenizer bpe: the vocabulary to train (default 4096)
     field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
-    chat_template: str | None = None  # conversations: a checkpoint folder or .jinja (default: the tokenizer's)
+    # conversations: a checkpoint folder or .jinja (default: the tokenizer's)
+    chat_template: str | None = None
     data_format: str | None = None  # documents, conversations or preferences (default: read off the files)
     packing: bool | None = None  # conversations: whole examples share rows (default), or False: one a row
     dpo_beta: float | None = None  # preference pairs: DPO's beta (default 0.1)
-    dpo_label_smoothing: float | None = None  # preference pairs: conservative DPO's label smoothing (default 0)
+    # preference pairs: conservative DPO's label smoothing (default 0)
+    dpo_label_smoothing: float | None = None
     precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
     remat: str | None = None  # none, full, dots_saveable, ...
     attention: str = "auto"  # auto (cuDNN on GPU where it applies), xla or cudnn
@@ -70,7 +83,8 @@ class TrainConfig:
     resume: bool = False  # continue from the latest good checkpoint in checkpoint_dir
     extend_to: int | None = None  # with --resume: train to this step instead of the saved run's end
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
-    metrics: str | None = None  # JSON-lines metrics file, a PNG of the curves beside it (default: in the run dir)
+    # JSON-lines metrics file, a PNG of the curves beside it (default: in the run dir)
+    metrics: str | None = None
     tracker: list[str] | None = None  # also log to tensorboard:DIR, mlflow:DIR or wandb:DIR (offline)
     devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
     sample_bytes: int = 160  # tokens of text sampled at the end (bytes with the byte tokenizer; 0: none)
@@ -82,14 +96,16 @@ class TrainConfig:
 DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers", "seed",
-                "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field", "chat_template",
-                "data_format", "packing", "dpo_beta", "dpo_label_smoothing")
-AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1, "seq_len": 1, "eval_every": 0, "eval_batches": 1,
-            "log_every": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "extend_to": 1, "devices": 1,
-            "sample_bytes": 0, "seed": 0, "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
+RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers",
+                "seed", "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field",
+                "chat_template", "data_format", "packing", "dpo_beta", "dpo_label_smoothing")
+AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1,
+            "seq_len": 1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
+            "keep_checkpoints": 1, "extend_to": 1, "devices": 1, "sample_bytes": 0, "seed": 0,
+            "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
 CHOICES = {"precision": PRECISIONS, "on_nonfinite": NONFINITE_MODES, "remat": REMAT_POLICIES,
-           "attention": ATTENTION_KERNELS, "context_attention": CONTEXT_ATTENTIONS, "data_format": DATA_FORMATS}
+           "attention": ATTENTION_KERNELS, "context_attention": CONTEXT_ATTENTIONS,
+           "data_format": DATA_FORMATS}
 
 
 def flag(name: str) -> str:
@@ -153,14 +169,16 @@ def check_values(config: TrainConfig) -> None:
     if config.lr is not None and not config.lr > 0:
         raise UsageError(f"--lr {config.lr} must be a positive learning rate, e.g. 3e-3")
     if config.extend_to is not None and not config.resume:
-        raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its --checkpoint-dir)")
+        raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its "
+                         "--checkpoint-dir)")
     if config.resume and not (config.checkpoint_dir or config.run_dir):
-        raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its --checkpoint-dir)")
+        raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its "
+                         "--checkpoint-dir)")
     check_model_choice(config.preset, config.init_from, config.lora_rank, config.lora_alpha,
                        config.lora_targets)
     if config.ema is not None and not 0 < config.ema < 1:
-        raise UsageError(f"--ema {config.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an average over "
-                         "about the last 1,000 steps")
+        raise UsageError(f"--ema {config.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an average "
+                         "over about the last 1,000 steps")
 
 
 def check_model_choice(preset: str | None, init_from: str | None, lora_rank: int | None,
@@ -168,7 +186,8 @@ def check_model_choice(preset: str | None, init_from: str | None, lora_rank: int
     """What ``--preset``, ``--init-from`` and the ``--lora-*`` flags refuse together (train and plan)."""
     if init_from is not None and preset is not None:
         raise UsageError(f"--preset {preset} and --init-from {init_from} both say what the model is; drop "
-                         "--preset to use the checkpoint's model, or --init-from to train a preset from scratch")
+                         "--preset to use the checkpoint's model, or --init-from to train a preset from "
+                         "scratch")
     if not lora_rank and (lora_alpha is not None or lora_targets is not None):
         given = "--lora-alpha" if lora_alpha is not None else "--lora-targets"
         raise UsageError(f"{given} shapes LoRA adapters, and there are none without --lora-rank; add "
@@ -228,8 +247,8 @@ class Run:
         model = self.model
         return {"preset": self.preset, "init_from": self.init_from, "lora_rank": model.lora_rank,
                 "lora_alpha": model.lora_alpha if model.lora_rank else None,
-                "lora_targets": ",".join(model.lora_targets) if model.lora_rank else None, "seq_len": self.model.seq_len,
-                "scan_layers": self.model.scan_layers,
+                "lora_targets": ",".join(model.lora_targets) if model.lora_rank else None,
+                "seq_len": self.model.seq_len, "scan_layers": self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "field": self.field, "ema": self.ema,
@@ -244,12 +263,13 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
     # --data and --init-from are kept as absolute paths: a resume from another working directory
     # reads the same data and model
     config = dataclasses.replace(config, data=_absolute(config.data),
-                                 init_from=None if config.init_from is None else str(Path(config.init_from).absolute()))
+                                 init_from=None if config.init_from is None
+                                           else str(Path(config.init_from).absolute()))
     if config.init_from is not None and config.tokenizer is None:  # the checkpoint's own tokenizer
         own = Path(config.init_from) / "tokenizer.json"
         if not own.is_file():
-            raise UsageError(f"--init-from {config.init_from} has no tokenizer.json; give the one the model was trained "
-                             "with: --tokenizer path/to/tokenizer.json")
+            raise UsageError(f"--init-from {config.init_from} has no tokenizer.json; give the one the model "
+                             "was trained with: --tokenizer path/to/tokenizer.json")
         config = dataclasses.replace(config, tokenizer=str(own))
     if saved is not None:
         config = _from_record(config, saved)
@@ -266,14 +286,16 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
                          config.lora_alpha, config.lora_targets)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps
-    return Run(preset=None if config.init_from else config.preset or "tiny", model=model, seed=config.seed or 0,
+    return Run(preset=None if config.init_from else config.preset or "tiny", model=model,
+               seed=config.seed or 0,
                batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
                train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
                vocab_size=config.vocab_size, field=config.field, init_from=config.init_from, ema=config.ema,
-               chat_template=None if config.chat_template is None else str(Path(config.chat_template).absolute()),
-               dpo_beta=config.dpo_beta, dpo_label_smoothing=config.dpo_label_smoothing,
-               data_format=config.data_format, packing=config.packing)
+               chat_template=None if config.chat_template is None
+                             else str(Path(config.chat_template).absolute()), dpo_beta=config.dpo_beta,
+               dpo_label_smoothing=config.dpo_label_smoothing, data_format=config.data_format,
+               packing=config.packing)
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
@@ -285,11 +307,13 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
         if given is None:
             updates[name] = kept
         elif name == "steps" and given != kept:
-            raise UsageError(f"--steps {given} contradicts the checkpoint's --steps {kept} (its schedule's length); "
-                             f"to train on past step {saved.get('train_to', kept)}, use --extend-to {given}")
+            raise UsageError(f"--steps {given} contradicts the checkpoint's --steps {kept} (its schedule's "
+                             f"length); to train on past step {saved.get('train_to', kept)}, use --extend-to "
+                             f"{given}")
         elif given != kept:
-            raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} {_show(kept)}; "
-                             f"drop {flag(name)} to resume that run, or start a new run in another --checkpoint-dir")
+            raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} "
+                             f"{_show(kept)}; drop {flag(name)} to resume that run, or start a new run in "
+                             "another --checkpoint-dir")
     return dataclasses.replace(config, **updates)
 
 

@@ -25,8 +25,14 @@ from shardax.data.batches import WindowSampler, validation_batches
 from shardax.data.chat import ChatTemplate
 from shardax.data.corpus import default_sources, load_corpus
 from shardax.data.documents import detect_format, input_files
-from shardax.data.examples import PAIR_KEYS, ExampleRows, Examples, PairRows, pair_validation
-from shardax.data.examples import validation_rows as example_validation
+from shardax.data.examples import (
+    PAIR_KEYS,
+    ExampleRows,
+    Examples,
+    PairRows,
+    pair_validation,
+    validation_rows as example_validation,
+)
 from shardax.data.index import INDEX, read_index
 from shardax.data.prepare import prepare
 from shardax.data.shards import PackedBatches, PreparedData, validation_rows
@@ -67,7 +73,8 @@ class ByteText:
     def header(self) -> str:
         corpus = self.corpus
         return (f"data: {corpus.source}: {corpus.files} files, {corpus.train.size:,} train / "
-                f"{corpus.validation.size:,} validation bytes" + (f", {len(corpus.skipped)} skipped" if corpus.skipped else "")
+                f"{corpus.validation.size:,} validation bytes"
+                + (f", {len(corpus.skipped)} skipped" if corpus.skipped else "")
                 + f"; unigram baseline {self.unigram_nats():.4f} nats/byte")
 
     def unigram_nats(self) -> float:
@@ -104,7 +111,8 @@ class TokenShards:
     unit = "nats/token"  # of the loss
 
     def __init__(self, root: Path, source: str | None = None) -> None:
-        self.source = source  # what the shards were made from, when not named by the user (the built-in corpus)
+        # what the shards were made from, when not named by the user (the built-in corpus)
+        self.source = source
         self.data = PreparedData(root)
         self.tokenizer = self.data.tokenizer
         self.vocab = self.tokenizer.vocab_size
@@ -128,8 +136,10 @@ class TokenShards:
         return lambda step: packed.global_batch(step, sharding)
 
     def validation(self, seq_len: int, batch: int, count: int, sharding: Any) -> list[dict[str, jax.Array]]:
-        rows = validation_rows(self.data.validation, seq_len, batch, count, self.data.eod_id, self.token_bytes)
-        return [{key: global_rows(value, sharding) for key, value in batch_rows.items()} for batch_rows in rows]
+        rows = validation_rows(self.data.validation, seq_len, batch, count, self.data.eod_id,
+                               self.token_bytes)
+        return [{key: global_rows(value, sharding) for key, value in batch_rows.items()}
+                for batch_rows in rows]
 
     @staticmethod
     def eval_loss(model, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
@@ -168,9 +178,9 @@ class Conversations(TokenShards):
         splits = self.data.index["splits"]
         cut = f"; {self.cut:,} longer than a row, cut to it" if self.cut else ""
         return (f"data: {self.data.root}: {splits['train']['documents']:,} train / "
-                f"{splits['validation']['documents']:,} validation conversations, {splits['train']['trained']:,} of "
-                f"{splits['train']['tokens']:,} tokens learned (the assistant's), "
-                f"{'packed into rows' if self.packing else 'one a row'}{cut}; rendered with "
+                f"{splits['validation']['documents']:,} validation conversations, "
+                f"{splits['train']['trained']:,} of {splits['train']['tokens']:,} tokens learned (the "
+                f"assistant's), {'packed into rows' if self.packing else 'one a row'}{cut}; rendered with "
                 f"{self.data.index['chat_template']}; unigram baseline {self.unigram_nats():.4f} nats/token")
 
     def unigram_nats(self) -> float:
@@ -253,7 +263,8 @@ def _opened(root: Path, source: str | None = None) -> TokenShards:
     return opened(root, source)
 
 
-def _check_tokenizer_matches(data: TokenShards, prepared: Path, tokenizer: str, vocab_size: int | None) -> None:
+def _check_tokenizer_matches(data: TokenShards, prepared: Path, tokenizer: str,
+                             vocab_size: int | None) -> None:
     wanted = {"kind": "file"} if tokenizer not in ("bytes", "bpe") else {"kind": tokenizer}
     made = data.data.index["settings"]["tokenizer"]
     if made["kind"] != wanted["kind"] or (vocab_size and made.get("vocab_size") != vocab_size):
@@ -272,7 +283,8 @@ def _holds_examples(paths: list[str], field: str) -> bool:
 
 
 def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | None, field: str | None,
-              seq_len: int, template: str | None = None, data_format: str | None = None) -> ByteText | TokenShards:
+              seq_len: int, template: str | None = None,
+              data_format: str | None = None) -> ByteText | TokenShards:
     """The data a run reads (see the module docstring); conversations (JSON lines or Parquet of
     ``messages`` or ``prompt``/``completion``) render with ``template`` (default: the tokenizer's
     own, else the built-in one). Only process 0 prepares; the others wait for it and then read
@@ -283,7 +295,8 @@ def open_data(paths: list[str] | None, tokenizer: str | None, vocab_size: int | 
         if tokenizer is not None:
             _check_tokenizer_matches(data, prepared, tokenizer, vocab_size)
         return data
-    examples = data_format not in (None, "documents") or bool(paths) and _holds_examples(paths, field or "text")
+    examples = (data_format not in (None, "documents")
+                or bool(paths) and _holds_examples(paths, field or "text"))
     if tokenizer is None and paths and examples:
         tokenizer = "bytes"  # conversations and pairs are read as examples, from shards
     if tokenizer is None:

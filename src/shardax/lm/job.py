@@ -55,7 +55,8 @@ class TrainResult:
     directory: RunDirectory
 
 
-def optimizer(lr: float, steps: int, ema: float | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def optimizer(lr: float, steps: int,
+              ema: float | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The run's AdamW and schedule; with ``ema``, keeping a moving average of the weights last."""
     warmup = max(1, min(100, steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10)
@@ -82,8 +83,9 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
     finally:
         checkpointer.close()
     if not isinstance(saved, dict):
-        raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not written by "
-                         "shardax train (it has no run record); resume it with shardax.Trainer, or start a new run")
+        raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not "
+                         "written by shardax train (it has no run record); resume it with shardax.Trainer, "
+                         "or start a new run")
     return saved, step, record
 
 
@@ -98,16 +100,19 @@ def _layout(config: TrainConfig, saved: dict[str, Any] | None, model: Transforme
     """A line saying so when a new run lays its blocks in a loop by default (``blocks_in_a_loop``)."""
     if saved is not None or config.scan_layers is not None or model.scan_layers:
         return []
-    return [f"blocks: in a Python loop, the default on GPUs under {config.strategy} (steps 1.14-1.27x faster than "
-            "scanned on an H100, benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
+    return [f"blocks: in a Python loop, the default on GPUs under {config.strategy} (steps 1.14-1.27x faster "
+            "than scanned on an H100, benchmark 24); --scan-layers scans them, compiling in time flat in "
+            "depth"]
 
 
 def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> list[str]:
     """A line naming how a resumed run is computed differently from when its checkpoint was saved
     (what may change on resume: it is allowed, and said)."""
     before = record.get("model") or {}
-    pairs = [("strategy", record.get("strategy"), config.strategy), ("mesh", record.get("mesh"), describe_mesh(mesh)),
-             ("precision", before.get("compute_dtype"), model.compute_dtype), ("remat", before.get("remat"), model.remat),
+    pairs = [("strategy", record.get("strategy"), config.strategy),
+             ("mesh", record.get("mesh"), describe_mesh(mesh)),
+             ("precision", before.get("compute_dtype"), model.compute_dtype),
+             ("remat", before.get("remat"), model.remat),
              ("attention", before.get("attention"), model.attention),
              ("grad-accum", record.get("grad_accum"), config.grad_accum)]
     changed = [f"{name} {old} -> {new}" for name, old, new in pairs if old is not None and old != new]
@@ -128,10 +133,10 @@ def _check_same_model(record: dict[str, Any], run: Run, step: int | None, config
         return
     held = ", ".join(f"{name} {_listed(before[name])}" for name in differ)
     built = ", ".join(f"{name} {_listed(getattr(run.model, name))}" for name in differ)
-    raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} holds a model with {held}, where this "
-                     f"shardax builds {built} (since 0.2 every preset is Llama-shaped, and byte-level runs embed "
-                     "the end-of-document token); start a new run (without --resume), or resume this one with the "
-                     "shardax that wrote it (0.1)")
+    raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} holds a model with {held}, "
+                     f"where this shardax builds {built} (since 0.2 every preset is Llama-shaped, and "
+                     "byte-level runs embed the end-of-document token); start a new run (without --resume), "
+                     "or resume this one with the shardax that wrote it (0.1)")
 
 
 def _listed(value: Any) -> Any:
@@ -140,8 +145,9 @@ def _listed(value: Any) -> Any:
 
 def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None:
     if step is not None and step >= run.train_to:
-        raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it further, "
-                         f"pass --extend-to N with N > {step} (the learning rate stays at its final {run.lr / 10:g})")
+        raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it "
+                         f"further, pass --extend-to N with N > {step} (the learning rate stays at its final "
+                         f"{run.lr / 10:g})")
 
 
 def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None, step: int | None,
@@ -150,8 +156,9 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
     kept = (saved or {}).get("tokenizer_fingerprint")
     if saved is not None and kept != data.tokenizer_fingerprint:
         raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} was trained on "
-                         f"{kept or 'bytes held in memory'} tokens (model vocabulary {saved.get('model_vocab')}), but "
-                         f"its data now gives {data.tokenizer_fingerprint or 'bytes held in memory'} tokens (vocabulary "
+                         f"{kept or 'bytes held in memory'} tokens (model vocabulary "
+                         f"{saved.get('model_vocab')}), but its data now gives "
+                         f"{data.tokenizer_fingerprint or 'bytes held in memory'} tokens (vocabulary "
                          f"{data.model_vocab}); resume with the data and tokenizer it was trained on")
 
 
@@ -159,15 +166,18 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
             init_from: str | None = None) -> list[str]:
     unit = "bytes" if isinstance(data, ByteText) else "tokens"
     kernel, why = attention_implementation(model)
-    lines = [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
+    lines = [data.header(),
+             f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
     if init_from is not None:
-        lines.insert(0, f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, d_model "
-                        f"{model.d_model}, {model.n_heads} heads / {model.kv_heads} key-value heads, vocabulary "
-                        f"{model.vocab_size})")
+        lines.insert(0,
+                     f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, "
+                     f"d_model {model.d_model}, {model.n_heads} heads / {model.kv_heads} key-value heads, "
+                     f"vocabulary {model.vocab_size})")
     if model.lora_rank:
-        lines.insert(1 if init_from else 0, f"LoRA: rank {model.lora_rank}, alpha {model.lora_alpha or model.lora_rank:g} "
-                     f"on {','.join(model.lora_targets)}: {adapter_count(model):,} adapter parameters train, the "
-                     f"model's {parameter_count(model):,} stay frozen")
+        lines.insert(1 if init_from else 0,
+                     f"LoRA: rank {model.lora_rank}, alpha {model.lora_alpha or model.lora_rank:g} "
+                     f"on {','.join(model.lora_targets)}: {adapter_count(model):,} adapter parameters train, "
+                     f"the model's {parameter_count(model):,} stay frozen")
     return lines
 
 
@@ -190,26 +200,30 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
     elif data.vocab > run.model.vocab_size:
         raise UsageError(f"--tokenizer {run.tokenizer} has {data.vocab} tokens but the model of --init-from "
-                         f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was trained with")
+                         f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was "
+                         "trained with")
     _check_same_model(record, run, step, config)
     tx, schedule = optimizer(run.lr, run.steps, run.ema)
     model = run.model
     loss = _loss(data, run)
-    example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32) for key in data.batch_keys}
+    example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32)
+               for key in data.batch_keys}
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
     trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, loss, mesh=config.mesh,
-                      strategy=config.strategy, grad_accum=config.grad_accum, microbatches=config.microbatches,
-                      pipeline_repeats=config.pipeline_repeats, context_attention=config.context_attention,
-                      seed=run.seed, eval_loss_fn=data.eval_loss, learning_rate=schedule, name="shardax train",
-                      example_batch=example, init_from=run.init_from, trackers=_trackers(config.tracker))
+                      strategy=config.strategy, grad_accum=config.grad_accum,
+                      microbatches=config.microbatches, pipeline_repeats=config.pipeline_repeats,
+                      context_attention=config.context_attention, seed=run.seed, eval_loss_fn=data.eval_loss,
+                      learning_rate=schedule, name="shardax train", example_batch=example,
+                      init_from=run.init_from, trackers=_trackers(config.tracker))
     return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
 
 
 def _check_packing(data: ByteText | TokenShards) -> None:
     if not isinstance(data, Conversations) or isinstance(data, Preferences):
-        raise UsageError("--no-packing lays conversations one a row, and --data holds "
-                         f"{'preference pairs (always one a row)' if isinstance(data, Preferences) else 'documents'}; "
-                         "leave it out")
+        raise UsageError(
+            "--no-packing lays conversations one a row, and --data holds "
+            f"{'preference pairs (always one a row)' if isinstance(data, Preferences) else 'documents'}"
+            "; leave it out")
 
 
 def _loss(data: ByteText | TokenShards, run: Run) -> Any:
@@ -218,15 +232,16 @@ def _loss(data: ByteText | TokenShards, run: Run) -> Any:
     dpo = {"beta": run.dpo_beta, "label_smoothing": run.dpo_label_smoothing}
     if not isinstance(data, Preferences):
         given = [f"--{name.replace('_', '-')}" for name, value in
-                 (("dpo_beta", run.dpo_beta), ("dpo_label_smoothing", run.dpo_label_smoothing)) if value is not None]
+                 (("dpo_beta", run.dpo_beta), ("dpo_label_smoothing", run.dpo_label_smoothing))
+                 if value is not None]
         if given:
             raise UsageError(f"{' and '.join(given)} tune{'s' * (len(given) == 1)} DPO, and --data holds no "
                              "preference pairs; give pairs (prompt, chosen, rejected), or leave them out")
         return weighted_next_token_loss
     if not run.model.lora_rank:
-        raise UsageError("DPO from shardax train takes the model's base weights as its reference, which needs LoRA "
-                         "adapters: add --lora-rank R (full DPO: shardax.dpo_loss from Python, with the reference's "
-                         "log-probabilities in the batch)")
+        raise UsageError("DPO from shardax train takes the model's base weights as its reference, which "
+                         "needs LoRA adapters: add --lora-rank R (full DPO: shardax.dpo_loss from Python, "
+                         "with the reference's log-probabilities in the batch)")
     loss = dpo_loss(**{name: value for name, value in dpo.items() if value is not None})
     data.use_loss(loss)
     return loss
@@ -239,9 +254,9 @@ def _check_mesh_uses_every_device(mesh: str | None) -> None:
     devices = jax.device_count()
     used = math.prod(size for _, size in resolve_mesh_shape(mesh, devices))
     if used != devices:
-        raise UsageError(f"--mesh {mesh} uses {used} of the {devices} devices, and the others would sit idle; give "
-                         f"sizes that multiply to {devices} (e.g. data={devices}, or data=-1 with the other axes), "
-                         f"or --devices {used} to simulate {used}")
+        raise UsageError(f"--mesh {mesh} uses {used} of the {devices} devices, and the others would sit "
+                         f"idle; give sizes that multiply to {devices} (e.g. data={devices}, or data=-1 with "
+                         f"the other axes), or --devices {used} to simulate {used}")
 
 
 def _trackers(specs: list[str] | None) -> list[str]:
@@ -253,7 +268,8 @@ def _trackers(specs: list[str] | None) -> list[str]:
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    where = run_directory(config.run_dir, config.strategy, config.checkpoint_dir, config.metrics, config.resume)
+    where = run_directory(config.run_dir, config.strategy, config.checkpoint_dir, config.metrics,
+                          config.resume)
     config = dataclasses.replace(config, checkpoint_dir=str(where.checkpoint_dir), metrics=str(where.metrics))
     try:
         trainer, data, run, changes = prepare(config)  # every setting checked: from here on, the run writes
@@ -276,12 +292,15 @@ def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: Run, c
     model, batch = run.model, run.batch_size
     if config.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = _whole_lines(data, data.prompt(min(48, model.seq_len // 2)))
-        ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len, vocab=data.vocab,
-                            temperature=config.sample_temperature, top_k=config.sample_top_k, seed=run.seed)
+        ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len,
+                            vocab=data.vocab, temperature=config.sample_temperature,
+                            top_k=config.sample_top_k, seed=run.seed)
         how = ("greedy" if config.sample_temperature == 0 else
-               f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed {run.seed}")
+               f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed "
+               f"{run.seed}")
         text = data.decode(ids)
-        stop = getattr(data, "end_of_turn", "")  # conversations: the reply ends where the template ends a turn
+        # conversations: the reply ends where the template ends a turn
+        stop = getattr(data, "end_of_turn", "")
         text = text[: text.index(stop) + len(stop)] if stop and stop in text else text
         say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
             rich_escape(data.decode(prompt) + "|" + text), "")
@@ -292,9 +311,10 @@ def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: Run, c
     show_summary(trainer.name, rows)
     say(f"to train further: {where.resume_command(extend_to=fit.end_step + run.steps)}")
     trained = fit.end_step - fit.start_step
-    return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s, fit.examples_per_sec * model.seq_len,
-                       fit.best_eval_loss, fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(),
-                       fit.state, trainer.parallel, where)
+    return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s,
+                       fit.examples_per_sec * model.seq_len, fit.best_eval_loss,
+                       fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(), fit.state,
+                       trainer.parallel, where)
 
 
 def _whole_lines(data: ByteText | TokenShards, prompt: list[int]) -> list[int]:
@@ -315,9 +335,9 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: Train
     return trainer.fit(
         data.batches(model.seq_len, batch, run.seed, sharding), steps=run.train_to, eval_data=validation,
         eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints, resume=config.resume,
-        metrics=config.metrics, tokens_per_example=model.seq_len, on_nonfinite=config.on_nonfinite,
-        on_log=_config_writer(where, settings, data, run.train_to),
+        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
+        resume=config.resume, metrics=config.metrics, tokens_per_example=model.seq_len,
+        on_nonfinite=config.on_nonfinite, on_log=_config_writer(where, settings, data, run.train_to),
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
                 "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
@@ -328,7 +348,8 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: Train
     )
 
 
-def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText | TokenShards, train_to: int):
+def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText | TokenShards,
+                   train_to: int):
     """An ``on_log`` that writes the run directory's config.yaml and tokenizer.json (process 0) once
     the first step is done: a run refused before it trains (a resume whose checkpoint will not
     restore, a metrics path that cannot be written) leaves the directory as it was. The tokenizer

@@ -7,9 +7,9 @@
       tokenizer.json   the run's tokenizer, as Hugging Face writes one (``shardax export`` copies it)
 
 The directory is named by the time the run started and its strategy, under ``runs/`` in the
-working directory (or under ``$SHARDAX_RUNS_DIR``), unless ``--run-dir`` names one. ``--checkpoint-dir`` and ``--metrics`` still
-put those elsewhere. With several processes, process 0 picks the name and the others take it.
-``--resume --run-dir DIR`` continues the run with the settings of its ``config.yaml``
+working directory (or under ``$SHARDAX_RUNS_DIR``), unless ``--run-dir`` names one. ``--checkpoint-dir`` and
+``--metrics`` still put those elsewhere. With several processes, process 0 picks the name and the others take
+it. ``--resume --run-dir DIR`` continues the run with the settings of its ``config.yaml``
 (flags given then win; what defines the run comes from its checkpoint, see ``lm/config.py``).
 """
 
@@ -56,7 +56,8 @@ class RunDirectory:
 
     def contents(self) -> str:
         """What the directory holds, for the closing lines."""
-        names = [CONFIG] + [p.name for p in (self.metrics, self.metrics.with_suffix(".png")) if p.parent == self.path]
+        names = [CONFIG] + [p.name for p in (self.metrics, self.metrics.with_suffix(".png"))
+                            if p.parent == self.path]
         if self.checkpoint_dir.parent == self.path:
             names.append(f"{CHECKPOINTS}/")
         return ", ".join(names)
@@ -75,7 +76,8 @@ def run_directory(run_dir: str | None, strategy: str, checkpoint_dir: str | None
     else:
         path = Path(run_dir)
         if path.exists() and not path.is_dir():
-            raise UsageError(f"--run-dir {run_dir} is a file; give a directory (new or a run's) to write the run in")
+            raise UsageError(f"--run-dir {run_dir} is a file; give a directory (new or a run's) to write the "
+                             "run in")
         if resume and checkpoint_dir is None and not (path / CHECKPOINTS).is_dir():
             raise UsageError(f"--run-dir {run_dir} holds no checkpoints to resume (no {path / CHECKPOINTS}); "
                              "give the directory of a run that saved one, or drop --resume to start it")
@@ -107,7 +109,8 @@ def _new_name(strategy: str) -> Path:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        stamp, suffix = (int(v) for v in multihost_utils.broadcast_one_to_all(np.array([stamp, suffix], np.int64)))
+        stamp, suffix = (int(v)
+                         for v in multihost_utils.broadcast_one_to_all(np.array([stamp, suffix], np.int64)))
     return _named(stamp, strategy, suffix)
 
 
@@ -144,8 +147,8 @@ def write_config(path: Path, settings: dict[str, Any], train_to: int | None = No
     kept = {name: value for name, value in settings.items() if value is not None and name not in NOT_SAVED}
     text = "# shardax train's settings for this run; `shardax train --config <this file>` starts it afresh\n"
     if train_to is not None and train_to != kept.get("steps"):
-        text += (f"# trained to step {train_to} (--resume --extend-to {train_to}): steps past {kept.get('steps')} "
-                 "at the schedule's final learning rate\n")
+        text += (f"# trained to step {train_to} (--resume --extend-to {train_to}): steps past "
+                 f"{kept.get('steps')} at the schedule's final learning rate\n")
     _write_whole(path, text + yaml.safe_dump(kept, sort_keys=False))
 
 

@@ -29,8 +29,8 @@ def sample_tokens(parallel, state, prompt: Sequence[int], new_tokens: int, conte
     while len(tokens) - start < new_tokens:
         window = tokens[-max(1, context // 2):] if len(tokens) - start else tokens
         wanted = min(new_tokens - (len(tokens) - start), context - len(window))
-        tokens += generate(model, [window], max_new_tokens=wanted, temperature=temperature, top_k=min(top_k, vocab),
-                           seed=seed + 7919 * part, vocab=vocab)[0]
+        tokens += generate(model, [window], max_new_tokens=wanted, temperature=temperature,
+                           top_k=min(top_k, vocab), seed=seed + 7919 * part, vocab=vocab)[0]
         part += 1
     return tokens[start:]
 

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ import numpy as np
 from flax import nnx
 
 from shardax.errors import UsageError
+
+if TYPE_CHECKING:
+    from shardax.models.transformer_config import TransformerConfig
 
 ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
 
@@ -77,8 +80,9 @@ def _split(layer: nnx.Module) -> int:
     kernel_letters = inputs.split(",")[1]
     contracted = [letter not in output for letter in kernel_letters]
     if contracted != sorted(contracted, reverse=True):
-        raise UsageError(f"LoRA on nnx.Einsum {layer.einsum_str!r}: its kernel's contracted dimensions must come "
-                         "before its output ones (as in 'bti,ihd->bthd'); leave this layer out of the targets")
+        raise UsageError(f"LoRA on nnx.Einsum {layer.einsum_str!r}: its kernel's contracted dimensions must "
+                         "come before its output ones (as in 'bti,ihd->bthd'); leave this layer out of the "
+                         "targets")
     return sum(contracted)
 
 
@@ -131,8 +135,8 @@ def add_lora(model: nnx.Module, rank: int, alpha: float | None = None, targets: 
     try:
         compiled = [re.compile(pattern) for pattern in patterns]
     except re.error as error:
-        raise UsageError(f"LoRA targets {patterns!r}: {error}; give regular expressions over module paths such as "
-                         "'.*attention.*'") from None
+        raise UsageError(f"LoRA targets {patterns!r}: {error}; give regular expressions over module paths "
+                         "such as '.*attention.*'") from None
     adapted, seen = [], []
     for keys, layer in list(nnx.iter_graph(model)):
         if not isinstance(layer, ADAPTABLE) or isinstance(layer, tuple(_ADAPTED.values())):
@@ -143,9 +147,10 @@ def add_lora(model: nnx.Module, rank: int, alpha: float | None = None, targets: 
             _adapt(layer, path, rank, alpha, rngs)
             adapted.append(path)
     if not adapted:
-        raise UsageError(f"LoRA targets {patterns!r} match none of the model's {len(seen)} linear, einsum and conv "
-                         f"layers ({', '.join(seen[:6]) or 'none'}{' ...' if len(seen) > 6 else ''}); give "
-                         "regular expressions that fully match some of these paths")
+        raise UsageError(f"LoRA targets {patterns!r} match none of the model's {len(seen)} linear, einsum "
+                         "and conv layers "
+                         f"({', '.join(seen[:6]) or 'none'}{' ...' if len(seen) > 6 else ''}); give regular "
+                         "expressions that fully match some of these paths")
     return model
 
 
@@ -157,7 +162,8 @@ def _adapt(layer: nnx.Module, path: str, rank: int, alpha: float | None, rngs: n
     shape = tuple(layer.kernel.shape)
     rows, columns = shape[:split], shape[split:]
     fan_in = math.prod(rows)
-    layer.lora_a = nnx.LoRAParam(jax.random.normal(rngs.params(), (*rows, rank), jnp.float32) / math.sqrt(fan_in))
+    layer.lora_a = nnx.LoRAParam(jax.random.normal(rngs.params(), (*rows, rank),
+                                                   jnp.float32) / math.sqrt(fan_in))
     layer.lora_b = nnx.LoRAParam(jnp.zeros((rank, *columns), jnp.float32))
     layer.lora_scale = (alpha or rank) / rank
     layer.__class__ = _adapted_class(type(layer))
@@ -185,7 +191,8 @@ def save_adapters(model: nnx.Module, out: str | Path, *, base_model: str | None 
                 np.asarray(jax.device_get(layer.lora_b[...]), np.float32))
         rank = a.shape[-1]
         name = f"base_model.model.{path.replace('/', '.')}"
-        if isinstance(layer, nnx.Conv):  # (window..., in, r) -> (r, in, window...); (r, out) -> (out, r, 1, ...)
+        if isinstance(layer, nnx.Conv):
+            # (window..., in, r) -> (r, in, window...); (r, out) -> (out, r, 1, ...)
             window = a.ndim - 2
             tensors[f"{name}.lora_A.weight"] = np.moveaxis(a, (-1, -2), (0, 1)).copy()
             tensors[f"{name}.lora_B.weight"] = b.T.reshape(b.shape[1], rank, *([1] * window)).copy()
@@ -197,7 +204,8 @@ def save_adapters(model: nnx.Module, out: str | Path, *, base_model: str | None 
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": max(ranks), "lora_alpha": max(alphas), "base_model_name_or_path": base_model,
+    config = {"peft_type": "LORA", "r": max(ranks), "lora_alpha": max(alphas),
+              "base_model_name_or_path": base_model,
               "target_modules": sorted(path.replace("/", ".") for path in layers), "bias": "none"}
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return directory

@@ -8,9 +8,9 @@ dropped and no expert computes padding. With a ``capacity_factor`` each expert t
 layer unchanged, as Switch and GShard do), computed as dense per-expert batches.
 
 What the router did is kept on the layer (``router_stats``, an ``nnx.Intermediate`` per layer)
-for the loss to read; ``router_losses`` makes the auxiliary terms of them: the load-balancing loss (Switch Transformer's ``E * sum_e f_e
-P_e``, f the token copies routed to e per token and P its mean router probability, as transformers
-computes it) and the
+for the loss to read; ``router_losses`` makes the auxiliary terms of them: the load-balancing loss (Switch
+Transformer's ``E * sum_e f_e P_e``, f the token copies routed to e per token and P its mean router
+probability, as transformers computes it) and the
 router z-loss (ST-MoE's mean squared log-sum-exp of the router logits).
 """
 
@@ -25,7 +25,6 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from shardax.errors import UsageError
-
 from shardax.layers import annotated_param
 from shardax.models import ops
 from shardax.sharding.compute import for_compute
@@ -104,7 +103,8 @@ class MixtureOfExperts(nnx.Module):
             return jnp.einsum("ecf,efd->ecd", glu(h[..., 0, :], h[..., 1, :]), down)
         return self.expert_rows(x, group_sizes, gate_up, down)
 
-    def expert_rows(self, x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    def expert_rows(self, x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array,
+                    down: jax.Array) -> jax.Array:
         """Rows of ``x`` sorted by expert, ``group_sizes[e]`` of them for expert e (any rows after
         those come out as zeros), through their experts' ``gate_up`` and ``down``."""
         glu = ops.swiglu if self.config.mlp == "swiglu" else ops.geglu
@@ -112,8 +112,8 @@ class MixtureOfExperts(nnx.Module):
         h = ops.grouped_matmul(x, gate_up.reshape(e, d, 2 * f), group_sizes).reshape(-1, 2, f)
         return ops.grouped_matmul(glu(h[:, 0], h[:, 1]), down, group_sizes)
 
-    def dropless(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array, gate_up: jax.Array | None = None,
-                 down: jax.Array | None = None) -> jax.Array:
+    def dropless(self, tokens: jax.Array, chosen: jax.Array, weights: jax.Array,
+                 gate_up: jax.Array | None = None, down: jax.Array | None = None) -> jax.Array:
         """Every token copy, sorted by expert, through one grouped matmul per weight (the layer's
         own weights, or ``gate_up`` and ``down`` as given)."""
         k = chosen.shape[1]
@@ -188,8 +188,8 @@ class ExpertLayout:
             raise UsageError(f"{experts} experts do not split over {self.axis}={self.shards} devices; use an "
                              f"{self.axis} axis that divides {experts}")
         if capacity_factor is not None:
-            raise UsageError(f"capacity_factor={capacity_factor} with the experts split over {self.axis!r}: routing "
-                             "across devices here is dropless; drop capacity_factor")
+            raise UsageError(f"capacity_factor={capacity_factor} with the experts split over {self.axis!r}: "
+                             "routing across devices here is dropless; drop capacity_factor")
 
 
 def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -205,7 +205,8 @@ def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, j
     dtype = y.dtype
     weights = (for_compute(moe.router, dtype), for_compute(moe.gate_up, dtype), for_compute(moe.down, dtype))
 
-    def local(y: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def local(y: jax.Array, router: jax.Array, gate_up: jax.Array,
+              down: jax.Array) -> tuple[jax.Array, jax.Array]:
         batch, length, width = y.shape
         tokens = y.reshape(batch * length, width)
         chosen, gates, logits = moe.route(tokens, router)
@@ -234,15 +235,18 @@ def _exchange(moe: "MixtureOfExperts", tokens: jax.Array, chosen: jax.Array, gat
     experts = chosen.reshape(-1)
     order = jnp.argsort(experts, stable=True)
     destination = experts[order] // local_experts
-    counts = jnp.bincount(experts, length=moe.config.n_experts).astype(jnp.int32).reshape(shards, local_experts)
+    counts = (jnp.bincount(experts, length=moe.config.n_experts).astype(jnp.int32)
+              .reshape(shards, local_experts))
     sent = counts.sum(1)
     slot = jnp.arange(n * k) - (jnp.cumsum(sent) - sent)[destination]
-    outbox = jnp.zeros((shards, slots, tokens.shape[1]), tokens.dtype).at[destination, slot].set(tokens[order // k])
+    outbox = (jnp.zeros((shards, slots, tokens.shape[1]), tokens.dtype)
+              .at[destination, slot].set(tokens[order // k]))
     inbox = jax.lax.all_to_all(outbox, layout.axis, 0, 0)  # (source, slot, D)
     received = jax.lax.all_to_all(counts, layout.axis, 0, 0)  # (source, local expert): copies sent
     # each source's rows are sorted by expert: number them by (local expert, source); padding last
     ends = jnp.cumsum(received, axis=1)
-    expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(slots), side="right"))(ends)  # (source, slot)
+    # (source, slot)
+    expert_of = jax.vmap(lambda e: jnp.searchsorted(e, jnp.arange(slots), side="right"))(ends)
     key = (expert_of * shards + jnp.arange(shards)[:, None]).reshape(-1)
     mine = jnp.argsort(key, stable=True)
     done = moe.expert_rows(inbox.reshape(shards * slots, -1)[mine], received.sum(0), gate_up, down)

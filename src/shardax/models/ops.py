@@ -105,7 +105,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = for_compute(self.scale)
-        return rms_norm(x.astype(jnp.float32), 1.0 + scale if self.plus_one else scale, self.eps).astype(x.dtype)
+        scale = 1.0 + scale if self.plus_one else scale
+        return rms_norm(x.astype(jnp.float32), scale, self.eps).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0,
@@ -174,11 +175,12 @@ def _gated(activation: Any, name: str, doc: str) -> Any:
     return glu
 
 
-swiglu = _gated(jax.nn.silu, "swiglu", "SwiGLU's ``silu(gate) * up`` (the Llama family's MLP), keeping only its "
-                "two inputs for the backward pass.")
+swiglu = _gated(jax.nn.silu, "swiglu",
+                "SwiGLU's ``silu(gate) * up`` (the Llama family's MLP), keeping only its two inputs for the "
+                "backward pass.")
 geglu = _gated(functools.partial(jax.nn.gelu, approximate=True), "geglu",
-               "GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the backward "
-               "pass.")
+               "GeGLU's ``gelu(gate) * up`` (tanh GELU, Gemma's MLP), keeping only its two inputs for the "
+               "backward pass.")
 
 
 
@@ -196,6 +198,12 @@ def _batch_in_groups(x: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, j
     return x.reshape(b * m, *x.shape[2:]), jnp.concatenate([group_sizes, rest], axis=1).reshape(-1)
 
 
+def _all_batched(size: int, batched: list[bool], *arrays: jax.Array) -> list[jax.Array]:
+    """``arrays`` each with the batch of ``size`` leading (those not batched broadcast to it)."""
+    return [a if is_batched else jnp.broadcast_to(a, (size, *a.shape))
+            for a, is_batched in zip(arrays, batched)]
+
+
 @jax.custom_batching.custom_vmap
 def _rows_by_group(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, weights, group_sizes)
@@ -204,8 +212,7 @@ def _rows_by_group(x: jax.Array, weights: jax.Array, group_sizes: jax.Array) -> 
 @_rows_by_group.def_vmap
 def _rows_by_group_batched(size: int, batched: list[bool], x: jax.Array, weights: jax.Array,
                            group_sizes: jax.Array) -> tuple[jax.Array, bool]:
-    x, weights, group_sizes = (a if is_batched else jnp.broadcast_to(a, (size, *a.shape))
-                               for a, is_batched in zip((x, weights, group_sizes), batched))
+    x, weights, group_sizes = _all_batched(size, batched, x, weights, group_sizes)
     rows, sizes = _batch_in_groups(x, group_sizes)
     weights = jnp.concatenate([weights, jnp.zeros_like(weights[:, :1])], axis=1)
     out = _rows_by_group(rows, weights.reshape(-1, *weights.shape[2:]), sizes)
@@ -220,8 +227,7 @@ def _group_products(x: jax.Array, y: jax.Array, group_sizes: jax.Array) -> jax.A
 @_group_products.def_vmap
 def _group_products_batched(size: int, batched: list[bool], x: jax.Array, y: jax.Array,
                             group_sizes: jax.Array) -> tuple[jax.Array, bool]:
-    x, y, group_sizes = (a if is_batched else jnp.broadcast_to(a, (size, *a.shape))
-                         for a, is_batched in zip((x, y, group_sizes), batched))
+    x, y, group_sizes = _all_batched(size, batched, x, y, group_sizes)
     rows, sizes = _batch_in_groups(x, group_sizes)
     out = _group_products(rows, y.reshape(-1, y.shape[-1]), sizes)  # (b * (g + 1), k, n)
     return out.reshape(size, -1, *out.shape[1:])[:, :-1], True

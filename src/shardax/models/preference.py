@@ -52,16 +52,17 @@ def _check_pairs(model: Any, batch: dict[str, Any]) -> bool:
                          f"{', '.join(batch) or 'nothing'}); give chosen and rejected rows with their masks")
     given = "reference_chosen" in batch and "reference_rejected" in batch
     if not given and not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
-        raise UsageError("dpo_loss needs the reference's log-probabilities (reference_chosen, reference_rejected "
-                         "in the batch) or a model with LoRA adapters (the base weights are the reference)")
+        raise UsageError("dpo_loss needs the reference's log-probabilities (reference_chosen, "
+                         "reference_rejected in the batch) or a model with LoRA adapters (the base weights "
+                         "are the reference)")
     return given
 
 
 def dpo_loss(beta: float = 0.1, label_smoothing: float = 0.0) -> Callable[[Any, dict[str, Any]], Any]:
     """The DPO loss for a ``Trainer`` or a step: ``loss_fn(model, batch) -> (loss, metrics)``."""
     if beta <= 0 or not 0 <= label_smoothing < 0.5:
-        raise UsageError(f"dpo_loss(beta={beta}, label_smoothing={label_smoothing}): beta must be positive and "
-                         "label_smoothing in [0, 0.5)")
+        raise UsageError(f"dpo_loss(beta={beta}, label_smoothing={label_smoothing}): beta must be positive "
+                         "and label_smoothing in [0, 0.5)")
 
     def loss_fn(model: Any, batch: dict[str, Any]) -> tuple[jax.Array, dict[str, jax.Array]]:
         given = _check_pairs(model, batch)
@@ -74,7 +75,8 @@ def dpo_loss(beta: float = 0.1, label_smoothing: float = 0.0) -> Callable[[Any, 
             reference = jax.lax.stop_gradient(sequence_logprobs(without_adapters(model), tokens, mask))
         rewards = beta * (policy - reference).reshape(2, -1)  # (chosen, rejected) x pairs
         margin = rewards[0] - rewards[1]
-        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(-margin)
+        losses = (-(1 - label_smoothing) * jax.nn.log_sigmoid(margin)
+                  - label_smoothing * jax.nn.log_sigmoid(-margin))
         metrics = {"chosen_reward": rewards[0].mean(), "rejected_reward": rewards[1].mean(),
                    "reward_margin": margin.mean(), "reward_accuracy": (margin > 0).astype(jnp.float32).mean()}
         return losses.mean(), metrics
@@ -93,7 +95,8 @@ def dpo_step(beta: float = 0.1, label_smoothing: float = 0.0, *, policy: str = "
     def step(parts: Any, batch: dict[str, Any]) -> dict[str, jax.Array]:
         frozen = parts[reference]
         given = {**batch, **{f"reference_{side}": jax.lax.stop_gradient(
-            sequence_logprobs(frozen, batch[side], batch[f"{side}_mask"])) for side in ("chosen", "rejected")}}
+            sequence_logprobs(frozen, batch[side], batch[f"{side}_mask"]))
+                             for side in ("chosen", "rejected")}}
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(parts[policy], given)
         parts.update(policy, grads)
         return {"loss": loss, **metrics}

@@ -41,9 +41,11 @@ PRESETS: dict[str, Preset] = {
                    description="0.8M parameters: the default run, about a minute and a half on a 2-core CPU"),
     "small": Preset(dict(vocab_size=256, seq_len=256, d_model=384, n_heads=6, n_layers=6, d_ff=1024, **LLAMA),
                     steps=2000, batch_size=64, lr=1e-3, description="11M parameters"),
-    "medium": Preset(dict(vocab_size=256, seq_len=512, d_model=768, n_heads=12, n_layers=12, d_ff=2048, **LLAMA),
+    "medium": Preset(dict(vocab_size=256, seq_len=512, d_model=768, n_heads=12, n_layers=12, d_ff=2048,
+                          **LLAMA),
                      steps=5000, batch_size=64, lr=6e-4, description="85M parameters (GPT-2 small's body)"),
-    "large": Preset(dict(vocab_size=256, seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=2752, **LLAMA),
+    "large": Preset(dict(vocab_size=256, seq_len=1024, d_model=1024, n_heads=16, n_layers=24, d_ff=2752,
+                         **LLAMA),
                     steps=10000, batch_size=64, lr=3e-4, description="302M parameters"),
     "1b": Preset(dict(vocab_size=256, seq_len=1024, d_model=2048, n_heads=16, n_layers=20, d_ff=5504,
                       remat="dots_saveable", **LLAMA), steps=10000, batch_size=64, lr=2e-4,
@@ -111,7 +113,8 @@ def flops_per_token(config: TransformerConfig) -> int:
     """
     active = parameter_count(config)
     if config.n_experts:
-        active -= config.n_layers * (config.n_experts - config.experts_per_token) * 3 * config.d_model * config.ff_width
+        active -= (config.n_layers * (config.n_experts - config.experts_per_token) * 3 * config.d_model
+                   * config.ff_width)
     attention = 12 * config.n_layers * config.d_model * config.seq_len
     if config.lora_rank:
         return 4 * active + 6 * adapter_count(config) + attention
@@ -132,5 +135,5 @@ def blocks_in_a_loop(platform: str, strategy: str) -> bool:
     it, and the scan's compile time stays flat in depth.
     """
     chosen = STRATEGIES.get(strategy)
-    return (platform == "gpu" and chosen is not None and chosen.fsdp_axis is None and not chosen.shard_gradients
-            and chosen.pipeline_axis is None)
+    return (platform == "gpu" and chosen is not None and chosen.fsdp_axis is None
+            and not chosen.shard_gradients and chosen.pipeline_axis is None)

@@ -33,13 +33,13 @@ from shardax.blocks import Attention, LayerSetting, LayerStack, attention_kernel
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
-from shardax.models.moe import MixtureOfExperts, router_losses
 from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
-from shardax.models.transformer_config import (ATTENTION, COMPUTE_DTYPES, MLPS, NORMS,  # noqa: F401 (here too)
-                                               TransformerConfig)
+from shardax.models.moe import MixtureOfExperts, router_losses
+from shardax.models.transformer_config import ATTENTION, COMPUTE_DTYPES, MLPS, NORMS, TransformerConfig  # noqa: F401 (here too)
 from shardax.runtime import context
 from shardax.runtime.attention import softcapped
 from shardax.sharding.compute import for_compute
+
 
 def attention_implementation(config: TransformerConfig, platform: str | None = None) -> tuple[str, str]:
     """The attention kernel ``config`` runs with on ``platform`` (default: JAX's first device), and why.
@@ -52,7 +52,8 @@ def attention_implementation(config: TransformerConfig, platform: str | None = N
                             named="`attention='cudnn'`")
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], scale: float | None = None) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...],
+           scale: float | None = None) -> nnx.Param:
     """A normal-initialised parameter (fan-in scaled unless ``scale``), annotated with ``axes``."""
     std = scale if scale is not None else shape[0] ** -0.5
     return annotated_param(nnx.initializers.normal(std), rngs.params(), shape, axes)
@@ -88,13 +89,15 @@ class Block(nnx.Module):
             # separate weights cost three), and FSDP gathers one array per layer instead of three.
             self.qkv = _param(rngs, (d, 3, n, h), ("embed", None, "heads", "kv"))
             if config.qkv_bias:
-                self.qkv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (3, n, h), (None, "heads", "kv"))
+                self.qkv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (3, n, h),
+                                                (None, "heads", "kv"))
         else:  # grouped-query attention: fewer key/value heads than query heads
             self.q = _param(rngs, (d, n, h), ("embed", "heads", "kv"))
             self.kv = _param(rngs, (d, 2, k, h), ("embed", None, "heads", "kv"))
             if config.qkv_bias:
                 self.q_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (n, h), ("heads", "kv"))
-                self.kv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (2, k, h), (None, "heads", "kv"))
+                self.kv_bias = annotated_param(nnx.initializers.zeros, rngs.params(), (2, k, h),
+                                               (None, "heads", "kv"))
         if config.qk_norm:
             self.q_norm, self.k_norm = _norm(config, h, "kv"), _norm(config, h, "kv")
         self.attn_out = _param(rngs, (n, h, d), ("heads", "kv", "embed"), scale=(n * h) ** -0.5)
@@ -131,7 +134,8 @@ class Block(nnx.Module):
         if not hasattr(self, f"lora_{target}_a"):
             return base
         dtype = self.config.dtype
-        a, b = for_compute(getattr(self, f"lora_{target}_a"), dtype), for_compute(getattr(self, f"lora_{target}_b"), dtype)
+        a, b = (for_compute(getattr(self, f"lora_{target}_a"), dtype),
+                for_compute(getattr(self, f"lora_{target}_b"), dtype))
         low = jnp.tensordot(x, a, axes=a.ndim - 1)  # (B, T, rank)
         return base + (self.config.lora_scale * jnp.tensordot(low, b, axes=1)).astype(base.dtype)
 
@@ -166,7 +170,8 @@ class Block(nnx.Module):
             if window is not None and self.local_inv_freq != self.inv_freq:
                 inv_freq = jnp.where(window > 0, np.asarray(self.local_inv_freq, np.float32), inv_freq)
             q, k = ops.rotary(q, positions, inv_freq), ops.rotary(k, positions, inv_freq)
-        attended = self.attention(q, k, v, positions=positions, segments=segments, window=window)  # (B, T, N, H)
+        # (B, T, N, H)
+        attended = self.attention(q, k, v, positions=positions, segments=segments, window=window)
         projected = self._adapted("o", attended, jnp.einsum("btnh,nhd->btd", attended,
                                                             for_compute(self.attn_out, dtype)))
         x = x + (self.attn_post_norm(projected) if config.post_norms else projected).astype(x.dtype)
@@ -182,8 +187,8 @@ class Block(nnx.Module):
             glu = ops.swiglu if config.mlp == "swiglu" else ops.geglu
             hidden = glu(self._adapted("gate", y, gate_up[:, :, 0]), self._adapted("up", y, gate_up[:, :, 1]))
             return self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype))
-        hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype)) + for_compute(self.mlp_in_bias,
-                                                                                                  dtype))
+        hidden = ops.gelu(self._adapted("up", y, y @ for_compute(self.mlp_in, dtype))
+                          + for_compute(self.mlp_in_bias, dtype))
         return self._adapted("down", hidden, hidden @ for_compute(self.mlp_out, dtype)) + for_compute(
             self.mlp_out_bias, dtype)
 
@@ -281,7 +286,8 @@ def _weighted_mean(batch: dict[str, jax.Array]) -> bool:
 
 
 def _zigzag_token_losses(model: TransformerLM, tokens: jax.Array, segments: jax.Array | None,
-                         positions: jax.Array | None, split: context.ContextLayout) -> tuple[jax.Array, jax.Array]:
+                         positions: jax.Array | None,
+                         split: context.ContextLayout) -> tuple[jax.Array, jax.Array]:
     """``token_losses`` with the sequence split over devices: the model sees the sequence in the
     zig-zag order (each device two chunks, one early and one late, so that under the causal mask
     all do the same work), told each token's position; the losses come back in the usual order.

@@ -62,7 +62,8 @@ class TransformerConfig:
     # (x / rms(x) * (1 + scale), Gemma's: the scale starts at zero)
     norm: str = "layer"
     norm_eps: float = 1e-5
-    # "gelu" (with biases), "swiglu" (silu(gate) * up, no biases) or "geglu" (gelu(gate) * up, tanh GELU: Gemma)
+    # "gelu" (with biases), "swiglu" (silu(gate) * up, no biases) or "geglu" (gelu(gate) * up,
+    # tanh GELU: Gemma)
     mlp: str = "gelu"
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
@@ -103,8 +104,8 @@ class TransformerConfig:
         if self.attention_head_dim is None and self.d_model % self.n_heads:
             raise UsageError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
-            raise UsageError(f"n_heads={self.n_heads} must divide by n_kv_heads={self.kv_heads} (grouped-query "
-                             "attention shares each key/value head among as many query heads)")
+            raise UsageError(f"n_heads={self.n_heads} must divide by n_kv_heads={self.kv_heads} "
+                             "(grouped-query attention shares each key/value head among as many query heads)")
         if self.norm not in NORMS:
             raise UsageError(f"norm={self.norm!r}; use one of {', '.join(NORMS)}")
         if self.mlp not in MLPS:
@@ -117,18 +118,22 @@ class TransformerConfig:
             raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
         if self.attention not in ATTENTION:
             raise UsageError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
+        self._check_lora()
+        self._check_windows_and_caps()
+
+    def _check_lora(self) -> None:
         if self.lora_rank < 0:
             raise UsageError(f"lora_rank={self.lora_rank} must be at least 0 (0: no LoRA, full fine-tuning)")
         unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
         if unknown or not self.lora_targets or len(set(self.lora_targets)) != len(self.lora_targets):
             raise UsageError(f"lora_targets={','.join(self.lora_targets)!r}: name each projection once, from "
                              f"{','.join(LORA_TARGETS)}")
-        self._check_windows_and_caps()
         if self.lora_rank and self.mlp == "gelu" and "gate" in self.lora_targets and not self.n_experts:
-            raise UsageError(f"lora_targets includes 'gate' but this model's {self.mlp} MLP has no gate projection; "
-                             "drop gate from the targets")
+            raise UsageError(f"lora_targets includes 'gate' but this model's {self.mlp} MLP has no gate "
+                             "projection; drop gate from the targets")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
-            raise UsageError(f"lora_alpha={self.lora_alpha} must be positive (the adapters' scale is alpha / rank)")
+            raise UsageError(f"lora_alpha={self.lora_alpha} must be positive (the adapters' scale is alpha / "
+                             "rank)")
 
     def _check_windows_and_caps(self) -> None:
         if self.sliding_window < 0:
@@ -154,14 +159,15 @@ class TransformerConfig:
         if self.mlp == "gelu":
             raise UsageError("a mixture of experts is of gated MLPs; use mlp='swiglu' or mlp='geglu'")
         if self.router_aux_loss < 0 or self.router_z_loss < 0:
-            raise UsageError(f"router_aux_loss={self.router_aux_loss} and router_z_loss={self.router_z_loss} are "
-                             "weights of the router's losses; give 0 or more")
+            raise UsageError(f"router_aux_loss={self.router_aux_loss} and router_z_loss={self.router_z_loss} "
+                             "are weights of the router's losses; give 0 or more")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise UsageError(f"capacity_factor={self.capacity_factor} must be positive (None: dropless routing)")
+            raise UsageError(f"capacity_factor={self.capacity_factor} must be positive (None: dropless "
+                             "routing)")
         adapted = [t for t in ("gate", "up", "down") if t in self.lora_targets]
         if self.lora_rank and adapted:
-            raise UsageError(f"lora_targets includes {','.join(adapted)} but this model's MLPs are experts, which "
-                             "take no adapters here; adapt q,k,v,o")
+            raise UsageError(f"lora_targets includes {','.join(adapted)} but this model's MLPs are experts, "
+                             "which take no adapters here; adapt q,k,v,o")
 
     @property
     def adaptable(self) -> tuple[str, ...]:
@@ -197,12 +203,15 @@ class TransformerConfig:
     def lora_scale(self) -> float:
         return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
 
-    def lora_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]]:
+    def lora_shapes(self) -> dict[str,
+                                  tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...], tuple[str, ...]]]:
         """Each adapted projection: (input shape, its logical names, output shape, its logical
         names) of its base weight, for the targets this config adapts."""
         d, n, k, h, f = self.d_model, self.n_heads, self.kv_heads, self.head_dim, self.d_ff
-        shapes = {"q": ((d,), ("embed",), (n, h), ("heads", "kv")), "k": ((d,), ("embed",), (k, h), ("heads", "kv")),
-                  "v": ((d,), ("embed",), (k, h), ("heads", "kv")), "o": ((n, h), ("heads", "kv"), (d,), ("embed",)),
+        shapes = {"q": ((d,), ("embed",), (n, h), ("heads", "kv")),
+                  "k": ((d,), ("embed",), (k, h), ("heads", "kv")),
+                  "v": ((d,), ("embed",), (k, h), ("heads", "kv")),
+                  "o": ((n, h), ("heads", "kv"), (d,), ("embed",)),
                   "gate": ((d,), ("embed",), (f,), ("mlp",)), "up": ((d,), ("embed",), (f,), ("mlp",)),
                   "down": ((f,), ("mlp",), (d,), ("embed",))}
         return {t: shapes[t] for t in self.lora_targets} if self.lora_rank else {}

@@ -71,8 +71,9 @@ class ContextLayout:
         if length % chunks:
             lower, upper = length - length % chunks, length - length % chunks + chunks
             nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
-            raise UsageError(f"{what} of {length} tokens does not cut into {chunks} equal chunks ({self.axis}="
-                             f"{self.shards} shares of two chunks each); use `seq_len={nearest}`")
+            raise UsageError(f"{what} of {length} tokens does not cut into {chunks} equal chunks "
+                             f"({self.axis}={self.shards} shares of two chunks each); use "
+                             f"`seq_len={nearest}`")
 
     @property
     def rows(self) -> Any:
@@ -120,7 +121,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
 
         k_all, v_all, pos_all, seg_all = everyone(k), everyone(v), everyone(positions), everyone(segments)
         mask = allowed(positions, segments, pos_all, seg_all, window)[:, None]  # (B, 1, t, T)
-        return dense_attention(q, k_all, v_all, mask, scale=scale, softcap=softcap, implementation=implementation)
+        return dense_attention(q, k_all, v_all, mask, scale=scale, softcap=softcap,
+                               implementation=implementation)
 
     def ring(q, k, v, positions, segments, window):
         return _ring_attention(layout.axis, shards, scale, q, k, v, positions, segments, window)
@@ -129,10 +131,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, se
     # ring's gradient is its own, and the gather's transpose is a reduce-scatter either way, so
     # JAX's tracking of which values vary over which axes is not needed.)
     body = gathered if layout.variant == "all-gather" else ring
-    heads = None if not layout.heads_axes else layout.heads_axes[0] if len(layout.heads_axes) == 1 else layout.heads_axes
+    heads = (None if not layout.heads_axes else layout.heads_axes[0] if len(layout.heads_axes) == 1
+             else layout.heads_axes)
     split, tokens = PartitionSpec(layout.rows, layout.axis, heads), PartitionSpec(layout.rows, layout.axis)
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=(split, split, split, tokens, tokens, PartitionSpec()),
-                         out_specs=split, check_vma=False)(q, k, v, positions, segments, window)
+    return jax.shard_map(body, mesh=layout.mesh,
+                         in_specs=(split, split, split, tokens, tokens, PartitionSpec()), out_specs=split,
+                         check_vma=False)(q, k, v, positions, segments, window)
 
 
 # The most tokens of one block of queries or keys the ring folds at once: a block's scores are
@@ -312,7 +316,8 @@ def _fold(sums: tuple[jax.Array, jax.Array, jax.Array], q: jax.Array, k: jax.Arr
     # the result does not depend on the running maximum, so its gradient is not followed
     new_top = jax.lax.stop_gradient(jnp.maximum(top, logits.max(-1)))
     shrink = jnp.exp(jnp.where(jnp.isfinite(top), top - new_top, -jnp.inf))
-    weights = jnp.where(seen, jnp.exp(logits - jnp.where(jnp.isfinite(new_top), new_top, 0.0)[..., None]), 0.0)
+    weights = jnp.where(seen, jnp.exp(logits - jnp.where(jnp.isfinite(new_top), new_top, 0.0)[..., None]),
+                        0.0)
     total = total * shrink + weights.sum(-1)
     update = jnp.einsum("bnqk,bknh->bqnh", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out * shrink.transpose(0, 2, 1)[..., None] + update, new_top, total

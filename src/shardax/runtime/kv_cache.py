@@ -35,7 +35,8 @@ class CacheLayer(nnx.Cache):
 
 
 def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shape: tuple[int, int, int, int],
-             dtype: Any, *, layers: int = 0, windows: Sequence[int] | None = None, ring: int | None = None) -> None:
+             dtype: Any, *, layers: int = 0, windows: Sequence[int] | None = None,
+             ring: int | None = None) -> None:
     """Give ``block`` (an ``Attention``) an empty cache of ``shape`` ``(batch, length, kv_heads,
     head_dim)``: one per layer of a scanned stack of ``layers`` (0: the block is one layer);
     ``make(shape, dtype)`` makes each array, zeros where they belong.
@@ -47,9 +48,9 @@ def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shap
     batch, length, kv_heads, head_dim = shape
     ringed = tuple(w > 0 for w in windows) if windows is not None and ring is not None else ()
     if not layers:
-        name = "ring" if any(ringed) else "cached"
-        setattr(block, f"{name}_keys", zeros((batch, min(length, ring) if any(ringed) else length, *shape[2:])))
-        setattr(block, f"{name}_values", zeros((batch, min(length, ring) if any(ringed) else length, *shape[2:])))
+        name, held = ("ring", min(length, ring)) if any(ringed) else ("cached", length)
+        setattr(block, f"{name}_keys", zeros((batch, held, kv_heads, head_dim)))
+        setattr(block, f"{name}_values", zeros((batch, held, kv_heads, head_dim)))
         return
     block.cache_layer = CacheLayer(make((), jnp.int32))
     if not any(ringed) or all(ringed):
@@ -99,8 +100,8 @@ def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positi
     visible = held >= 0
     if window is not None:
         visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
-    return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None], scale=block.scale,
-                           softcap=block.softcap)
+    return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None],
+                           scale=block.scale, softcap=block.softcap)
 
 
 def _layer(cache: Any, layer: jax.Array) -> jax.Array:
@@ -113,8 +114,8 @@ def _write(cache: nnx.Cache, new: jax.Array, positions: jax.Array, layer: jax.Ar
     """Write ``new`` (B, T, K, H) into ``cache`` (at ``layer`` of its leading dimension, if given)
     at its positions (B, T), in place, and return the cache; where ``keep`` is true, what the
     cache holds there stays (the write of a layer whose tokens belong to the other group)."""
-    new, rows = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None]
-    index = (rows, positions % cache.shape[-3]) if layer is None else (layer, rows, positions % cache.shape[-3])
+    new, rows, slots = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None], positions % cache.shape[-3]
+    index = (rows, slots) if layer is None else (layer, rows, slots)
     if keep is not None:
         new = jnp.where(keep, cache[...][index], new)
     cache[...] = cache[...].at[index].set(new, mode="promise_in_bounds")

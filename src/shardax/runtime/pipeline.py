@@ -26,10 +26,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.sharding.compute import PIPELINE_CHUNK, gather_for_compute, remat_policy
@@ -46,11 +45,12 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.microbatches < 1 or self.repeats < 1:
-            raise UsageError(f"`microbatches={self.microbatches}` and `pipeline_repeats={self.repeats}` must be at "
-                             "least 1")
+            raise UsageError(f"`microbatches={self.microbatches}` and `pipeline_repeats={self.repeats}` must "
+                             "be at least 1")
         if self.repeats > 1 and self.microbatches < self.stages:
-            raise UsageError(f"`pipeline_repeats={self.repeats}` needs microbatches of at least the {self.stages} "
-                             f"stages (a microbatch comes back to stage 0), not {self.microbatches}")
+            raise UsageError(f"`pipeline_repeats={self.repeats}` needs microbatches of at least the "
+                             f"{self.stages} stages (a microbatch comes back to stage 0), not "
+                             f"{self.microbatches}")
 
     @property
     def iterations(self) -> int:
@@ -70,8 +70,8 @@ class Schedule:
             nearest = " or ".join(str(n) for n in (lower, upper) if n > 0)
             into = (f"{self.stages} stages" if self.repeats == 1
                     else f"{self.stages} stages x {self.repeats} repeats ({chunks} equal chunks)")
-            raise UsageError(f"{layers} layers do not split into {into}; use {nearest} layers, or a stage count "
-                             f"that divides {layers}")
+            raise UsageError(f"{layers} layers do not split into {into}; use {nearest} layers, or a stage "
+                             f"count that divides {layers}")
 
 
 Specs = tuple[PartitionSpec, PartitionSpec, PartitionSpec]  # storage, compute, gradient
@@ -254,7 +254,8 @@ def _stage_function(apply_layers: StageFunction, rider_micro: Any, repeats: int,
             chunk = jax.tree.map(lambda leaf: leaf[0], chunks_of_stage)
         else:  # this pass's chunk, picked anew in the backward pass rather than saved per iteration
             chunk = jax.tree.map(lambda leaf: _pick(leaf, repeat), chunks_of_stage)
-        own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False), rider_micro)
+        own = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, which, 0, keepdims=False),
+                           rider_micro)
         return apply_layers(chunk, slot, own)  # its weights laid out already, once, before the loop
 
     if repeats > 1:  # one checkpoint per stage iteration, with the layers' remat policy (see _stage_policy)

@@ -89,12 +89,14 @@ def named_strategy(strategy: Any, mapping: dict[str, str]) -> Any:
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     rules = tuple((logical, rename(target)) for logical, target in strategy.param_rules)
-    storing = {a for _, target in rules for a in spec_axes(target)} | {renamed.get(strategy.fsdp_axis, strategy.fsdp_axis)}
+    storing = {a for _, target in rules
+               for a in spec_axes(target)} | {renamed.get(strategy.fsdp_axis, strategy.fsdp_axis)}
     rules += tuple((name, name if name in storing else None) for name in mapping)
     names = lambda axes: tuple(renamed.get(a, a) for a in axes)  # noqa: E731
     return dataclasses.replace(
         strategy, param_rules=rules, batch_axes=names(strategy.batch_axes),
-        fsdp_axis=renamed.get(strategy.fsdp_axis, strategy.fsdp_axis), gather_axes=names(strategy.gather_axes),
-        optimizer_axes=names(strategy.optimizer_axes), required_axes=names(strategy.required_axes),
+        fsdp_axis=renamed.get(strategy.fsdp_axis, strategy.fsdp_axis),
+        gather_axes=names(strategy.gather_axes), optimizer_axes=names(strategy.optimizer_axes),
+        required_axes=names(strategy.required_axes),
         pipeline_axis=renamed.get(strategy.pipeline_axis, strategy.pipeline_axis),
     )

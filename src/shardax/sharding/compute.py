@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 
 # Values that remat policies must never save, by checkpoint name: FSDP's gathered weights (the
 # backward pass gathers each layer again instead of keeping every layer's full weights alive:

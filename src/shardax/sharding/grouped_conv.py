@@ -45,8 +45,8 @@ class _Conv:
     def __call__(self, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
         placed = {} if self.out_sharding is None else {"out_sharding": self.out_sharding}
         return jax.lax.conv_general_dilated(
-            lhs, rhs, self.strides, self.padding, self.lhs_dilation, self.rhs_dilation, self.dimension_numbers,
-            feature_group_count=self.groups, precision=self.precision,
+            lhs, rhs, self.strides, self.padding, self.lhs_dilation, self.rhs_dilation,
+            self.dimension_numbers, feature_group_count=self.groups, precision=self.precision,
             preferred_element_type=self.preferred_element_type, **placed)
 
 
@@ -59,17 +59,18 @@ def grouped_conv(lhs: jax.Array, rhs: jax.Array, window_strides: Any, padding: A
     if feature_group_count == 1 or batch_group_count != 1:
         placed = {} if out_sharding is None else {"out_sharding": out_sharding}
         return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
-                                            dimension_numbers, feature_group_count, batch_group_count, precision,
-                                            preferred_element_type, **placed)
+                                            dimension_numbers, feature_group_count, batch_group_count,
+                                            precision, preferred_element_type, **placed)
     spatial = lhs.ndim - 2
     numbers = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     lhs_dilation = tuple(lhs_dilation or (1,) * spatial)
     rhs_dilation = tuple(rhs_dilation or (1,) * spatial)
     if isinstance(padding, str):  # as conv_general_dilated resolves it (no lhs dilation with a string)
         window = [(k - 1) * d + 1 for k, d in zip(np.take(rhs.shape, numbers.rhs_spec)[2:], rhs_dilation)]
-        padding = jax.lax.padtype_to_pads(np.take(lhs.shape, numbers.lhs_spec)[2:], window, window_strides, padding)
-    conv = _Conv(tuple(window_strides), tuple((int(lo), int(hi)) for lo, hi in padding), lhs_dilation, rhs_dilation,
-                 numbers, feature_group_count, precision, preferred_element_type, out_sharding)
+        padding = jax.lax.padtype_to_pads(np.take(lhs.shape, numbers.lhs_spec)[2:], window, window_strides,
+                                          padding)
+    conv = _Conv(tuple(window_strides), tuple((int(lo), int(hi)) for lo, hi in padding), lhs_dilation,
+                 rhs_dilation, numbers, feature_group_count, precision, preferred_element_type, out_sharding)
     with jax.named_scope(SCOPE):
         return _grouped(conv, lhs, rhs)
 
@@ -79,11 +80,13 @@ def _grouped(conv: _Conv, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
     return conv(lhs, rhs)
 
 
-def _grouped_forward(conv: _Conv, lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def _grouped_forward(conv: _Conv, lhs: jax.Array,
+                     rhs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     return conv(lhs, rhs), (lhs, rhs)
 
 
-def _grouped_backward(conv: _Conv, saved: tuple[jax.Array, jax.Array], cotangent: jax.Array) -> tuple[Any, Any]:
+def _grouped_backward(conv: _Conv, saved: tuple[jax.Array, jax.Array],
+                      cotangent: jax.Array) -> tuple[Any, Any]:
     lhs, rhs = saved
     _, lhs_vjp = jax.vjp(lambda x: conv(x, rhs), lhs)  # the input's gradient partitions right as it is
     return lhs_vjp(cotangent)[0], kernel_gradient(conv, lhs, cotangent, rhs.shape).astype(rhs.dtype)
@@ -92,7 +95,8 @@ def _grouped_backward(conv: _Conv, saved: tuple[jax.Array, jax.Array], cotangent
 _grouped.defvjp(_grouped_forward, _grouped_backward)
 
 
-def kernel_gradient(conv: _Conv, lhs: jax.Array, cotangent: jax.Array, kernel_shape: tuple[int, ...]) -> jax.Array:
+def kernel_gradient(conv: _Conv, lhs: jax.Array, cotangent: jax.Array,
+                    kernel_shape: tuple[int, ...]) -> jax.Array:
     """d(loss)/d(kernel) of ``conv`` as a feature-grouped convolution: batch = the kernel's
     in-group channels, features = (group, row), window = the output's gradient."""
     numbers, groups = conv.dimension_numbers, conv.groups
@@ -100,7 +104,8 @@ def kernel_gradient(conv: _Conv, lhs: jax.Array, cotangent: jax.Array, kernel_sh
     dy = cotangent.transpose(numbers.out_spec)  # (N, O, spatial...)
     kernel = np.take(kernel_shape, numbers.rhs_spec)  # (O, C / groups, spatial...)
     rows, per_group, spatial = x.shape[0], x.shape[1] // groups, x.shape[2:]
-    x = x.reshape(rows, groups, per_group, *spatial).swapaxes(0, 2).reshape(per_group, groups * rows, *spatial)
+    x = (x.reshape(rows, groups, per_group, *spatial).swapaxes(0, 2)
+         .reshape(per_group, groups * rows, *spatial))
     padding = []
     for size, window, out, (low, _), stride, dilation, lhs_dilation in zip(
             np.take(lhs.shape, numbers.lhs_spec)[2:], kernel[2:], dy.shape[2:], conv.padding,
@@ -108,10 +113,11 @@ def kernel_gradient(conv: _Conv, lhs: jax.Array, cotangent: jax.Array, kernel_sh
         dilated = (size - 1) * lhs_dilation + 1
         padding.append((low, (window - 1) * dilation + (out - 1) * stride + 1 - dilated - low))
     canonical = tuple(range(lhs.ndim))
+    # (C / groups, O, kernel spatial...)
     gradient = jax.lax.conv_general_dilated(
         x, dy.swapaxes(0, 1), conv.rhs_dilation, padding, conv.lhs_dilation, conv.strides,
         jax.lax.ConvDimensionNumbers(canonical, canonical, canonical), feature_group_count=groups,
-        precision=conv.precision, preferred_element_type=conv.preferred_element_type)  # (C / groups, O, kernel spatial...)
+        precision=conv.precision, preferred_element_type=conv.preferred_element_type)
     return gradient.swapaxes(0, 1).transpose(np.argsort(numbers.rhs_spec))
 
 

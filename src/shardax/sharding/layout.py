@@ -15,11 +15,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax.errors import UsageError
+from shardax.mesh import describe_mesh
 from shardax.sharding.derive import Derived
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
-from shardax.errors import UsageError
-from shardax.mesh import describe_mesh
 from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
 
@@ -36,7 +36,8 @@ class LeafLayout:
     compute_spec: PartitionSpec
     optimizer_spec: PartitionSpec
     notes: tuple[str, ...] = ()
-    whole: str | None = None  # why it stays whole on the strategy's tensor axis (None: split there, or no such axis)
+    # why it stays whole on the strategy's tensor axis (None: split there, or no such axis)
+    whole: str | None = None
 
 
 def _is_variable(node: Any) -> bool:
@@ -51,11 +52,12 @@ def check_names(params: Any, mesh: Mesh, strategy: Strategy) -> None:
     known = {name for name, _ in strategy.param_rules} | set(mesh.axis_names)
     unknown = [name for name in used if name not in known]
     if unknown:
-        example = ", ".join(f"{name!r}: {axis!r}" for name, axis in zip(unknown, ("data", "model", "replica")))
+        example = ", ".join(f"{name!r}: {axis!r}"
+                            for name, axis in zip(unknown, ("data", "model", "replica")))
         raise UsageError(
             f"the model's parameters are annotated with axis names {used}; {unknown} are neither shardax's "
-            f"logical axes {list(LOGICAL_AXES[1:])} nor axes of the mesh {describe_mesh(mesh)}: say which mesh "
-            f"axis (data, model, replica) each plays with axis_names={{{example}}}"
+            f"logical axes {list(LOGICAL_AXES[1:])} nor axes of the mesh {describe_mesh(mesh)}: say which "
+            f"mesh axis (data, model, replica) each plays with axis_names={{{example}}}"
         )
 
 
@@ -76,7 +78,8 @@ def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy,
         shape = tuple(np.shape(value))
         annotated = logical_axes_of(node) if _is_variable(node) else None
         logical = annotated
-        if unannotated(annotated):  # nothing (or only a stack's leading layers): read the rest off the program
+        if unannotated(annotated):
+            # nothing (or only a stack's leading layers): read the rest off the program
             found = derived.logical.get(path) if derived else None
             if found is not None:
                 logical = found if annotated is None else ("layers", *found[1:])
@@ -88,7 +91,8 @@ def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy,
         layouts[path] = LeafLayout(
             path=path, shape=shape, dtype=getattr(value, "dtype", None), logical=logical, spec=spec,
             compute_spec=strategy.compute_spec(spec),
-            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh, logical), notes=tuple(notes), whole=whole,
+            optimizer_spec=strategy.optimizer_spec(spec, shape, mesh, logical), notes=tuple(notes),
+            whole=whole,
         )
     return layouts
 
@@ -97,7 +101,8 @@ def _why_whole(path: str, annotated: Any, logical: Any, derived: Derived | None,
     if annotated is not None:
         return f"annotated {tuple(annotated)}: none of these names is split over {tensor} here"
     if derived is None:
-        return "no logical names, and no example batch to read its split from (parallelize(..., loss_fn, example_batch))"
+        return ("no logical names, and no example batch to read its split from (parallelize(..., loss_fn, "
+                "example_batch))")
     if path in derived.whole:
         return derived.whole[path]
     return "its split did not divide" if derived.logical.get(path) is not None else "not used by the loss"
@@ -159,7 +164,8 @@ class Layout:
 
     def gradients(self, tree: Any) -> Any:
         """Where gradients are reduced to: optimizer layout for ZeRO-2, else the parameter's."""
-        return _shardings(tree, self.mesh, self._param_spec("optimizer_spec" if self.strategy.shard_gradients else "spec"))
+        return _shardings(tree, self.mesh,
+                          self._param_spec("optimizer_spec" if self.strategy.shard_gradients else "spec"))
 
     def optimizer(self, opt_state: Any) -> Any:
         """Optimizer-state shardings: leaves mirroring a parameter follow its optimizer spec."""
@@ -180,7 +186,8 @@ class Layout:
         parameter that stays whole on the strategy's tensor axis, with why."""
         tensor = self.strategy.tensor_axis(self.mesh)
         return ([f"{leaf.path}: {'; '.join(leaf.notes)}" for leaf in self.leaves.values() if leaf.notes]
-                + [f"{leaf.path}: whole on {tensor}: {leaf.whole}" for leaf in self.leaves.values() if leaf.whole])
+                + [f"{leaf.path}: whole on {tensor}: {leaf.whole}"
+                   for leaf in self.leaves.values() if leaf.whole])
 
     def whole_on_tensor_axis(self) -> dict[str, list[str]]:
         """``{reason: [path patterns]}`` of the parameters left whole on the tensor axis, layer

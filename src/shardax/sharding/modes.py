@@ -39,7 +39,8 @@ def replicated(tree: Any, mesh: Mesh) -> Any:
 def shard_strategy(axis: str) -> Strategy:
     """``"shard"`` mode as a ``Strategy``: FSDP over ``axis`` with no rules, so each leaf goes on its
     largest dimension that divides (the same placement engine as ``parallelize``'s strategies)."""
-    return Strategy(f"shard over {axis}", param_rules=(), fsdp_axis=axis, gather_axes=(axis,), required_axes=(axis,),
+    return Strategy(f"shard over {axis}", param_rules=(), fsdp_axis=axis, gather_axes=(axis,),
+                    required_axes=(axis,),
                     description=f"every leaf split over {axis} on its largest dimension that divides")
 
 

@@ -137,9 +137,10 @@ def abstract_batch(batch: Any, sharding: NamedSharding) -> Any:
 
     def shape_of(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
         if not isinstance(leaf, jax.ShapeDtypeStruct) and not is_array_like(leaf):
-            raise UsageError(f"batch leaf {path!r} is a {type(leaf).__name__}; a batch holds jax or numpy arrays and "
-                             "numbers")
-        dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+            raise UsageError(f"batch leaf {path!r} is a {type(leaf).__name__}; a batch holds jax or numpy "
+                             "arrays and numbers")
+        dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype")
+                                              else np.asarray(leaf).dtype)
         shape = tuple(np.shape(leaf))
         spec = _fit_to_rank(sharding.spec, len(shape)) if shape else PartitionSpec()
         leaf_sharding = NamedSharding(mesh, spec)

@@ -78,14 +78,16 @@ class ShardingReport:
     def summary(self) -> str:
         return (
             f"{format_bytes(self.bytes_per_device)} per device vs {format_bytes(self.replicated_bytes)} "
-            f"replicated ({100 * self.fraction:.1f}%) over {len(self.leaves)} arrays on {self.num_devices} devices"
+            f"replicated ({100 * self.fraction:.1f}%) over {len(self.leaves)} arrays on {self.num_devices} "
+            "devices"
         )
 
     def table(self, max_rows: int | None = 30) -> str:
         header = ("path", "shape", "logical axes", "spec", "per device", "replicated")
         rows = [header] + [
-            (leaf.path, "x".join(map(str, leaf.shape)) or "()", ",".join(str(a) for a in leaf.logical or ()) or "-",
-             leaf.spec, format_bytes(leaf.bytes_per_device), "yes" if leaf.replicated else "")
+            (leaf.path, "x".join(map(str, leaf.shape)) or "()",
+             ",".join(str(a) for a in leaf.logical or ()) or "-", leaf.spec,
+             format_bytes(leaf.bytes_per_device), "yes" if leaf.replicated else "")
             for leaf in self.leaves[:max_rows]
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -112,7 +114,8 @@ def report(tree: Any) -> ShardingReport:
         )
     rows = []
     devices: set = set()
-    for keypath, node in jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda n: isinstance(n, nnx.Variable)):
+    for keypath, node in jax.tree_util.tree_leaves_with_path(tree,
+                                                             is_leaf=lambda n: isinstance(n, nnx.Variable)):
         row = _leaf_report(path_to_str(keypath), node)
         if row is not None:
             rows.append(row)

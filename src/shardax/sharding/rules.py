@@ -49,7 +49,8 @@ def logical_axes_of(variable: Any) -> tuple[str | None, ...] | None:
 def unannotated(logical: tuple[str | None, ...] | None) -> bool:
     """Whether logical names say nothing beyond a stack: none at all, or only the leading
     ``layers`` that ``shardax.blocks.LayerStack`` gives the parameters it stacks."""
-    return logical is None or (len(logical) > 0 and logical[0] == "layers" and all(n is None for n in logical[1:]))
+    return (logical is None
+            or (len(logical) > 0 and logical[0] == "layers" and all(n is None for n in logical[1:])))
 
 
 def _targets(name: str, rules: Rules, mesh: Mesh, where: str) -> list[MeshAxes]:

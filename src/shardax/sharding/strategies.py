@@ -159,8 +159,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("ep", _rules(expert="expert"), batch_axes=("data", "expert"), required_axes=("expert",),
                  description="expert parallelism: each group of experts on its devices over expert, tokens "
                              "exchanged by all-to-all, the rest data-parallel over data and expert"),
-        Strategy("fsdp_ep", _rules(embed="data", expert="expert"), batch_axes=("data", "expert"), fsdp_axis="data",
-                 gather_axes=("data",), required_axes=("data", "expert"),
+        Strategy("fsdp_ep", _rules(embed="data", expert="expert"), batch_axes=("data", "expert"),
+                 fsdp_axis="data", gather_axes=("data",), required_axes=("data", "expert"),
                  description="expert parallelism over expert x FSDP over data"),
         Strategy("ep_tp", _rules(expert="expert", mlp="model", heads="model", vocab="model"),
                  batch_axes=("data", "expert"), required_axes=("expert", "model"),
@@ -172,7 +172,8 @@ STRATEGIES: dict[str, Strategy] = {
                  description="pipeline over stage x FSDP over data within each stage"),
         Strategy("pp_tp", _rules(layers="stage", mlp="model", heads="model", vocab="model"),
                  required_axes=("stage", "model"), pipeline_axis="stage",
-                 description="pipeline over stage x tensor parallelism over model (x data parallelism over data)"),
+                 description="pipeline over stage x tensor parallelism over model (x data parallelism over "
+                             "data)"),
     )
 }
 

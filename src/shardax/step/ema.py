@@ -32,18 +32,20 @@ def ema_params(decay: float) -> optax.GradientTransformation:
     """Keep an exponential moving average of the parameters (put it last: ``optax.chain(tx,
     shardax.ema_params(0.999))``); read it with ``ParallelModel.ema_model`` or ``averaged``."""
     if not isinstance(decay, (int, float)) or not 0 < decay < 1:
-        raise UsageError(f"EMA decay {decay!r} is not between 0 and 1 (exclusive); use e.g. 0.999 (an average "
-                         "over about the last 1,000 steps) or 0.9999 for long runs")
+        raise UsageError(f"EMA decay {decay!r} is not between 0 and 1 (exclusive); use e.g. 0.999 (an "
+                         "average over about the last 1,000 steps) or 0.9999 for long runs")
 
     def init(params: Any) -> EmaState:
-        return EmaState(jnp.zeros([], jnp.float32), jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
-                                                                 params))
+        return EmaState(jnp.zeros([], jnp.float32),
+                        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
 
     def update(updates: Any, state: EmaState, params: Any = None) -> tuple[Any, EmaState]:
         if params is None:
-            raise UsageError("ema_params needs the parameters: call the optimizer's update(grads, state, params)")
+            raise UsageError("ema_params needs the parameters: call the optimizer's update(grads, state, "
+                             "params)")
         new = optax.apply_updates(params, updates)
-        average = jax.tree.map(lambda a, p: decay * a + (1 - decay) * p.astype(jnp.float32), state.average, new)
+        average = jax.tree.map(lambda a, p: decay * a + (1 - decay) * p.astype(jnp.float32), state.average,
+                               new)
         return updates, EmaState(decay * state.weight + (1 - decay), average)
 
     return optax.GradientTransformation(init, update)

@@ -40,7 +40,8 @@ def split_loss(output: Any) -> tuple[jax.Array, dict[str, jax.Array], jax.Array 
     else:
         loss, metrics = output, {}
     if jnp.ndim(loss) != 0:
-        raise UsageError(f"loss_fn returned a loss of shape {jnp.shape(loss)}; return its mean over the batch (a scalar)")
+        raise UsageError(f"loss_fn returned a loss of shape {jnp.shape(loss)}; return its mean over the "
+                         "batch (a scalar)")
     checked, weight = {}, None
     for name, value in metrics.items():
         if not isinstance(name, str) or name in RESERVED:

@@ -75,7 +75,8 @@ class Parts:
 
     def __getitem__(self, name: str) -> nnx.Module:
         if name not in self._modules:
-            raise UsageError(f"the step asked for part {name!r}; the parts are {', '.join(map(repr, self._modules))}")
+            raise UsageError(f"the step asked for part {name!r}; the parts are "
+                             f"{', '.join(map(repr, self._modules))}")
         return self._modules[name]
 
     def __getattr__(self, name: str) -> nnx.Module:
@@ -91,11 +92,12 @@ class Parts:
         to the part: the gradient of each of its parameters, or of the trained ones alone)."""
         module, plan = self[name], self._plans[name]
         if not self._training:
-            raise UsageError(f"parts.update({name!r}, ...) in an evaluation step; evaluation changes no part: "
-                             "return metrics only")
+            raise UsageError(f"parts.update({name!r}, ...) in an evaluation step; evaluation changes no "
+                             "part: return metrics only")
         if plan.tx is None:
-            raise UsageError(f"parts.update({name!r}, ...): part {name!r} is frozen (no optimizer), so nothing can "
-                             f"update it; give it one (Part(model, optax.adam(...))) or do not update it")
+            raise UsageError(f"parts.update({name!r}, ...): part {name!r} is frozen (no optimizer), so "
+                             "nothing can update it; give it one (Part(model, optax.adam(...))) or do not "
+                             "update it")
         params = nnx.state(module, nnx.Param)
         trained = plan.trained(params)
         grads = self._matching(name, grads, params, plan)
@@ -107,7 +109,8 @@ class Parts:
             updates, opt_state = plan.tx.update(grads, self.opt_state[name], trained)
             return optax.apply_updates(trained, updates), opt_state
 
-        new, self.opt_state[name] = keep_where(apply, step, (trained, self.opt_state[name]), select=self._select)
+        new, self.opt_state[name] = keep_where(apply, step, (trained, self.opt_state[name]),
+                                               select=self._select)
         new = jax.tree.map(in_compute_layout, new, plan.trained(plan.compute_shardings),
                            plan.trained(plan.gradient_shardings), plan.trained(plan.param_shardings))
         nnx.update(module, new)
@@ -124,9 +127,9 @@ class Parts:
         if structure == jax.tree.structure(params):  # every parameter's gradient: the trained ones
             return plan.trained(grads)
         count, expected = len(jax.tree.leaves(grads)), len(jax.tree.leaves(trained))
-        raise UsageError(f"parts.update({name!r}, grads): grads hold {count} arrays that are not the gradients of "
-                         f"part {name!r} ({expected} trained parameters); pass nnx.grad(loss)(parts[{name!r}]), "
-                         "the gradient with respect to that part")
+        raise UsageError(f"parts.update({name!r}, grads): grads hold {count} arrays that are not the "
+                         f"gradients of part {name!r} ({expected} trained parameters); pass "
+                         f"nnx.grad(loss)(parts[{name!r}]), the gradient with respect to that part")
 
     def final(self, state: TrainState) -> TrainState:
         """The new state: each part's parameters and variables as the step left them."""
@@ -148,8 +151,8 @@ def metrics_of(output: Any, where: str) -> Metrics:
             raise UsageError(f"the {where} returned a metric named {name!r}; use a string that is not "
                              "'skipped_steps' and does not start with 'grad_norm' (shardax reports those)")
         if jnp.ndim(value) != 0:
-            raise UsageError(f"the {where} returned metric {name!r} of shape {jnp.shape(value)}; return its mean "
-                             "over the batch (a scalar)")
+            raise UsageError(f"the {where} returned metric {name!r} of shape {jnp.shape(value)}; return its "
+                             "mean over the batch (a scalar)")
         checked[name] = jnp.asarray(value, jnp.float32)
     return checked
 

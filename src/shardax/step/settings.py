@@ -83,8 +83,8 @@ class StepSettings:
         if microbatches is not None:
             check_at_least("microbatches", microbatches, 1)
         check_at_least("pipeline_repeats", pipeline_repeats, 1)
-        return cls(strategy, resolve_mesh(strategy, mesh, devices), grad_accum, microbatches, pipeline_repeats,
-                   context_attention)
+        return cls(strategy, resolve_mesh(strategy, mesh, devices), grad_accum, microbatches,
+                   pipeline_repeats, context_attention)
 
     @property
     def schedule_options(self) -> dict[str, Any]:
@@ -110,7 +110,8 @@ class StepSettings:
                 count = self.microbatches or self.mesh.shape[self.strategy.pipeline_axis]
                 pipeline = f" x `microbatches={count}`"
             raise UsageError(
-                f"a global batch of {rows} rows (`batch_size={rows}`) does not split over the batch axes {self.strategy.batch_axes} of mesh "
-                f"{describe_mesh(self.mesh)} times `grad_accum={self.grad_accum}`{pipeline} (= {split}); "
-                f"use a multiple of {split}, e.g. {split * max(1, rows // split)}"
+                f"a global batch of {rows} rows (`batch_size={rows}`) does not split over the batch axes "
+                f"{self.strategy.batch_axes} of mesh {describe_mesh(self.mesh)} times "
+                f"`grad_accum={self.grad_accum}`{pipeline} (= {split}); use a multiple of {split}, e.g. "
+                f"{split * max(1, rows // split)}"
             )

@@ -53,9 +53,9 @@ def keep_where(apply: jax.Array, update: Callable[[], Any], kept: Any, *, select
     (benchmark 22): XLA:TPU fuses the select into the update and needs less memory with it
     (small preset: 1-4.5% less under dp, zero2, tp and hsdp; a wide, shallow model 25% less under
     tp and 9% under hsdp, though 6-8% more under dp and zero2), while XLA:CPU computes the new
-    state beside the old one before selecting (1-20% more memory than the cond). ``ParallelModel`` selects on TPUs, except under a pipeline (there
-    the select made XLA:TPU all-reduce a stage's gradients instead of reduce-scattering them: 10%
-    more sent on the tiny pp_fsdp step), and uses the cond elsewhere."""
+    state beside the old one before selecting (1-20% more memory than the cond). ``ParallelModel`` selects on
+    TPUs, except under a pipeline (there the select made XLA:TPU all-reduce a stage's gradients instead of
+    reduce-scattering them: 10% more sent on the tiny pp_fsdp step), and uses the cond elsewhere."""
     if select:
         return jax.tree.map(lambda new, old: jnp.where(apply, new, old), update(), kept)
     return jax.lax.cond(apply, update, lambda: kept)
@@ -100,8 +100,8 @@ def build_train_step(
     """
     check_nonfinite(nonfinite, "nonfinite")
     check_grad_accum(grad_accum)
-    return _TrainStep(graphdef, tx, loss_fn, param_shardings, compute_shardings, gradient_shardings, batch_sharding,
-                      grad_accum, layer_layout, nonfinite, trainable, select_update).step
+    return _TrainStep(graphdef, tx, loss_fn, param_shardings, compute_shardings, gradient_shardings,
+                      batch_sharding, grad_accum, layer_layout, nonfinite, trainable, select_update).step
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: jit keys on it
@@ -121,7 +121,8 @@ class _TrainStep:
     trainable: Any
     select_update: bool
 
-    def forward(self, params: Any, rest: Any, batch: Any, weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
+    def forward(self, params: Any, rest: Any, batch: Any,
+                weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
         """The loss to differentiate: the mean, or with ``weighted`` the mean times its weight (a
         sum), and the metrics (times the weight too) with the weight itself and the new state."""
         params = jax.tree.map(in_compute_layout, params, self.compute_shardings, self.gradient_shardings,
@@ -146,11 +147,13 @@ class _TrainStep:
         """Metrics, gradients of the trained parameters, the model's new state."""
         params, frozen = self.parts(params)
 
-        def objective(trained: Any, rest: Any, batch: Any, weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
+        def objective(trained: Any, rest: Any, batch: Any,
+                      weighted: bool) -> tuple[jax.Array, tuple[Metrics, Any]]:
             return self.forward(self.whole(trained, frozen), rest, batch, weighted)
 
         if self.grad_accum == 1:
-            (loss, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(params, rest, batch, False)
+            (loss, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+                params, rest, batch, False)
             return {"loss": loss, **metrics}, grads, rest
         return self.accumulated(jax.value_and_grad(functools.partial(objective, weighted=True), has_aux=True),
                                 params, rest, batch)
@@ -175,7 +178,8 @@ class _TrainStep:
         micro = split_microbatches(batch, self.grad_accum)
         first = jax.tree.map(lambda leaf: leaf[0], micro)
         shapes = jax.eval_shape(lambda: grad_fn(params, rest, first)[0])
-        sums = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32), {"loss": shapes[0], **shapes[1][0]})
+        sums = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, jnp.float32),
+                            {"loss": shapes[0], **shapes[1][0]})
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         zeros = jax.lax.with_sharding_constraint(zeros, gradient_shardings)
         (sums, grads, rest), _ = jax.lax.scan(accumulate, (sums, zeros, rest), micro)
@@ -188,7 +192,8 @@ class _TrainStep:
         grads = jax.lax.with_sharding_constraint(grads, self.parts(self.gradient_shardings)[0])
         grad_norm = optax.tree.norm(grads)
         apply = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        if self.nonfinite == "stop":  # after the first bad step nothing moves, so the state is the last good one
+        if self.nonfinite == "stop":
+            # after the first bad step nothing moves, so the state is the last good one
             apply &= state.skipped == 0
 
         def update() -> tuple[Any, Any, Any]:

@@ -1,12 +1,11 @@
 """Checkpoints with orbax: asynchronous saves, restores straight into a target layout.
 
-A checkpoint holds the whole ``TrainState`` in its item ``state``, saved with orbax's
-``StandardSave`` as the tree ``{"params": nnx.State, "rest": nnx.State, "opt_state": ...,
-"step": ..., "skipped": ...}`` (``params``: the model's ``nnx.Param`` state, ``rest``: its other
-variables, RNG keys included), a JSON record (data position, the run's settings) and, when the
-data comes from Grain, each process's iterator state. Restoring into another strategy or mesh
-is restoring into that layout's abstract state: orbax reads each device's pieces where they now
-belong. orbax alone restores a model from it into ``nnx.state(model)`` (docs/your-model.md).
+A checkpoint holds the whole ``TrainState`` in its item ``state``, saved with orbax's ``StandardSave`` as the
+tree ``{"params": nnx.State, "rest": nnx.State, "opt_state": ..., "step": ..., "skipped": ...}`` (``params``:
+the model's ``nnx.Param`` state, ``rest``: its other variables, RNG keys included), a JSON record (data
+position, the run's settings) and, when the data comes from Grain, each process's iterator state. Restoring
+into another strategy or mesh is restoring into that layout's abstract state: orbax reads each device's pieces
+where they now belong. orbax alone restores a model from it into ``nnx.state(model)`` (docs/your-model.md).
 Checkpoints written before this layout (a flat dict of dotted names, RNG keys as raw bits) still load.
 """
 
@@ -105,7 +104,8 @@ def _named(tree: Any) -> dict[str, Any]:
     def is_leaf(leaf: Any) -> bool:  # an array, or the metadata orbax keeps of one
         return hasattr(leaf, "shape") and not isinstance(leaf, nnx.Variable)
 
-    return {_dotted(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+    return {_dotted(keypath): leaf
+            for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
 
 
 def _check_shapes(saved: dict[str, Any], target: dict[str, Any], directory: Path) -> None:
@@ -116,7 +116,8 @@ def _check_shapes(saved: dict[str, Any], target: dict[str, Any], directory: Path
             leaf = jax.eval_shape(jax.random.key_data, leaf)
         if old is not None and tuple(old.shape) != tuple(leaf.shape):
             raise UsageError(f"the checkpoint in {directory} holds a different model: {name} has shape "
-                             f"{tuple(old.shape)} there but {tuple(leaf.shape)} here; resume with the model it was saved from")
+                             f"{tuple(old.shape)} there but {tuple(leaf.shape)} here; resume with the model "
+                             "it was saved from")
 
 
 def _write_failure(error: BaseException) -> str | None:
@@ -242,8 +243,8 @@ class Checkpointer:
         they are and how to ``resume`` that run (said in the caller's words)."""
         step = self.latest_step()
         if step is not None:
-            raise UsageError(f"{where} already holds checkpoints (latest step {step}); pass {resume} to continue "
-                             "that run, or choose another directory")
+            raise UsageError(f"{where} already holds checkpoints (latest step {step}); pass {resume} to "
+                             "continue that run, or choose another directory")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -264,9 +265,11 @@ class Checkpointer:
                 return step, damaged
             damaged[step] = problem
         if not damaged:
-            raise UsageError(f"resume: no checkpoint in {self.directory}; start without resuming to create one")
+            raise UsageError(f"resume: no checkpoint in {self.directory}; start without resuming to create "
+                             "one")
         raise UsageError(f"no good checkpoint in {self.directory}: "
-                         + "; ".join(f"step {step} is damaged ({problem})" for step, problem in damaged.items())
+                         + "; ".join(f"step {step} is damaged ({problem})"
+                                     for step, problem in damaged.items())
                          + "; nothing was loaded: start a new run in another checkpoint directory")
 
     def set_aside(self, steps: list[int]) -> None:
@@ -280,9 +283,9 @@ class Checkpointer:
                 try:
                     source.rename(target)
                 except OSError as error:
-                    raise UsageError(f"checkpoint of step {step} in {self.directory} is damaged and cannot be set "
-                                     f"aside as {target.name} ({error.strerror}); resume from a writable copy of the "
-                                     "directory, or remove that step yourself") from None
+                    raise UsageError(f"checkpoint of step {step} in {self.directory} is damaged and cannot "
+                                     f"be set aside as {target.name} ({error.strerror}); resume from a "
+                                     "writable copy of the directory, or remove that step yourself") from None
         if jax.process_count() > 1:  # every process sees the renames before it reads the steps again
             from jax.experimental import multihost_utils
 
@@ -318,15 +321,15 @@ class Checkpointer:
                 self.manager.close()  # let its writer threads finish now rather than at interpreter exit
             step = self._saving if step is None else step
             what = "a checkpoint" if step is None else f"the checkpoint of step {step}"
-            raise UsageError(f"could not write {what} to {self.directory} ({reason}); the checkpoints already "
-                             f"there are intact (steps {self.all_steps()}); free space or choose another "
-                             "checkpoint directory") from None
+            raise UsageError(f"could not write {what} to {self.directory} ({reason}); the checkpoints "
+                             f"already there are intact (steps {self.all_steps()}); free space or choose "
+                             "another checkpoint directory") from None
 
-    def restore(self, step: int, abstract_state: Any, shardings: Any, data: Any = None) -> tuple[Any, dict[str, Any]]:
+    def restore(self, step: int, abstract_state: Any, shardings: Any,
+                data: Any = None) -> tuple[Any, dict[str, Any]]:
         """The state at ``step`` laid out by ``shardings`` (any strategy/mesh), and its record.
 
-        ``data``: orbax restore args for the data position (restores a Grain iterator in place).
-        """
+        ``data``: orbax restore args for the data position (restores a Grain iterator in place)."""
         target = jax.tree.map(
             lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
             abstract_state, shardings,
@@ -354,13 +357,15 @@ class Checkpointer:
         topology wrote the checkpoint (a target layout is built from its metadata)."""
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
-                              self.saved_arrays(step), is_leaf=lambda leaf: hasattr(leaf, "shape"))  # metadata
+                              self.saved_arrays(step),  # metadata
+                              is_leaf=lambda leaf: hasattr(leaf, "shape"))
         restored = self.manager.restore(step, args=ocp.args.Composite(state=_RestoreState(target)))
         return {name: jax.random.key_data(leaf) if _is_key(leaf) else leaf
                 for name, leaf in _named(restored["state"]).items()}
 
     def record(self, step: int) -> dict[str, Any]:
-        return dict(self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])
+        return dict(self.manager.restore(step,
+                                         args=ocp.args.Composite(record=ocp.args.JsonRestore()))["record"])
 
     def wait(self) -> None:
         with self._writing(None):

@@ -61,7 +61,8 @@ class RunDisplay:
                 TextColumn("step"), MofNCompleteColumn(), BarColumn(),
                 TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), console=self.console,
             )
-            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="compiling")
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               stats="compiling")
             self.progress.start()
 
     def print(self, *lines: Any) -> None:

@@ -77,9 +77,9 @@ class DirectoryLock:
         """Every process of the run learns process 0's answer (a collective: all of them call this)."""
         if not _agree(refusal is None):
             self.release()
-            raise UsageError(refusal or f"checkpoint directory {self.directory} is being written by another run "
-                             "(process 0 of this run was refused its lock); wait for it, stop it, or choose another "
-                             "checkpoint directory")
+            raise UsageError(refusal or f"checkpoint directory {self.directory} is being written by another "
+                             "run (process 0 of this run was refused its lock); wait for it, stop it, or "
+                             "choose another checkpoint directory")
 
     def _try(self, claim: bool = True) -> str | None:
         """Take the lock (process 0), or say who holds it; with ``claim`` False, let it go again."""
@@ -94,11 +94,12 @@ class DirectoryLock:
         except OSError:
             os.close(fd)
             holder = _holder(self.path)
-            who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}"
+            who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since "
+                   f"{holder.get('since', '?')}"
                    if holder else "a process that has not yet said who it is")
-            return (f"checkpoint directory {self.directory} is being written by another run ({who}); two runs "
-                    "writing one directory would replace each other's checkpoints: wait for it to finish, stop it, "
-                    "or choose another checkpoint directory")
+            return (f"checkpoint directory {self.directory} is being written by another run ({who}); two "
+                    "runs writing one directory would replace each other's checkpoints: wait for it to "
+                    "finish, stop it, or choose another checkpoint directory")
         if not claim:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

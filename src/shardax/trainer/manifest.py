@@ -45,7 +45,8 @@ def _digest(path: Path, start: int = 0, length: int | None = None) -> str:
     with path.open("rb") as file:
         file.seek(start)
         left = length
-        while (left is None or left > 0) and (chunk := file.read(1 << 20 if left is None else min(left, 1 << 20))):
+        while ((left is None or left > 0)
+                and (chunk := file.read(1 << 20 if left is None else min(left, 1 << 20)))):
             sha.update(chunk)  # hashlib lets go of the GIL on large chunks: blocks hash in parallel
             if left is not None:
                 left -= len(chunk)
@@ -69,7 +70,8 @@ def owner(name: str) -> int | None:
     return None
 
 
-def hash_files(directory: Path, names: Iterable[str], by: int, workers: int | None = None) -> dict[str, dict[str, Any]]:
+def hash_files(directory: Path, names: Iterable[str], by: int,
+               workers: int | None = None) -> dict[str, dict[str, Any]]:
     """``{name: {"bytes": size, "blocks": [sha256 of each BLOCK], "by": by}}``, the blocks hashed in
     parallel (``by``: the process that hashed them)."""
     sizes = {name: (directory / name).stat().st_size for name in names}

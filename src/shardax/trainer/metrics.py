@@ -9,9 +9,9 @@ from typing import Any
 
 from shardax.errors import UsageError
 
-
 # Keys of a record that are bookkeeping, not curves.
-NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm", "skipped_steps"}
+NOT_PLOTTED = {"step", "lr", "step_time_s", "examples_per_sec", "tokens_per_sec", "grad_norm",
+               "skipped_steps"}
 
 
 def plotted(name: str) -> bool:
@@ -57,11 +57,11 @@ class MetricsLog:
                     raise ValueError("not a record")
             except ValueError:
                 if number == len(lines):
-                    self.note = (f"metrics file {self.path}: its last line was cut off mid-write ({len(line)} bytes, "
-                                 "from a run that stopped while appending); dropped it")
+                    self.note = (f"metrics file {self.path}: its last line was cut off mid-write "
+                                 f"({len(line)} bytes, from a run that stopped while appending); dropped it")
                     break
-                raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the file aside "
-                                 "or give another metrics file") from None
+                raise UsageError(f"metrics file {self.path} line {number} is not a JSON record; move the "
+                                 "file aside or give another metrics file") from None
             records.append(record)
         return records
 
@@ -86,7 +86,8 @@ class MetricsLog:
         import matplotlib.ticker
 
         has_loss = any("loss" in record or "val_loss" in record for record in self.records)
-        names = ["loss"] * has_loss + sorted({key.removeprefix("val_") for record in self.records for key in record
+        names = ["loss"] * has_loss + sorted({key.removeprefix("val_")
+                                             for record in self.records for key in record
                                              if plotted(key.removeprefix("val_")) and key != "loss"
                                              and key != "val_loss"})
         names = names[:4]
@@ -104,7 +105,8 @@ class MetricsLog:
                     axis.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
                     axis.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
             axis.set_xlabel("step")
-            axis.set_ylabel(f"{name} ({loss_unit})" if name == "loss" and loss_unit else name.replace("_", " "))
+            axis.set_ylabel(f"{name} ({loss_unit})" if name == "loss" and loss_unit
+                            else name.replace("_", " "))
             axis.set_title(name.replace("_", " "))
             axis.grid(alpha=0.3, which="both")
             axis.legend()

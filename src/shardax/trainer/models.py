@@ -43,5 +43,6 @@ def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:
         return model.lora_factory(lora)
     targets = lora.layer_patterns()
     with nnx.use_eager_sharding(False):  # refused now, in one line, if the targets match nothing
-        nnx.eval_shape(lambda: add_lora(factory(nnx.Rngs(0)), lora.rank, lora.alpha, targets, rngs=nnx.Rngs(1)))
+        nnx.eval_shape(lambda: add_lora(factory(nnx.Rngs(0)), lora.rank, lora.alpha, targets,
+                                        rngs=nnx.Rngs(1)))
     return lambda rngs: add_lora(factory(rngs), lora.rank, lora.alpha, targets, rngs=rngs)

@@ -53,7 +53,8 @@ class StopSignals:
             raise KeyboardInterrupt  # asked twice: stop now
         self.received = signal.Signals(number).name
         # said at once (a first step may still be compiling); a raw write, safe inside a handler
-        os.write(2, f"{self.received}: stopping after the step in progress (SIGINT again stops at once)\n".encode())
+        os.write(2, f"{self.received}: stopping after the step in progress (SIGINT again stops "
+                    "at once)\n".encode())
 
     def _to_sigterm(self, number: int, frame: FrameType | None) -> None:
         self.received = signal.Signals(number).name

@@ -20,15 +20,17 @@ def check_procedure(model: Any, optimizer: Any, loss_fn: Any, parts: Any, step: 
         _check_one_model(model, optimizer, loss_fn, step, eval_fn)
         return None
     given = [name for name, value in (("model", model), ("optimizer", optimizer), ("loss_fn", loss_fn),
-                                      ("eval_loss_fn", eval_loss_fn), ("init_from", init_from), ("lora", lora))
+                                      ("eval_loss_fn", eval_loss_fn), ("init_from", init_from),
+                                      ("lora", lora))
              if value is not None]
     if given:
-        raise UsageError(f"Trainer(parts=...) was also given {', '.join(given)}; with parts, each Part holds its "
-                         "model and optimizer and step(parts, batch) computes the losses: drop "
+        raise UsageError(f"Trainer(parts=...) was also given {', '.join(given)}; with parts, each Part holds "
+                         "its model and optimizer and step(parts, batch) computes the losses: drop "
                          f"{', '.join(given)}")
     if step is None or not callable(step):
-        raise UsageError("Trainer(parts=...) needs step=your_step(parts, batch) -> {'name': scalar, ...}, which "
-                         "updates each trained part with parts.update(name, nnx.grad(loss)(parts[name]))")
+        raise UsageError("Trainer(parts=...) needs step=your_step(parts, batch) -> {'name': scalar, ...}, "
+                         "which updates each trained part with parts.update(name, "
+                         "nnx.grad(loss)(parts[name]))")
     if eval_fn is not None and not callable(eval_fn):
         raise UsageError(f"eval_fn is a {type(eval_fn).__name__}; give a function (parts, batch) -> "
                          "{'name': scalar, ...}")
@@ -40,14 +42,17 @@ def check_procedure(model: Any, optimizer: Any, loss_fn: Any, parts: Any, step: 
 
 def _check_one_model(model: Any, optimizer: Any, loss_fn: Any, step: Any, eval_fn: Any) -> None:
     if step is not None or eval_fn is not None:
-        raise UsageError("step= and eval_fn= are the steps of a run of parts; give parts={'name': Part(model, "
-                         "optimizer), ...} with them, or train one model with Trainer(model, optimizer, loss_fn)")
-    several = isinstance(optimizer, (tuple, list, Mapping)) and not _is_optax(optimizer)  # (optax's are tuples)
+        raise UsageError("step= and eval_fn= are the steps of a run of parts; give parts={'name': "
+                         "Part(model, optimizer), ...} with them, or train one model with Trainer(model, "
+                         "optimizer, loss_fn)")
+    # (optax's are tuples)
+    several = isinstance(optimizer, (tuple, list, Mapping)) and not _is_optax(optimizer)
     if isinstance(model, Mapping) or several:
         count = len(optimizer) if several else len(model)
-        raise UsageError(f"Trainer was given {count} {'optimizers' if not isinstance(model, Mapping) else 'models'}"
-                         f"; one model trains with one optax transformation: for several models, each with its "
-                         f"own optimizer, give named parts and your step: Trainer({_PARTS_EXAMPLE})")
+        raise UsageError(f"Trainer was given {count} "
+                         f"{'optimizers' if not isinstance(model, Mapping) else 'models'}; one model trains "
+                         "with one optax transformation: for several models, each with its own optimizer, "
+                         f"give named parts and your step: Trainer({_PARTS_EXAMPLE})")
     if not _is_optax(optimizer):
         raise UsageError(f"optimizer is {type(optimizer).__name__}; give an optax transformation such as "
                          "optax.adamw(1e-3)")

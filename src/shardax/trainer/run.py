@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
@@ -46,11 +46,13 @@ class Trainer(Protocol):
 
     def init(self) -> TrainState: ...
 
-    def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]: ...
+    def train_step(self,
+                   on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]: ...
 
     def place(self, batch: Any) -> Any: ...
 
-    def evaluate(self, data: Any, state: TrainState | None = None, *, ema: bool = False) -> dict[str, float]: ...
+    def evaluate(self, data: Any, state: TrainState | None = None, *,
+                 ema: bool = False) -> dict[str, float]: ...
 
     def title(self) -> str: ...
 
@@ -138,16 +140,19 @@ class Run:
             notes += restored
         else:
             if checkpointer is not None:
-                checkpointer.refuse_fresh_start(f"checkpoint directory {checkpointer.directory}", "`resume=True`")
+                checkpointer.refuse_fresh_start(f"checkpoint directory {checkpointer.directory}",
+                                                "`resume=True`")
             state = trainer.state if trainer.state is not None else trainer.init()
         if checkpointer is not None:
             checkpointer.make_writable()
             notes += _took_over(checkpointer)
         start = int(jax.device_get(state.step))
         if settings.steps is not None and start >= settings.steps:
-            raise UsageError(f"the state is at step {start} and `steps={settings.steps}`; raise steps to train further")
+            raise UsageError(f"the state is at step {start} and `steps={settings.steps}`; raise steps to "
+                             "train further")
         first = jax.process_index() == 0
-        metrics_log = MetricsLog(settings.metrics if first else None, resume_from=start if settings.resume else None)
+        metrics_log = MetricsLog(settings.metrics if first else None,
+                                 resume_from=start if settings.resume else None)
         if metrics_log.note:
             notes.append(metrics_log.note)
         return cls(
@@ -188,7 +193,8 @@ class Run:
             self._after_step(step, step_metrics, clock, missing, evaluations, on_log)
         self._check_finite(step)
         result = self._finish(step, clock)
-        if stops.received is not None and jax.process_count() == 1:  # while the last step was evaluated or saved
+        if stops.received is not None and jax.process_count() == 1:
+            # while the last step was evaluated or saved
             self._stop(step, True, stops.received)
         return result
 
@@ -203,11 +209,12 @@ class Run:
         self.display.close()
         if settings.summary:
             show_summary(self.trainer.name, rows)
-        return FitResult(self.state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss, wall,
-                         clock.examples_per_sec(step), rows, image)
+        return FitResult(self.state, self.start_step, step, self.history, self.last_eval, self.best_eval_loss,
+                         wall, clock.examples_per_sec(step), rows, image)
 
     def _check_finite(self, step: int) -> None:
-        """Stop, naming the step, once a step's loss or gradient norm was not finite (``on_nonfinite="stop"``)."""
+        """Stop, naming the step, once a step's loss or gradient norm was not finite
+        (``on_nonfinite="stop"``)."""
         if self.settings.on_nonfinite != "stop":
             return
         skipped = int(host_float(self.state.skipped))
@@ -218,12 +225,14 @@ class Run:
         if self.checkpointer is not None:
             self.checkpointer.wait()
             latest = self.checkpointer.latest_step()
-            kept = (f"the last good checkpoint is step {latest} in {self.checkpointer.directory}" if latest is not None
+            kept = (f"the last good checkpoint is step {latest} in {self.checkpointer.directory}"
+                    if latest is not None
                     else f"no checkpoint was written to {self.checkpointer.directory} before it")
         self.display.close()
-        raise NonFiniteError(f"step {first}: the loss or gradient norm is NaN or infinite, so its update (and "
-                             f"every later one) was not applied; {kept}; lower the learning rate or check that "
-                             "step's batch, or skip such steps (on_nonfinite='skip', --on-nonfinite skip)")
+        raise NonFiniteError(f"step {first}: the loss or gradient norm is NaN or infinite, so its update "
+                             f"(and every later one) was not applied; {kept}; lower the learning rate or "
+                             "check that step's batch, or skip such steps (on_nonfinite='skip', "
+                             "--on-nonfinite skip)")
 
     def _stop(self, step: int, saved: bool, received: str | None) -> None:
         """SIGTERM/SIGINT: after a checkpoint of this step (unless it holds a bad state), exit 75."""
@@ -247,7 +256,8 @@ class Run:
         record = None
         if due["log"]:
             values = {name: host_float(value) for name, value in step_metrics.items()}
-            first = {"loss": values.pop("loss")} if "loss" in values else {}  # the loss first, where there is one
+            # the loss first, where there is one
+            first = {"loss": values.pop("loss")} if "loss" in values else {}
             record = {"step": step, **first, **values, **clock.tick(step)}
             if self.trainer.learning_rate is not None:
                 rate = self.trainer.learning_rate
@@ -347,27 +357,31 @@ def _took_over(checkpointer: Checkpointer) -> list[str]:
     dead = checkpointer.lock.took_over
     if not dead:
         return []
-    return [f"took over the lock of {checkpointer.directory} that a run which is no longer running left (host "
-            f"{dead.get('host', '?')}, pid {dead.get('pid', '?')}, since {dead.get('since', '?')})"]
+    return [f"took over the lock of {checkpointer.directory} that a run which is no longer running left "
+            f"(host {dead.get('host', '?')}, pid {dead.get('pid', '?')}, since {dead.get('since', '?')})"]
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer, source: BatchSource) -> tuple[TrainState, list[str]]:
+def _restore(trainer: Trainer, checkpointer: Checkpointer,
+             source: BatchSource) -> tuple[TrainState, list[str]]:
     """Restore the latest good checkpoint into the trainer's layout and the data source's position;
     newer damaged ones are set aside (renamed ``<step>.damaged``), each with a warning."""
     step, damaged = checkpointer.latest_good_step()
-    notes = [f"[bold]warning[/bold]: checkpoint step {bad} in {checkpointer.directory} is damaged ({problem}); "
-             f"resuming from step {step}, and keeping it as {bad}.damaged" for bad, problem in damaged.items()]
+    notes = [f"[bold]warning[/bold]: checkpoint step {bad} in {checkpointer.directory} is damaged "
+             f"({problem}); resuming from step {step}, and keeping it as {bad}.damaged"
+             for bad, problem in damaged.items()]
     checkpointer.set_aside(list(damaged))
     saved = checkpointer.record(step).get("data", {})
     if saved.get("kind", source.kind) != source.kind:
-        raise UsageError(f"the checkpoint in {checkpointer.directory} was saved reading data of kind {saved['kind']!r}, "
-                         f"this run reads {source.kind!r}; resume with the same kind of data source")
+        raise UsageError(f"the checkpoint in {checkpointer.directory} was saved reading data of kind "
+                         f"{saved['kind']!r}, this run reads {source.kind!r}; resume with the same kind of "
+                         "data source")
     parallel = trainer.parallel
     try:
         state, record = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings,
                                              data=source.restore_args())
     except FileNotFoundError as error:
-        raise UsageError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position this "
-                         f"run needs ({error}); resume with the processes and data it was saved with") from None
+        raise UsageError(f"the checkpoint in {checkpointer.directory} at step {step} lacks the data position "
+                         f"this run needs ({error}); resume with the processes and data it was saved "
+                         "with") from None
     source.resume(record.get("data", {}), step)
     return state, notes + [f"resumed from step {step} of {checkpointer.directory}"]

@@ -35,11 +35,13 @@ def image_batches(output: Any) -> dict[str, np.ndarray]:
         if array.ndim == 3:
             array = array[..., None]
         if array.ndim != 4 or array.shape[-1] not in (1, 3, 4) or not array.size:
-            raise UsageError(f"samples returned {name!r} of shape {np.shape(images)}; return images as (count, height, "
-                             "width) or (count, height, width, channels) with 1, 3 or 4 channels")
+            raise UsageError(f"samples returned {name!r} of shape {np.shape(images)}; return images as "
+                             "(count, height, width) or (count, height, width, channels) with 1, 3 or 4 "
+                             "channels")
         if not np.all(np.isfinite(array)) or array.min() < -1e-3 or array.max() > 1 + 1e-3:
             raise UsageError(f"samples returned {name!r} with values from {np.nanmin(array):.3g} to "
-                             f"{np.nanmax(array):.3g}; return values in [0, 1] (e.g. (x + 1) / 2 for tanh outputs)")
+                             f"{np.nanmax(array):.3g}; return values in [0, 1] (e.g. (x + 1) / 2 for tanh "
+                             "outputs)")
         batches[str(name)] = np.clip(array, 0.0, 1.0)
     return batches
 
@@ -53,7 +55,8 @@ def grid(images: np.ndarray, padding: int = 1) -> np.ndarray:
     canvas = np.ones((rows * (height + padding) + padding, columns * (width + padding) + padding, channels),
                      np.float32)
     for index, image in enumerate(images):
-        top, left = padding + (index // columns) * (height + padding), padding + (index % columns) * (width + padding)
+        top, left = (padding + (index // columns) * (height + padding),
+                     padding + (index % columns) * (width + padding))
         canvas[top:top + height, left:left + width] = image
     return np.round(canvas * 255).astype(np.uint8)
 
@@ -75,10 +78,11 @@ def check_samples(samples: Any, sample_every: int, samples_dir: str | None) -> N
     """Refuse, in one line, a hook that cannot run or has nowhere to write."""
     if samples is None:
         if sample_every or samples_dir is not None:
-            raise UsageError("sample_every/samples_dir were given without samples=draw(model, step) -> images; "
-                             "give the function that draws them")
+            raise UsageError("sample_every/samples_dir were given without samples=draw(model, step) -> "
+                             "images; give the function that draws them")
         return
     if not callable(samples):
-        raise UsageError(f"samples is a {type(samples).__name__}; give a function draw(model, step) -> images in [0, 1]")
+        raise UsageError(f"samples is a {type(samples).__name__}; give a function draw(model, step) -> "
+                         "images in [0, 1]")
     if samples_dir is None:
         raise UsageError("samples= needs samples_dir=DIR, where the PNG grids are written")

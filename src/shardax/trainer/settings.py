@@ -70,8 +70,8 @@ class FitSettings:
     eval_ema: bool = False
 
     def __post_init__(self) -> None:
-        for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0), ("keep_checkpoints", 1),
-                            ("sample_every", 0)):
+        for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0),
+                            ("keep_checkpoints", 1), ("sample_every", 0)):
             check_at_least(name, getattr(self, name), least)
         if self.steps is not None:
             check_at_least("steps", self.steps, 1)
@@ -79,8 +79,10 @@ class FitSettings:
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("`resume=True` needs checkpoint_dir (where the run's checkpoints are)")
 
-    def due(self, step: int, first: bool, evaluating: bool, saving: bool, sampling: bool = False) -> dict[str, bool]:
-        """What step ``step`` writes: a log record, an evaluation, samples, a checkpoint (the last step all)."""
+    def due(self, step: int, first: bool, evaluating: bool, saving: bool,
+            sampling: bool = False) -> dict[str, bool]:
+        """What step ``step`` writes: a log record, an evaluation, samples, a checkpoint (the last step
+        all)."""
         last = step == self.steps
         return {"log": step % self.log_every == 0 or first or last,
                 "eval": evaluating and ((self.eval_every and step % self.eval_every == 0) or last),
@@ -98,6 +100,7 @@ def settings_given(settings: Any, keywords: FitSettings) -> FitSettings:
     given = [field.name for field in dataclasses.fields(FitSettings)
              if getattr(keywords, field.name) != field.default]
     if given:
-        raise UsageError(f"fit() got settings=FitSettings(...) and {given[0]}={getattr(keywords, given[0])!r}; give "
-                         f"{given[0]} inside the FitSettings (dataclasses.replace(settings, {given[0]}=...))")
+        raise UsageError("fit() got settings=FitSettings(...) and "
+                         f"{given[0]}={getattr(keywords, given[0])!r}; give {given[0]} inside the "
+                         f"FitSettings (dataclasses.replace(settings, {given[0]}=...))")
     return settings

@@ -95,9 +95,9 @@ class IterableSource(BatchSource):
         super().resume(record, step)
         if self.batches_read and iter(self.data) is self.data:
             raise UsageError(
-                f"resuming after {self.batches_read} batches needs data that can be read again from its start, "
-                f"but the data is a one-pass {type(self.data).__name__}; pass a list, a Grain dataset, a function "
-                "of the step, or an object whose iter() starts over"
+                f"resuming after {self.batches_read} batches needs data that can be read again from its "
+                f"start, but the data is a one-pass {type(self.data).__name__}; pass a list, a Grain "
+                "dataset, a function of the step, or an object whose iter() starts over"
             )
         self.iterator = itertools.islice(iter(self.data), self.batches_read, None)
 
@@ -126,7 +126,8 @@ class GrainSource(BatchSource):
         grain = _grain()
         if isinstance(data, grain.MapDataset):
             data = data.to_iter_dataset()
-        self.iterator = data if isinstance(data, (grain.DatasetIterator, grain.DataLoaderIterator)) else iter(data)
+        self.iterator = (data if isinstance(data, (grain.DatasetIterator, grain.DataLoaderIterator))
+                         else iter(data))
 
     def next(self) -> Any | None:
         batch = next(self.iterator, None)

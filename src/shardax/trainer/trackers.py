@@ -40,7 +40,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     """A record's finite numbers by tracker name (``train/loss``, ``eval/loss``), the step left out."""
     named = {}
     for key, value in record.items():
-        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (key == "step" or isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value)):
             continue
         named[f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"] = float(value)
     return named
@@ -52,12 +53,12 @@ def parse_tracker(spec: Any, label: str = "trackers") -> Any:
     if not isinstance(spec, str):
         if callable(getattr(spec, "write", None)) and callable(getattr(spec, "close", None)):
             return spec
-        raise UsageError(f"{label} got {spec!r}; give 'tensorboard:DIR', 'mlflow:DIR', 'wandb:DIR' or an object with "
-                         "write(record) and close()")
+        raise UsageError(f"{label} got {spec!r}; give 'tensorboard:DIR', 'mlflow:DIR', 'wandb:DIR' or an "
+                         "object with write(record) and close()")
     kind, colon, directory = spec.partition(":")
     if not colon or kind not in KINDS or not directory:
-        raise UsageError(f"{label} got {spec!r}; write it as KIND:DIRECTORY with KIND one of {', '.join(KINDS)}, "
-                         "e.g. 'mlflow:runs/mlflow'")
+        raise UsageError(f"{label} got {spec!r}; write it as KIND:DIRECTORY with KIND one of "
+                         f"{', '.join(KINDS)}, e.g. 'mlflow:runs/mlflow'")
     module, extra = PACKAGES[kind]
     try:
         __import__(module)
@@ -143,7 +144,8 @@ class MLflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics)
 
     def write_image(self, tag: str, image: Any, step: int) -> None:
-        self.client.log_image(self.run_id, image[..., 0] if image.shape[-1] == 1 else image, key=tag, step=step)
+        self.client.log_image(self.run_id, image[..., 0] if image.shape[-1] == 1 else image, key=tag,
+                              step=step)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

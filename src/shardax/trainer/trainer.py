@@ -4,7 +4,8 @@
     result = trainer.fit(train_batches, steps=1000, eval_data=held_out, eval_every=100,
                          checkpoint_dir="runs/a/ckpt", checkpoint_every=200, metrics="runs/a/metrics.jsonl")
 
-    trainer = Trainer(parts={"generator": Part(G, optax.adam(2e-4)), "discriminator": Part(D, optax.adam(2e-4))},
+    trainer = Trainer(parts={"generator": Part(G, optax.adam(2e-4)),
+                             "discriminator": Part(D, optax.adam(2e-4))},
                       step=gan_step, strategy="fsdp")   # several models, the user's own step
 
 ``loss_fn(model, batch)`` returns the mean loss, or ``(loss, {"accuracy": ..., ...})``. The
@@ -30,25 +31,25 @@ from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
-from shardax.parts import Part, ParallelParts
 from shardax.models.transformer import LoRA
+from shardax.parts import ParallelParts, Part
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy
-from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.ema import keeps_average
+from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.parts import StepFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.trainer.display import count_parameters
-from shardax.trainer.preemption import StopSignals
 from shardax.trainer.models import first_weights, model_factory
+from shardax.trainer.preemption import StopSignals
 from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, Run, batch_rows, host_float
 from shardax.trainer.samples import SampleFn, check_samples
-from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.settings import FitSettings, settings_given
+from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.trackers import parse_tracker
 
 
@@ -111,34 +112,39 @@ class Trainer:
         objects with ``write(record)`` and ``close()``; see ``shardax.trainer.trackers``.
     """
 
-    def __init__(self, model: ModelFactory | None = None, optimizer: optax.GradientTransformation | None = None,
-                 loss_fn: LossFn | None = None, *, parts: Mapping[str, Part] | None = None,
-                 step: StepFn | None = None, eval_fn: StepFn | None = None, mesh: Mesh | str | dict | None = None, strategy: str | Strategy = "dp", grad_accum: int = 1,
-                 microbatches: int | None = None, pipeline_repeats: int = 1, context_attention: str = "all-gather",
-                 seed: int = 0, eval_loss_fn: LossFn | None = None,
+    def __init__(self, model: ModelFactory | None = None,
+                 optimizer: optax.GradientTransformation | None = None, loss_fn: LossFn | None = None, *,
+                 parts: Mapping[str, Part] | None = None, step: StepFn | None = None,
+                 eval_fn: StepFn | None = None, mesh: Mesh | str | dict | None = None,
+                 strategy: str | Strategy = "dp", grad_accum: int = 1, microbatches: int | None = None,
+                 pipeline_repeats: int = 1, context_attention: str = "all-gather", seed: int = 0,
+                 eval_loss_fn: LossFn | None = None,
                  learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
-                 axis_names: AxisNames = None, example_batch: Any = None,
-                 init_from: str | Path | None = None, lora: LoRA | None = None,
-                 trackers: Sequence[Any] = ()) -> None:
+                 axis_names: AxisNames = None, example_batch: Any = None, init_from: str | Path | None = None,
+                 lora: LoRA | None = None, trackers: Sequence[Any] = ()) -> None:
         for tracker in trackers:
             parse_tracker(tracker)  # a bad one refused now, before any work; each fit opens them
         self.trackers = list(trackers)
         self.settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
-                                             pipeline_repeats=pipeline_repeats, context_attention=context_attention)
+                                             pipeline_repeats=pipeline_repeats,
+                                             context_attention=context_attention)
         self.init_from = init_from
         self.weights = first_weights(init_from)
-        self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from, lora,
-                                     grad_accum)
+        self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from,
+                                     lora, grad_accum)
         self.parallel: ParallelModel | ParallelParts
         if self.parts is not None:
             self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=axis_names,
                                                  example_batch=example_batch)
             self.schedule, self.context_attention = None, None
         else:
-            self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer, self.settings,
-                                                 axis_names=axis_names, loss_fn=loss_fn, example_batch=example_batch)
-            self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)  # checked here, at the start
-            self.context_attention = self.parallel.context_attention(context_attention)  # None: no context axis
+            self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer,
+                                                 self.settings, axis_names=axis_names, loss_fn=loss_fn,
+                                                 example_batch=example_batch)
+            # checked here, at the start
+            self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)
+            # None: no context axis
+            self.context_attention = self.parallel.context_attention(context_attention)
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
         self.step_fn, self.eval_fn = step, eval_fn
         self.seed, self.name, self.learning_rate = seed, name, learning_rate
@@ -159,7 +165,8 @@ class Trainer:
             self.settings.check_batch(np.shape(leaves[0])[0])  # the global batch: said in its own words
         batch = abstract_batch(example_batch, self.parallel.layout.batch())
         self.settings.check_batch(batch_rows(batch))
-        jax.eval_shape(self.train_step(), self.parallel.abstract_state, batch)  # eval batches may hold more keys
+        # eval batches may hold more keys
+        jax.eval_shape(self.train_step(), self.parallel.abstract_state, batch)
         self.checked = True
 
     @property
@@ -193,7 +200,8 @@ class Trainer:
         if on_nonfinite not in self._steps and self.parts is not None:
             self._steps[on_nonfinite] = self.parallel.train_step(self.step_fn, nonfinite=on_nonfinite)
         if on_nonfinite not in self._steps:
-            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, grad_accum=self.settings.grad_accum,
+            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn,
+                                                                 grad_accum=self.settings.grad_accum,
                                                                  nonfinite=on_nonfinite,
                                                                  **self.settings.schedule_options)
         return self._steps[on_nonfinite]
@@ -201,8 +209,8 @@ class Trainer:
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
         if "eval" not in self._steps and self.parts is not None:
             if self.eval_fn is None:
-                raise UsageError("this run of parts has no evaluation step; give Trainer(eval_fn=lambda parts, batch: "
-                                 "{'name': scalar, ...}) to evaluate, or leave eval_data out")
+                raise UsageError("this run of parts has no evaluation step; give Trainer(eval_fn=lambda "
+                                 "parts, batch: {'name': scalar, ...}) to evaluate, or leave eval_data out")
             self._steps["eval"] = self.parallel.eval_step(self.eval_fn)
         if "eval" not in self._steps:
             self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.settings.schedule_options)
@@ -256,8 +264,8 @@ class Trainer:
         if ema and name in self.parallel.averaged_parts(state):
             state = self.parallel.ema_state(state)
         elif ema:
-            raise UsageError(f"part {name!r} keeps no moving average of its weights; chain shardax.ema_params(decay) "
-                             "last in its optimizer, or take it with ema=False")
+            raise UsageError(f"part {name!r} keeps no moving average of its weights; chain "
+                             "shardax.ema_params(decay) last in its optimizer, or take it with ema=False")
         model = self.parallel.part(state, name)
         model.eval()
         return model
@@ -279,8 +287,8 @@ class Trainer:
         averaged = (self.parallel.averaged_parts(abstract) if self.parts is not None
                     else keeps_average(abstract.opt_state))
         if eval_ema and not averaged:
-            raise UsageError("eval_ema=True evaluates the moving average of the weights, and the optimizer keeps "
-                             "none; chain shardax.ema_params(decay) last in it, or drop eval_ema")
+            raise UsageError("eval_ema=True evaluates the moving average of the weights, and the optimizer "
+                             "keeps none; chain shardax.ema_params(decay) last in it, or drop eval_ema")
 
     def _models(self) -> str:
         """What is trained: the model's class, or each part's name and class."""
@@ -292,18 +300,21 @@ class Trainer:
 
     def title(self) -> str:
         """One line naming the run for plots: name, model, size, strategy, mesh."""
-        parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
+        parameters = sum(int(np.prod(leaf.shape))
+                         for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
         model = self._models()
-        return (f"{self.name}: {model} of {count_parameters(parameters)} parameters, {self.strategy.name} on mesh "
-                f"{describe_mesh(self.mesh)} ({self.mesh.devices.size} {jax.devices()[0].platform} devices)")
+        return (f"{self.name}: {model} of {count_parameters(parameters)} parameters, {self.strategy.name} on "
+                f"mesh {describe_mesh(self.mesh)} ({self.mesh.devices.size} {jax.devices()[0].platform} "
+                "devices)")
 
     def describe(self) -> list[str]:
         """The lines printed at the start of ``fit``: model size, strategy, mesh, state per device."""
-        parameters = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
+        parameters = sum(int(np.prod(leaf.shape))
+                         for leaf in jax.tree.leaves(self.parallel.abstract_state.params))
         lines = [
             f"[bold]{self.name}[/bold]: {count_parameters(parameters)} parameters, strategy "
-            f"[bold]{self.strategy.name}[/bold] ({self.strategy.description}) on mesh {describe_mesh(self.mesh)} "
-            f"({describe_devices(self.mesh)})",
+            f"[bold]{self.strategy.name}[/bold] ({self.strategy.description}) on mesh "
+            f"{describe_mesh(self.mesh)} ({describe_devices(self.mesh)})",
             f"state: {report(self.parallel).summary()}",
         ]
         if self.parts is not None:
@@ -311,14 +322,15 @@ class Trainer:
         if self.schedule is not None:
             schedule = self.schedule
             repeats = f" x {schedule.repeats} repeats" if schedule.repeats > 1 else ""
-            lines.append(f"pipeline: {schedule.stages} stages x {schedule.microbatches} microbatches{repeats}: "
-                         f"{schedule.iterations} stage iterations per step, bubble {100 * schedule.bubble:.1f}%")
+            lines.append(f"pipeline: {schedule.stages} stages x {schedule.microbatches} "
+                         f"microbatches{repeats}: {schedule.iterations} stage iterations per step, bubble "
+                         f"{100 * schedule.bubble:.1f}%")
         if self.context_attention is not None:
             shards = self.mesh.shape["context"]
             how = ("keys and values all-gathered" if self.context_attention == "all-gather"
                    else "keys and values passed round a ring")
-            # a loss marked sequence_order="zig-zag" (shardax's LM losses) feeds the model its tokens so; another
-            # loss feeds them in order, and each device holds one contiguous share
+            # a loss marked sequence_order="zig-zag" (shardax's LM losses) feeds the model its tokens so;
+            # another loss feeds them in order, and each device holds one contiguous share
             order = (f"zig-zag order ({2 * shards} chunks, each device two)"
                      if getattr(self.loss_fn, "sequence_order", None) == "zig-zag"
                      else "in order (one contiguous share each)")
@@ -329,7 +341,8 @@ class Trainer:
                      for leaf in layout.leaves.values() if leaf.notes]
         tensor = self.strategy.tensor_axis(self.mesh)
         whole = [f"  whole on {tensor}: {', '.join(part + path for path in paths)}: {reason}"
-                 for part, layout in layouts.items() for reason, paths in layout.whole_on_tensor_axis().items()]
+                 for part, layout in layouts.items()
+                 for reason, paths in layout.whole_on_tensor_axis().items()]
         return lines + [f"  replicated or moved: {note}" for note in fallbacks[:5]] + whole
 
     def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
@@ -364,9 +377,9 @@ class Trainer:
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
         settings = settings_given(settings, FitSettings(
-            steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints, on_nonfinite,
-            metrics, tensorboard, tokens_per_example, record, summary, loss_unit, baselines, sample_every, samples_dir,
-            eval_ema))
+            steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
+            on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit, baselines,
+            sample_every, samples_dir, eval_ema))
         self._check_hooks(samples, settings.sample_every, settings.samples_dir, settings.eval_ema)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None

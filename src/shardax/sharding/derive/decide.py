@@ -51,27 +51,31 @@ def derive_split(loss_of_params: Callable[[Any, Any, Any], Any], params: Any, re
     walker.walk(jaxpr)
     if walker.grouped_convs:
         raise UsageError(
-            f"the model computes a grouped convolution outside nnx.Conv ({walker.grouped_convs[0]}); under tensor "
-            "parallelism XLA's partitioner multiplies its kernel gradient by the devices the batch repeats over, so "
-            "call shardax.grouped_conv in place of jax.lax.conv_general_dilated there (the same arguments), or "
-            "train with a strategy without a model axis")
+            f"the model computes a grouped convolution outside nnx.Conv ({walker.grouped_convs[0]}); under "
+            "tensor parallelism XLA's partitioner multiplies its kernel gradient by the devices the batch "
+            "repeats over, so call shardax.grouped_conv in place of jax.lax.conv_general_dilated there (the "
+            "same arguments), or train with a strategy without a model axis")
     return _decide(classes, dict(zip(paths, param_vars)), model_size, expert_size)
 
 
 # what each primitive that cuts a dimension does to it, in a reason's words
-_CUTS = {"concatenate": "concatenated (a skip joined on the channels)", "reshape": "reshaped (patches, heads)",
+_CUTS = {"concatenate": "concatenated (a skip joined on the channels)",
+         "reshape": "reshaped (patches, heads)",
          "conv_general_dilated": "a convolution's window or grouped channels", "pad": "padded",
-         "reduce_window": "pooled over a window", "gather": "gathered from", "split": "split into pieces (adaLN's shift, scale and gate)",
+         "reduce_window": "pooled over a window", "gather": "gathered from",
+         "split": "split into pieces (adaLN's shift, scale and gate)",
          "broadcast_in_dim": "broadcast from a smaller size"}
 
 
 def _cut_reason(marks: set[str]) -> str:
     """Why a dimension that is cut stays whole: what cuts it, by the primitives that did."""
-    words = sorted({_CUTS.get(mark.split(":", 1)[1], "sliced") for mark in marks if mark.startswith("cut-by:")})
+    words = sorted({_CUTS.get(mark.split(":", 1)[1], "sliced") for mark in marks
+                    if mark.startswith("cut-by:")})
     return f"it is {', '.join(words) or 'sliced'}"
 
 
-def _verdicts(classes: DimensionClasses, model_size: int, expert_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
+def _verdicts(classes: DimensionClasses, model_size: int,
+              expert_size: int) -> tuple[dict[Node, str], dict[Node, str]]:
     """Per class root: the logical name it splits as, or why it cannot."""
     for whole, major in classes.soft:  # tie merged dimensions to their major part where it divides
         if whole is None or major is None:
@@ -88,36 +92,54 @@ def _verdicts(classes: DimensionClasses, model_size: int, expert_size: int) -> t
         sizes[root].add(classes.sizes[node])
     names, reasons = {}, {}
     for root, marks in flags.items():
-        bad = sorted(size for size in sizes[root] if size % model_size)
-        unknown = sorted(m.split(":", 1)[1] for m in marks if m.startswith("unknown:"))
-        if _experts(marks) and unknown:
-            reasons[root] = (f"the experts' dimension, passing through {', '.join(unknown)}, which shardax does "
-                             "not follow")
-        elif _experts(marks) and (uneven := sorted(size for size in sizes[root] if size % expert_size)):
-            reasons[root] = f"the experts' dimension: sizes {uneven} do not divide over expert={expert_size}"
-        elif _experts(marks):
-            names[root] = "expert"
-        elif "input" in marks:
-            reasons[root] = "it is a dimension of the batch's inputs or targets"
-        elif unknown:
-            reasons[root] = f"it passes through {', '.join(unknown)}, which shardax does not follow"
-        elif "stacked" in marks:
-            reasons[root] = "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
-        elif "cut" in marks:
-            reasons[root] = _cut_reason(marks)
-        elif "produced" in marks and "consumed" in marks and "reduced" in marks:
-            reasons[root] = "the model width: normalised or reduced over between the weights that share it"
-        elif "produced" in marks and "consumed" in marks and not bad:
-            names[root] = "heads" if "attention" in marks else "mlp"
-        elif ("produced" in marks or "lookup" in marks) and "consumed" not in marks and not bad:
-            names[root] = "vocab"
-        elif bad:
-            reasons[root] = f"sizes {bad} are not multiples of model={model_size}"
-        elif "reduced" in marks:
-            reasons[root] = "reduced over between activations (attention's head_dim, a softmax)"
+        name, reason = _verdict(marks, sizes[root], model_size, expert_size)
+        if name:
+            names[root] = name
         else:
-            reasons[root] = "no weight produces it and a later one consumes it"
+            reasons[root] = reason
     return names, reasons
+
+
+def _verdict(marks: set[str], sizes: set[int], model_size: int, expert_size: int) -> tuple[str | None, str]:
+    """One class's verdict: the logical name it splits as (then no reason), or why it cannot."""
+    bad = sorted(size for size in sizes if size % model_size)
+    unknown = sorted(m.split(":", 1)[1] for m in marks if m.startswith("unknown:"))
+    if _experts(marks):
+        uneven = sorted(size for size in sizes if size % expert_size)
+        if unknown:
+            return None, (f"the experts' dimension, passing through {', '.join(unknown)}, which shardax "
+                          "does not follow")
+        if uneven:
+            return None, f"the experts' dimension: sizes {uneven} do not divide over expert={expert_size}"
+        return "expert", ""
+    whole = _kept_whole(marks, unknown)
+    if whole:
+        return None, whole
+    if "produced" in marks and "consumed" in marks and "reduced" in marks:
+        return None, "the model width: normalised or reduced over between the weights that share it"
+    if "produced" in marks and "consumed" in marks and not bad:
+        return ("heads" if "attention" in marks else "mlp"), ""
+    if ("produced" in marks or "lookup" in marks) and "consumed" not in marks and not bad:
+        return "vocab", ""
+    if bad:
+        return None, f"sizes {bad} are not multiples of model={model_size}"
+    if "reduced" in marks:
+        return None, "reduced over between activations (attention's head_dim, a softmax)"
+    return None, "no weight produces it and a later one consumes it"
+
+
+def _kept_whole(marks: set[str], unknown: list[str]) -> str | None:
+    """Why a class stays whole whatever its sizes: an input's dimension, one passing where shardax
+    does not follow, a scan's steps, or one that is cut (None: none of these)."""
+    if "input" in marks:
+        return "it is a dimension of the batch's inputs or targets"
+    if unknown:
+        return f"it passes through {', '.join(unknown)}, which shardax does not follow"
+    if "stacked" in marks:
+        return "the steps of a scan (a stack's layers: a pipeline's stage axis, never split over model)"
+    if "cut" in marks:
+        return _cut_reason(marks)
+    return None
 
 
 def _experts(marks: set[str]) -> bool:

@@ -14,9 +14,11 @@ _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_
                "argmin", "reduce_xor"}
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 _CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-          "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr", "custom_lin": None}
-_FRESH = {"iota", "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform"}
+          "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+          "custom_vjp_call_jaxpr": "fun_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
+          "custom_lin": None}
+_FRESH = {"iota", "random_bits", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator",
+          "rng_uniform"}
 
 
 # primitives whose results are random bits: what a model draws from its RNG streams in __call__
@@ -41,7 +43,8 @@ class Walker:
         for eqn in jaxpr.eqns:
             kinds = {self.kind_of(v) for v in eqn.invars}
             if eqn.primitive.name in RANDOM_DRAWS:
-                kinds.add("act")  # a draw from the model's own RNG stream (a GAN's noise) is data, like the batch
+                # a draw from the model's own RNG stream (a GAN's noise) is data, like the batch
+                kinds.add("act")
             out_kind = "act" if "act" in kinds else "weight" if "weight" in kinds else None
             for out in eqn.outvars:
                 if out_kind:
@@ -163,7 +166,8 @@ class Walker:
             if len(big_in) == 1 and len(big_out) == 1:
                 self.classes.tie(ins[0], big_in[0], outs[0], big_out[0])
                 continue
-            if len(big_in) == 1 or len(big_out) == 1:  # a split or a merge: the major part goes with the whole
+            if len(big_in) == 1 or len(big_out) == 1:
+                # a split or a merge: the major part goes with the whole
                 whole, parts = (ins[0], big_in[0]), [(outs[0], d) for d in big_out]
                 if len(big_out) == 1:
                     whole, parts = (outs[0], big_out[0]), [(ins[0], d) for d in big_in]
