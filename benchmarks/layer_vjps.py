@@ -30,7 +30,7 @@ from pathlib import Path
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--preset", default=None,
-                    help="the timed preset (default: notebook on CPU, medium on GPU)")
+                    help="the timed preset (default: gpt-style on CPU, medium on GPU)")
 parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
 parser.add_argument("--steps", type=int, default=40, help="timed pairs after 3 warm-up pairs")
 parser.add_argument("--memory-presets", default="small,medium", help="presets compiled for memory only")
@@ -49,13 +49,13 @@ import optax  # noqa: E402
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
 from shardax.analysis.plan import compile_step, compiled_memory  # noqa: E402
 from shardax.models import ops, transformer  # noqa: E402
-from shardax.models.presets import SEED_NOTEBOOK, get_preset  # noqa: E402
+from shardax.models.presets import GPT_STYLE, get_preset  # noqa: E402
 
 
 def preset_named(name: str):
-    """A preset, or ``notebook``: the seed notebook's GPT-shaped model (layer norms and GELU, the
+    """A preset, or ``gpt-style``: the GPT-2-style model (layer norms and GELU, the
     layers whose custom VJPs this times; the presets are Llama-shaped)."""
-    return SEED_NOTEBOOK if name == "notebook" else get_preset(name)
+    return GPT_STYLE if name == "gpt-style" else get_preset(name)
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 
@@ -94,7 +94,7 @@ def timed(compiled, holder, batch) -> float:
     return time.perf_counter() - start
 
 
-preset = args.preset or ("medium" if ON_GPU else "notebook")
+preset = args.preset or ("medium" if ON_GPU else "gpt-style")
 batch_size = args.batch_size or preset_named(preset).batch_size
 runs = {}
 for name, plain in (("custom", False), ("autodiff", True)):

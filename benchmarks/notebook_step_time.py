@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from shardax import DeviceMeshManager, parallelize  # noqa: E402
-from shardax.models.presets import SEED_NOTEBOOK  # noqa: E402
+from shardax.models.presets import GPT_STYLE  # noqa: E402
 from shardax.models.transformer import TransformerLM, next_token_loss  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def notebook_stepper(nb, mesh):
 
 
 def shardax_stepper(mesh, cfg):
-    model = SEED_NOTEBOOK.config(scan_layers=False)
+    model = GPT_STYLE.config(scan_layers=False)
     parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(cfg.lr), mesh, "dp")
     state = {"state": parallel.init(seed=0)}
     step = parallel.train_step(next_token_loss)

@@ -69,7 +69,7 @@ from shardax.models.transformer import TransformerConfig, TransformerLM  # noqa:
 
 RESULTS = Path(__file__).parent / "results" / "plan_fit.json"
 # the presets the fit was made on: shardax 0.1's (GELU MLPs); see PRESETS_0_1
-PRESET_NAMES = ("tiny", "notebook", "small", "medium", "large", "1b")
+PRESET_NAMES = ("tiny", "gpt-style", "small", "medium", "large", "1b")
 # Presets whose model changed after the fit was made, as they were (the tiny preset's default run now
 # trains on 64-token sequences; the fit and its held-out checks were made at 128).
 AS_FITTED = {"tiny": {"seq_len": 128}}
@@ -92,7 +92,7 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
                "positions": "learned"}, "hsdp", "replica=2,data=4", 16, 1),
              ({"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512, "seq_len": 512, "vocab_size": 256,
                "positions": "learned", "remat": "dots_saveable"}, "fsdp", "data=8", 16, 1)]
-    for name in ("tiny", "notebook", "small"):
+    for name in ("tiny", "gpt-style", "small"):
         for remat in ("none", "full"):
             cases += [({"preset": name, "remat": remat, "scan_layers": False}, s, m,
                        PRESETS_0_1[name].batch_size, 1)
@@ -112,7 +112,7 @@ def training_cases() -> list[tuple[dict, str, str, int, int]]:
                   for s, m in [("zero2", "data=8"), *some[:2]]]
         cases += [({"preset": "large", "remat": remat}, s, m, 16, 1) for s, m in every]
     # many rows per device (one device holding the whole batch, as on a single GPU)
-    for name in ("tiny", "notebook", "small"):
+    for name in ("tiny", "gpt-style", "small"):
         batch = PRESETS_0_1[name].batch_size
         for remat in ("none", "full", "dots_saveable"):
             cases += [({"preset": name, "remat": remat}, s, m, batch, 1)

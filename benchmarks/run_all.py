@@ -174,7 +174,7 @@ def notebook_step_time_rows(notebook: dict | None) -> list[str]:
         return []
     spread = notebook.get("tokens_per_s_ratio_quartiles")
     spread = f"quartiles {spread[0]:.3f} to {spread[1]:.3f}; " if spread else ""
-    return [(f"| 5. tokens/s, `notebook` preset, blocks in a loop like the notebook's, vs the "
+    return [(f"| 5. tokens/s, the GPT-style model, blocks in a loop like the notebook's, vs the "
              f"notebook's own code (median of interleaved pairs) | "
              f"{notebook['tokens_per_s_ratio']:.3f}x "
              f"({spread}{notebook['shardax_tokens_per_s']:,.0f} vs "

@@ -207,7 +207,7 @@ def plan_accuracy() -> dict:
     fsdp_tp_4 = [("fsdp_tp", "data=2,model=4")]
     some = [("dp", "data=8"), ("fsdp", "data=8")]
     defaults = [(f"{name}, every strategy", name, STRATEGY_MESHES, [{}], get_preset(name).batch_size, 1)
-                for name in ("notebook", "small", "medium", "large", "1b")]
+                for name in ("gpt-style", "small", "medium", "large", "1b")]
     cases = [
         *defaults,
         ("medium, remat full, every strategy", "medium", STRATEGY_MESHES, [{"remat": "full"}], 16, 1),

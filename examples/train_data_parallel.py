@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from shardax import DataParallel, DeviceMeshManager, get_mesh_info, spmd_train_step  # noqa: E402
+from shardax import DeviceMeshManager, get_mesh_info  # noqa: E402
+from shardax.compat import DataParallel, spmd_train_step  # noqa: E402
 
 
 class Classifier(nnx.Module):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardax import DataParallel, create_data_parallel_sharding, place_batch_on_shards
+from shardax.compat import DataParallel, create_data_parallel_sharding, place_batch_on_shards
 
 
 def rows_on_each_device(array):

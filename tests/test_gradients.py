@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardax import DataParallel, reduce_gradient_tree, reduce_gradients_across_devices
+from shardax.compat import DataParallel, reduce_gradient_tree, reduce_gradients_across_devices
 
 
 def per_device_gradients(mesh):

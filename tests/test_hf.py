@@ -245,12 +245,12 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
     with pytest.raises(UsageError, match="taken already exists and is not an empty directory"):
         loaded.save(tmp_path / "taken")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
-    from shardax.models.presets import SEED_NOTEBOOK
+    from shardax.models.presets import GPT_STYLE
 
     with pytest.raises(UsageError, match=r"only the Llama and Gemma families .* have a Hugging Face layout "
                                          r"to save in \(shardax 0.1's presets had layer norms and GELU MLPs: "
                                          r"a new run of a preset exports\)"):
-        hf.save(tmp_path / "preset", loaded.state.params, SEED_NOTEBOOK.config())
+        hf.save(tmp_path / "preset", loaded.state.params, GPT_STYLE.config())
     assert not (tmp_path / "preset").exists()
 
 

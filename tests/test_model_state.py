@@ -10,7 +10,7 @@ from flax.training.train_state import TrainState
 from jax.sharding import PartitionSpec as P
 from small_models import MLP
 
-from shardax import (
+from shardax.compat import (
     DataParallel,
     model_state_shardings,
     place_model_state_on_shards,

@@ -19,7 +19,7 @@ from shardax import DeviceMeshManager, Strategy, parallelize
 from shardax.analysis.lint import lint, optimizer_mismatches
 from shardax.analysis.plan import parse_bytes, plan_strategy, recommend
 from shardax.layers import annotated_param
-from shardax.models.presets import PRESETS_0_1, SEED_NOTEBOOK, get_preset
+from shardax.models.presets import GPT_STYLE, PRESETS_0_1, get_preset
 from shardax.models.transformer import TransformerLM
 
 # Untied head: with tied embeddings XLA all-reduces the two gradient contributions of the table
@@ -161,7 +161,7 @@ def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_plan_for_every_preset_predicts_the_compiled_peak(remat):
-    for name, preset in (("the seed notebook's model", SEED_NOTEBOOK), ("0.1's small", PRESETS_0_1["small"])):
+    for name, preset in (("the GPT-style model", GPT_STYLE), ("0.1's small", PRESETS_0_1["small"])):
         plan = plan_strategy(preset.config(remat=remat), "fsdp", "data=8", batch_size=preset.batch_size)
         assert plan.predicted["state"] == pytest.approx(plan.compiled["arguments"], rel=0.05)
         assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE[remat]), (
@@ -185,7 +185,7 @@ def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_plan_for_blocks_in_a_loop(remat):
     """Blocks in a Python loop: every layer's activations stay live, with remat or without."""
-    preset = SEED_NOTEBOOK
+    preset = GPT_STYLE
     plan = plan_strategy(preset.config(scan_layers=False, remat=remat), "dp", "data=8",
                          batch_size=preset.batch_size)
     assert plan.predicted["total"] == pytest.approx(plan.compiled["peak"], rel=TOLERANCE["looped"]), (

@@ -39,7 +39,7 @@ def run(code, cwd=None):
 
 
 # the sections whose blocks the tests below run; every other block must be marked a fragment
-RUN = {"Quick start", "A first data-parallel step with the seed API", "Your own model", "Strategies",
+RUN = {"Quick start", "A first data-parallel step with artifex's API", "Your own model", "Strategies",
        "Checkpoints are orbax trees",
        "Pipelines and long sequences: `LayerStack` and `Attention`", "Fine-tune a Hugging Face model",
        "Trackers"}
@@ -76,8 +76,8 @@ def test_quick_start_runs_and_prints_a_falling_loss():
             and losses[-1] < 0.1 * losses[0]), losses
 
 
-def test_the_seed_api_step_runs_and_prints_a_falling_loss():
-    code = snippet("A first data-parallel step with the seed API")
+def test_artifex_api_step_runs_and_prints_a_falling_loss():
+    code = snippet("A first data-parallel step with artifex's API")
     code += "\nassert loss.sharding.is_fully_replicated\n"
     printed = re.findall(r"^step (\d+): loss (\d+\.\d+)$", run(code), re.M)
     assert [int(step) for step, _ in printed] == [10, 20, 30]

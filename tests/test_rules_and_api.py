@@ -4,7 +4,7 @@ import pytest
 from flax import nnx
 
 import shardax
-from shardax import data_parallel_rules
+from shardax.compat import data_parallel_rules
 
 
 def test_data_parallel_rules_replicate_annotated_parameters(mesh8):
@@ -30,29 +30,40 @@ def test_data_parallel_rules_split_the_batch(mesh8):
 
 
 EXPECTED_API = {
-    "DataParallel", "DeviceMeshManager", "create_data_parallel_sharding", "data_parallel_rules",
-    "data_parallel_train_step", "describe_mesh", "get_mesh_info", "model_state_shardings",
-    "parse_mesh_shape", "place_batch_on_shards", "place_model_state_on_shards", "place_nnx_state_on_shards",
-    "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
+    "DeviceMeshManager", "describe_mesh", "get_mesh_info", "parse_mesh_shape",
     "ColumnParallelLinear", "RowParallelLinear", "ShardedEmbed", "ShardedLinear", "ParallelModel", "Part",
     "parallelize", "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES",
     "STRATEGIES", "Strategy", "get_strategy", "TrainState", "ema_params", "simulate_cpu_devices",
     "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
     "FitSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss", "dpo_step",
 }
+COMPAT_API = {
+    "DataParallel", "create_data_parallel_sharding", "data_parallel_rules", "data_parallel_train_step",
+    "model_state_shardings", "place_batch_on_shards", "place_model_state_on_shards",
+    "place_nnx_state_on_shards", "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
+}
 
 
 def test_public_api_is_explicit():
     import types
 
+    import shardax.compat
+
     public = {name for name in dir(shardax) if not name.startswith("_")
               and not isinstance(getattr(shardax, name), types.ModuleType)}  # submodules appear once imported
     assert public == EXPECTED_API, sorted(public ^ EXPECTED_API)
+    assert set(shardax.compat.__all__) == COMPAT_API
+    assert shardax.hf.load is not None and shardax.compat.DataParallel is not None
     methods = {"create_data_parallel_sharding", "shard_batch", "shard_model_state", "all_reduce_gradients",
                "replicate_params"}
     for name in methods:
-        assert callable(getattr(shardax.DataParallel, name))
-        assert isinstance(shardax.DataParallel.__dict__[name + "_static"], staticmethod)
+        assert callable(getattr(shardax.compat.DataParallel, name))
+        assert isinstance(shardax.compat.DataParallel.__dict__[name + "_static"], staticmethod)
+
+
+def test_the_compat_names_asked_of_the_top_level_say_where_they_are():
+    with pytest.raises(AttributeError, match=r"from shardax.compat import spmd_train_step"):
+        shardax.spmd_train_step
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["generate", "--help"],

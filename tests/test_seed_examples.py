@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 from small_models import MLP, mse_loss, regression_batches
 
-from shardax import DataParallel, DeviceMeshManager, data_parallel_rules, spmd_train_step
+from shardax import DeviceMeshManager
+from shardax.compat import DataParallel, data_parallel_rules, spmd_train_step
 
 
 class MyModel(nnx.Module):

@@ -11,7 +11,7 @@ from flax.training.train_state import TrainState
 from jax.sharding import AxisType
 from small_models import MLP, assert_trees_close, mse_loss, regression_batches
 
-from shardax import (
+from shardax.compat import (
     DataParallel,
     data_parallel_train_step,
     place_batch_on_shards,

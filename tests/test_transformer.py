@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from small_models import tiny_transformer_config
 
-from shardax.models.presets import PRESETS, SEED_NOTEBOOK, flops_per_token, parameter_count
+from shardax.models.presets import GPT_STYLE, PRESETS, flops_per_token, parameter_count
 from shardax.models.transformer import TransformerConfig, TransformerLM, next_token_loss
 
 TOKENS = np.random.default_rng(0).integers(0, 64, size=(4, 17)).astype(np.int32)
@@ -96,9 +96,9 @@ def test_tied_and_untied_heads():
 def test_presets_span_seconds_to_a_billion_parameters():
     assert parameter_count(PRESETS["tiny"].config()) < 1e6
     assert 0.9e9 < parameter_count(PRESETS["1b"].config()) < 1.2e9
-    notebook = SEED_NOTEBOOK.config()
+    notebook = GPT_STYLE.config()
     assert (notebook.vocab_size, notebook.seq_len, notebook.d_model, notebook.n_heads, notebook.n_layers,
-            notebook.d_ff, SEED_NOTEBOOK.batch_size) == (512, 64, 256, 8, 4, 1024, 32)
+            notebook.d_ff, GPT_STYLE.batch_size) == (512, 64, 256, 8, 4, 1024, 32)
     for preset in PRESETS.values():  # one model family: each exports as a Hugging Face Llama
         assert ((preset.model["positions"], preset.model["norm"], preset.model["mlp"])
                 == ("rotary", "rms", "swiglu"))

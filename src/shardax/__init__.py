@@ -1,7 +1,8 @@
 """shardax: train Flax NNX models across many devices and many hosts.
 
 The names below are imported on first use (``shardax.Trainer`` imports JAX, Flax and optax
-then), so that ``import shardax.cli`` and ``shardax --help`` start without them.
+then), so that ``import shardax.cli`` and ``shardax --help`` start without them. artifex's and
+datarax's data-parallel API (``DataParallel``, ``spmd_train_step``, ...) is in ``shardax.compat``.
 """
 
 import importlib as _importlib
@@ -9,17 +10,6 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # each public name and the module it lives in
 _EXPORTS = {
-    "DataParallel": "shardax.compat",
-    "create_data_parallel_sharding": "shardax.compat",
-    "data_parallel_rules": "shardax.compat",
-    "data_parallel_train_step": "shardax.compat",
-    "model_state_shardings": "shardax.compat",
-    "place_batch_on_shards": "shardax.compat",
-    "place_model_state_on_shards": "shardax.compat",
-    "place_nnx_state_on_shards": "shardax.compat",
-    "reduce_gradient_tree": "shardax.compat",
-    "reduce_gradients_across_devices": "shardax.compat",
-    "spmd_train_step": "shardax.compat",
     "simulate_cpu_devices": "shardax.cpu_devices",
     "ClusterSpec": "shardax.distributed",
     "detect_cluster": "shardax.distributed",
@@ -58,12 +48,27 @@ _EXPORTS = {
     "Trainer": "shardax.trainer.trainer",
 }
 __all__ = sorted(_EXPORTS)
+# artifex's and datarax's names, in shardax.compat: asked for here, the error says where they are
+_COMPAT = frozenset((
+    "DataParallel", "create_data_parallel_sharding", "data_parallel_rules", "data_parallel_train_step",
+    "model_state_shardings", "place_batch_on_shards", "place_model_state_on_shards",
+    "place_nnx_state_on_shards", "reduce_gradient_tree", "reduce_gradients_across_devices", "spmd_train_step",
+))
 __version__ = "0.2.0"
 
 
+# subpackages reached as attributes: ``shardax.hf.load(...)`` after ``import shardax``
+_SUBPACKAGES = ("compat", "hf")
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"shardax.{name}")
     module = _EXPORTS.get(name)
     if module is None:
+        if name in _COMPAT:
+            raise AttributeError(f"shardax.{name} is artifex's and datarax's data-parallel API, kept in "
+                                 f"shardax.compat: from shardax.compat import {name}")
         raise AttributeError(f"module 'shardax' has no attribute {name!r}")
     value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
@@ -75,19 +80,6 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
-    from shardax.compat import (
-        DataParallel as DataParallel,
-        create_data_parallel_sharding as create_data_parallel_sharding,
-        data_parallel_rules as data_parallel_rules,
-        data_parallel_train_step as data_parallel_train_step,
-        model_state_shardings as model_state_shardings,
-        place_batch_on_shards as place_batch_on_shards,
-        place_model_state_on_shards as place_model_state_on_shards,
-        place_nnx_state_on_shards as place_nnx_state_on_shards,
-        reduce_gradient_tree as reduce_gradient_tree,
-        reduce_gradients_across_devices as reduce_gradients_across_devices,
-        spmd_train_step as spmd_train_step,
-    )
     from shardax.cpu_devices import simulate_cpu_devices as simulate_cpu_devices
     from shardax.distributed import (
         ClusterSpec as ClusterSpec,

@@ -54,7 +54,7 @@ def remat_plain_loop(platform: str) -> bool:
     reduce-precision op): on GPUs, where it took ``medium``'s step from 58.3 ms in 14.3 GB to
     57.2 ms in 12.3 GB on an H100 (benchmark 24). Not on TPUs, where XLA:TPU's compile of ``small``
     needs 0.65 GB without it against 0.85 GB with it, and fewer HBM bytes (benchmark 22), nor on
-    XLA:CPU, which runs each mark as one more copy (about 3% of the notebook's step; inside a
+    XLA:CPU, which runs each mark as one more copy (about 3% of the GPT-style model's step; inside a
     scan, dropping it measured no faster)."""
     return platform == "gpu"
 

@@ -1,9 +1,9 @@
 """Shardable layers for users who write their own models.
 
 Each parameter is declared once with logical axis names; a strategy's rules decide where they
-land. ``ShardedLinear`` is the seed's example done right: it stays an ``nnx.Param`` (the seed
-overwrote it with a raw array), works with or without a mesh, and its bias is sharded like
-the output features it belongs to.
+land. ``ShardedLinear`` stays an ``nnx.Param`` (artifex's planned example overwrote it with a
+raw array), works with or without a mesh, and its bias is sharded like the output features it
+belongs to.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ process = start_worker()
 
 import jax  # noqa: E402
 
-from shardax import DataParallel, DeviceMeshManager  # noqa: E402
+from shardax import DeviceMeshManager  # noqa: E402
+from shardax.compat import DataParallel  # noqa: E402
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 mesh = DeviceMeshManager().create_device_mesh("data=-1")

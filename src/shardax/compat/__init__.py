@@ -1,11 +1,11 @@
-"""The seed documents' data-parallel API, kept for code written against it.
+"""artifex's and datarax's data-parallel API, kept for code written against it.
 
 artifex's ``DataParallel`` (each method also a ``*_static`` staticmethod) and datarax's
 functions, with the names and signatures of those documents and the behaviour a careful user
 expects (numpy batches placed, sizes checked up front, ``"shard"`` safe on biases and scalars,
 gradients averaged rather than collapsed). They place state and batches with the same code as
 ``shardax.parallelize``; new code should use ``parallelize`` and ``shardax.Trainer``, which
-cover every strategy. Every name here is importable from ``shardax`` too.
+cover every strategy.
 """
 
 from shardax.compat.data_parallel import (

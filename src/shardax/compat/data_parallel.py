@@ -1,6 +1,6 @@
 """artifex's ``DataParallel`` and datarax's placement functions, one implementation.
 
-The names and signatures follow the seed documents; the behaviour is the one a careful user
+The names and signatures follow those libraries' documentation; the behaviour is the one a careful user
 expects: numpy batches are placed, sizes are checked up front, ``"shard"`` never crashes on a
 bias or a scalar, and gradients are averaged, not collapsed.
 """

@@ -52,12 +52,12 @@ PRESETS: dict[str, Preset] = {
                  description="1.0B parameters (remat on by default)"),
 }
 
-# The seed notebook's own model (learned positions, layer norms, a GELU MLP with biases, as
-# GPT-2 has them), kept for the benchmarks and tests that compare shardax with the notebook's
-# code; it is not a preset of ``shardax train`` (it has no Hugging Face form to export to).
-SEED_NOTEBOOK = Preset(dict(vocab_size=512, seq_len=64, d_model=256, n_heads=8, n_layers=4, d_ff=1024,
-                            positions="learned", tie_embeddings=False), steps=50, batch_size=32, lr=3e-4,
-                       description="the seed notebook's model: vocab 512, seq 64, d 256, 8 heads, 4 layers")
+# A GPT-2-style model (learned positions, layer norms, a GELU MLP with biases), the shape of the
+# data-parallel notebook's that shardax's benchmarks compare with; it is not a preset of
+# ``shardax train`` (it has no Hugging Face form to export to).
+GPT_STYLE = Preset(dict(vocab_size=512, seq_len=64, d_model=256, n_heads=8, n_layers=4, d_ff=1024,
+                        positions="learned", tie_embeddings=False), steps=50, batch_size=32, lr=3e-4,
+                   description="GPT-2-style: vocab 512, seq 64, d 256, 8 heads, 4 layers, learned positions")
 
 
 # The presets as shardax 0.1 had them (layer norms, GELU MLPs with biases, 4x the width), on
@@ -66,7 +66,7 @@ SEED_NOTEBOOK = Preset(dict(vocab_size=512, seq_len=64, d_model=256, n_heads=8, 
 PRESETS_0_1: dict[str, Preset] = {
     name: dataclasses.replace(preset, model={**{k: v for k, v in preset.model.items() if k not in LLAMA},
                                              "positions": "rotary", "d_ff": 4 * preset.model["d_model"]})
-    for name, preset in PRESETS.items()} | {"notebook": SEED_NOTEBOOK}
+    for name, preset in PRESETS.items()} | {"gpt-style": GPT_STYLE}
 
 
 def get_preset(name: str) -> Preset:

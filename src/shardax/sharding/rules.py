@@ -57,7 +57,7 @@ def _targets(name: str, rules: Rules, mesh: Mesh, where: str) -> list[MeshAxes]:
     targets = [target for logical, target in rules if logical == name]
     if targets:
         return targets
-    if name in mesh.shape:  # a mesh axis written directly (as in the seed's ShardedLinear)
+    if name in mesh.shape:  # a mesh axis written directly (as artifex's ShardedLinear writes it)
         return [name]
     known = sorted({logical for logical, _ in rules})
     raise UsageError(
