@@ -27,11 +27,11 @@ from pathlib import Path
 
 from faults import damaged, data, interrupted, launch  # noqa: F401 - each registers its cases
 from faults.battery import (
-    _REFERENCE,
     BASE,
     BIG_CORPUS,
     CASES,
     CORPUS,
+    REFERENCE_ARRAYS,
     RESULTS,
     SHARDS,
     WORK,
@@ -49,7 +49,7 @@ def main() -> None:
                         ignore=shutil.ignore_patterns("__pycache__"))
     reference = shardax(*train_args(BASE))  # the uninterrupted run every recovery is compared with
     assert reference.returncode == 0, reference.stderr
-    _REFERENCE.update(final_params(BASE / "ckpt"))
+    REFERENCE_ARRAYS.update(final_params(BASE / "ckpt"))
     assert shardax("prepare", CORPUS, "--out", SHARDS).returncode == 0
     rows = []
     for name in chosen:

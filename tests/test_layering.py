@@ -6,7 +6,7 @@
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
-    model_parallel, parts, compat parallelize(), reshard(); named parts of a run; the seed's data-parallel API
+    model_parallel, parts, compat parallelize(), reshard(); named parts of a run; artifex's data-parallel API
     hf, generation                Hugging Face checkpoints in and out, into and from shards; generate()
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
@@ -109,3 +109,19 @@ def test_every_module_is_one_topic():
     long = [f"{path.relative_to(PACKAGE)}: {len(path.read_text().splitlines())} lines"
             for path in sorted(PACKAGE.rglob("*.py")) if len(path.read_text().splitlines()) > 400]
     assert not long, long
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    """A helper another module needs is public in its own module: no ``from shardax.x import _y``
+    in the package, its tests, benchmarks or examples (nor of their own helper modules)."""
+    root = PACKAGE.parents[1]
+    files = [path for folder in ("src", "tests", "benchmarks", "examples")
+             for path in (root / folder).rglob("*.py")]
+    ours = {"shardax"} | {path.stem for path in files} | {path.parent.name for path in files}
+    crossing = []
+    for path in sorted(files):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ours:
+                crossing += [f"{path.relative_to(root)}: {node.module}.{alias.name}" for alias in node.names
+                             if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not crossing, crossing

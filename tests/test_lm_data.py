@@ -19,7 +19,7 @@ from shardax.data.shards import PackedBatches, PreparedData, TokenStream, packed
 from shardax.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardax.errors import UsageError
 from shardax.lm.config import TrainConfig, resolve
-from shardax.lm.job import _layout
+from shardax.lm.job import loop_note
 from shardax.lm.sampling import sample_tokens, vocabulary, word_share
 from shardax.models.transformer import TransformerConfig, TransformerLM, token_losses
 from shardax.trainer.trainer import Trainer
@@ -346,10 +346,10 @@ def test_a_new_run_loops_its_blocks_on_gpus_where_benchmark_24_timed_it_faster()
     assert resolve(TrainConfig(scan_layers=True), platform="gpu").model.scan_layers
     assert not resolve(TrainConfig(scan_layers=False, strategy="fsdp"), platform="cpu").model.scan_layers
     new = resolve(TrainConfig(), platform="gpu")
-    assert _layout(TrainConfig(), None, new.model) == [
+    assert loop_note(TrainConfig(), None, new.model) == [
         "blocks: in a Python loop, the default on GPUs under dp (steps 1.14-1.27x faster than scanned on an "
         "H100, benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
-    assert _layout(TrainConfig(scan_layers=False), None, new.model) == []  # asked for: nothing to explain
+    assert loop_note(TrainConfig(scan_layers=False), None, new.model) == []  # asked for: nothing to explain
     resumed = resolve(TrainConfig(strategy="fsdp"), saved=new.record(), platform="cpu")
     assert not resumed.model.scan_layers
     with pytest.raises(UsageError,

@@ -126,11 +126,11 @@ def test_shard_map_step_compiles_one_all_reduce_per_gradient(mesh8):
 def _lower_text(loss_fn, state, batch, mesh):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from shardax.compat.steps import _step
+    from shardax.compat.steps import engine_step
 
     placed = place_batch_on_shards(batch, NamedSharding(mesh, P("data")))
     leaves, treedef = jax.tree.flatten(placed)
-    return _step.lower(state["params"], state["opt_state"], placed, jax.random.key(0), loss_fn=loss_fn,
+    return engine_step.lower(state["params"], state["opt_state"], placed, jax.random.key(0), loss_fn=loss_fn,
                        tx=optax.sgd(0.1), mesh=mesh, data_axis="data", reduce_type="mean", has_aux=False,
                        with_rng=False, batch_specs=(treedef, tuple(leaf.sharding.spec for leaf in leaves))
                        ).compile().as_text()

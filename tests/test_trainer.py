@@ -220,7 +220,7 @@ def test_a_checkpoint_of_the_older_flat_layout_still_resumes(tmp_path):
     bits) resume as before: the same step 6 as from the current layout."""
     import orbax.checkpoint as ocp
 
-    from shardax.trainer.checkpoint import Checkpointer, _SaveState, flatten_state
+    from shardax.trainer.checkpoint import Checkpointer, SaveState, flatten_state
 
     first = trainer()
     first.fit(BATCHES, steps=3, checkpoint_dir=tmp_path / "tree")
@@ -229,7 +229,7 @@ def test_a_checkpoint_of_the_older_flat_layout_still_resumes(tmp_path):
         assert set(tree.saved_arrays(3)) == {"params", "rest", "opt_state", "step", "skipped"}
     with Checkpointer(tmp_path / "flat") as flat:  # as shardax wrote them before
         flat.make_writable()
-        flat.manager.save(3, args=ocp.args.Composite(state=_SaveState(flatten_state(first.state)),
+        flat.manager.save(3, args=ocp.args.Composite(state=SaveState(flatten_state(first.state)),
                                                      record=ocp.args.JsonSave(record)))
         flat.wait()
         assert "params.hidden.kernel" in flat.saved_arrays(3)

@@ -124,12 +124,12 @@ def final_params(checkpoints: Path, step: int = STEPS) -> dict[str, np.ndarray]:
     return {k: v for k, v in saved_arrays(checkpoints, step).items() if k.startswith(("params", "opt_state"))}
 
 
-_REFERENCE: dict[str, np.ndarray] = {}
+REFERENCE_ARRAYS: dict[str, np.ndarray] = {}
 
 
 def same_as_uninterrupted(checkpoints: Path) -> str | None:
     got = final_params(checkpoints)
-    for key, value in _REFERENCE.items():
+    for key, value in REFERENCE_ARRAYS.items():
         if not np.array_equal(got[key], value):
             return f"{key} differs from the uninterrupted run's"
     return None

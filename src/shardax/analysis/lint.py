@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from shardax.analysis.collectives import Collective
-from shardax.sharding.layout import _owning_param
+from shardax.sharding.layout import owning_param
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 from shardax.sharding.report import format_bytes
@@ -52,7 +52,7 @@ def optimizer_mismatches(parallel: Any) -> list[str]:
     shapes = jax.tree.leaves(parallel.abstract_state.opt_state)
     for (keypath, sharding), leaf in zip(pairs, shapes):
         path = path_to_str(keypath)
-        owner = _owning_param(path, tuple(leaf.shape), layouts)
+        owner = owning_param(path, tuple(leaf.shape), layouts)
         if owner is None:
             continue
         spec = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))

@@ -25,7 +25,7 @@ from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 
 
-def _axes_size(mesh_shape: dict[str, int], axes: Any) -> int:
+def size_of_axes(mesh_shape: dict[str, int], axes: Any) -> int:
     return math.prod(mesh_shape.get(axis, 1) for axis in axes)
 
 
@@ -33,14 +33,14 @@ def _leaf_bytes(leaf) -> int:
     return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
 
 
-def _bytes_per_group(leaf, mesh_shape: dict[str, int], strategy: Any) -> float:
+def bytes_per_group(leaf, mesh_shape: dict[str, int], strategy: Any) -> float:
     """A leaf's bytes on each device of a data-parallel group: split over every axis of its
     spec but the ones the strategy gathers over for compute."""
     kept = [a for e in leaf.spec for a in spec_axes(e) if a not in strategy.gather_axes]
-    return _leaf_bytes(leaf) / _axes_size(mesh_shape, kept)
+    return _leaf_bytes(leaf) / size_of_axes(mesh_shape, kept)
 
 
-def _split_into_stages(leaf, strategy: Any) -> bool:
+def split_into_stages(leaf, strategy: Any) -> bool:
     return strategy.pipeline_axis is not None and any(
         a == strategy.pipeline_axis for e in leaf.spec for a in spec_axes(e))
 
@@ -82,7 +82,7 @@ def _per_device(layout: Layout, attribute: str, tiled: bool = False, only: set[s
     for path, leaf in layout.leaves.items():
         if only is not None and path not in only:
             continue
-        splits = [_axes_size(shape, spec_axes(entry)) for entry in getattr(leaf, attribute)]
+        splits = [size_of_axes(shape, spec_axes(entry)) for entry in getattr(leaf, attribute)]
         splits += [1] * (len(leaf.shape) - len(splits))
         itemsize = np.dtype(leaf.dtype).itemsize
         if tiled:  # each device's block, rounded up where a dimension does not split evenly
@@ -95,12 +95,12 @@ def _per_device(layout: Layout, attribute: str, tiled: bool = False, only: set[s
 
 
 def batch_rows_per_device(layout: Layout, batch_size: int) -> int:
-    split = _axes_size(dict(layout.mesh.shape),
+    split = size_of_axes(dict(layout.mesh.shape),
                        [a for a in layout.strategy.batch_axes if a in layout.mesh.shape])
     return max(batch_size // split, 1)
 
 
-def _model_split_dims(layout: Layout) -> dict[str, int]:
+def model_split_dims(layout: Layout) -> dict[str, int]:
     """How many ways the parameters split heads, MLP width and vocabulary over axes other than
     the batch axes (tensor parallelism); 1 where any parameter keeps that dimension whole."""
     shape = dict(layout.mesh.shape)
@@ -109,7 +109,7 @@ def _model_split_dims(layout: Layout) -> dict[str, int]:
     for leaf in layout.leaves.values():
         for name, entry in zip(leaf.logical or (), leaf.spec):
             if name in split:
-                ways = _axes_size(shape, [axis for axis in spec_axes(entry) if axis not in batch_axes])
+                ways = size_of_axes(shape, [axis for axis in spec_axes(entry) if axis not in batch_axes])
                 split[name] = ways if split[name] == 0 else min(split[name], ways)
     return {name: ways or 1 for name, ways in split.items()}
 
@@ -136,13 +136,13 @@ def _looped_residual_bytes(model: Any, rows: int, split: dict[str, int]) -> int:
 
 def residual_bytes(layout: Layout, model: Any, rows: int) -> tuple[int, int]:
     """(all residuals, one layer's residuals without remat) per device, for ``rows`` rows."""
-    return _residual_bytes(model, rows, _model_split_dims(layout))[:2]
+    return _residual_bytes(model, rows, model_split_dims(layout))[:2]
 
 
 def _weight_copy_bytes(layout: Layout, model: Any, compiler: str) -> int:
     """The bfloat16 copies of the stacked layer weights among what XLA:TPU keeps (none elsewhere)."""
     model = dataclasses.replace(model, scan_layers=True)
-    actual, shards = _actual_sizes(model, 1, _model_split_dims(layout)), _axes_size(
+    actual, shards = _actual_sizes(model, 1, model_split_dims(layout)), size_of_axes(
         dict(layout.mesh.shape), layout.strategy.gather_axes)
     return sum(kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
                for kept in traced_residuals(model) if kept.parameter)
@@ -239,7 +239,7 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
     residuals, with a gathering strategy every layer's weights, and the residuals again where the
     strategy gathers weights or shards gradients."""
     rows = max(batch_rows_per_device(layout, batch_size) // grad_accum, 1)
-    split = _model_split_dims(layout)
+    split = model_split_dims(layout)
     d, f = model.d_model, model.d_ff
     mlp = 3 if model.mlp == "swiglu" else 2  # gate, up and down; or in and out
     weights = (4 * d * d // split["heads"] + mlp * d * f // split["mlp"]) * 4
@@ -250,7 +250,7 @@ def working_set_terms(layout: Layout, model: Any, batch_size: int, grad_accum: i
         return {"kept": 0, "residuals": residuals,
                 "gathered_layers": model.n_layers * weights if gathers else 0,
                 "sharded_residuals": residuals if layerwise else 0}
-    shards = _axes_size(dict(layout.mesh.shape), layout.strategy.gather_axes)
+    shards = size_of_axes(dict(layout.mesh.shape), layout.strategy.gather_axes)
     kept, layer, scores = _residual_bytes(model, rows, split, compiler, shards)
     unsplit = (_residual_bytes(model, rows, dict.fromkeys(split, 1), compiler)[1] - layer
                if max(split.values()) > 1 else 0)
@@ -292,13 +292,13 @@ def pipeline_activation_bytes(layout: Layout, model: Any, batch_size: int, sched
     among the residuals); under FSDP it reduces the summed gradient into a float32 buffer as large
     and gathers the weights in bfloat16: 2.5 times the stage's weights, else once (the sum)."""
     shape, strategy = dict(layout.mesh.shape), layout.strategy
-    groups = _axes_size(shape, strategy.batch_axes)
+    groups = size_of_axes(shape, strategy.batch_axes)
     rows = batch_rows_per_device(layout, batch_size) // schedule.microbatches
     chunk = model.n_layers // (schedule.stages * schedule.repeats)
     virtual = dataclasses.replace(model, n_layers=schedule.iterations * chunk)
     boundary = rows * model.seq_len * model.d_model * 4  # one microbatch's activations between stages
-    stage_weights = sum(_bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
-                        if _split_into_stages(leaf, strategy))
+    stage_weights = sum(bytes_per_group(leaf, shape, strategy) for leaf in layout.leaves.values()
+                        if split_into_stages(leaf, strategy))
     copies = (2.5 if strategy.gather_axes else 1) if compiler == "tpu" else 1 + (1 if groups > 1 else 0)
     weight_copies = _weight_copy_bytes(layout, virtual, compiler) // virtual.n_layers  # a layer's
     kept = (activation_bytes(layout, virtual, rows * groups, compiler=compiler)
@@ -339,10 +339,11 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
     return activation_bytes(layout, model, batch_size, grad_accum, compiler) // shards
 
 
-def _replicas(layout: Layout) -> int:
+def replica_count(layout: Layout) -> int:
     """How many copies of the state the batch axes that do not gather hold (1 for FSDP)."""
     shape, strategy = dict(layout.mesh.shape), layout.strategy
-    return _axes_size(shape, [a for a in strategy.batch_axes if a in shape and a not in strategy.gather_axes])
+    return size_of_axes(shape, [a for a in strategy.batch_axes
+                                if a in shape and a not in strategy.gather_axes])
 
 
 def held_on_chip(on_chip: int, temporaries: int) -> int:
@@ -376,7 +377,7 @@ def predict_memory(parallel: Any, model: Any, batch_size: int, seq_len: int, gra
     gradient_spec = "optimizer_spec" if layout.strategy.shard_gradients and not looped else "spec"
     # gradients of the trained parameters only (LoRA: the adapters; a frozen weight has none)
     gradients, replicas = (_per_device(layout, gradient_spec, tiled, _trained_paths(parallel)),
-                           _replicas(layout))
+                           replica_count(layout))
     # HSDP reduce-scatters the gradients over every device, then all-gathers them over the
     # replicas into their FSDP shards: the smaller piece is kept besides. With accumulation
     # XLA:CPU keeps it for some shapes and not others (medium yes, small no): half is counted.

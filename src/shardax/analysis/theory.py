@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.analysis.memory import (
-    _axes_size,
-    _bytes_per_group,
-    _model_split_dims,
-    _replicas,
-    _split_into_stages,
     batch_rows_per_device,
+    bytes_per_group,
     check_compiler,
+    model_split_dims,
+    replica_count,
+    size_of_axes,
+    split_into_stages,
 )
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
@@ -79,7 +79,7 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int,
     if model is None or shards == 1:
         return 0.0
     rows = batch_rows_per_device(layout, batch_size)
-    heads = model.n_heads // _model_split_dims(layout)["heads"]
+    heads = model.n_heads // model_split_dims(layout)["heads"]
     tokens = rows * model.seq_len // shards  # one device's share of the sequence
     keys = tokens * heads * model.head_dim * np.dtype(model.dtype).itemsize
     ints = tokens * 4
@@ -131,17 +131,17 @@ def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, compiler: str)
     a circular schedule's regrouping, and the gradients summed over context and data-parallel copies."""
     shape = dict(layout.mesh.shape)
     strategy = layout.strategy
-    gather = _axes_size(shape, strategy.gather_axes)
-    replicas = _replicas(layout)
+    gather = size_of_axes(shape, strategy.gather_axes)
+    replicas = replica_count(layout)
     # each device of a context axis computes the gradients of its share of the sequence: they are
     # summed over it first, then over the batch axes (two all-reduces, as XLA compiles them)
     context = shape.get("context", 1)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
     total = 0.0
     for leaf in layout.leaves.values():
-        within_group = _bytes_per_group(leaf, shape, strategy)
+        within_group = bytes_per_group(leaf, shape, strategy)
         gathered = any(a in strategy.gather_axes for e in leaf.spec for a in spec_axes(e))
-        staged = stages > 1 and _split_into_stages(leaf, strategy)
+        staged = stages > 1 and split_into_stages(leaf, strategy)
         narrowed = _narrowing(leaf, compute, compiler)
         gradient = _gradient_narrowing(leaf, compute, compiler) * within_group
         if gathered:  # a pipeline gathers its stage's weights once per step, not again for the backward pass
@@ -199,7 +199,7 @@ def expert_exchange_bytes(layout: Layout, model: Any, batch_size: int) -> float:
         return 0.0
     token_axes = [a for a in layout.strategy.batch_axes if a in layout.mesh.shape] + [
         a for a in ("context",) if a in layout.mesh.shape]
-    tokens = batch_size * model.seq_len // _axes_size(dict(layout.mesh.shape), token_axes)
+    tokens = batch_size * model.seq_len // size_of_axes(dict(layout.mesh.shape), token_axes)
     slots = tokens * min(model.experts_per_token, model.n_experts // shards)
     share = (shards - 1) / shards
     exchange = shards * slots * model.d_model * jnp.dtype(model.dtype).itemsize * share

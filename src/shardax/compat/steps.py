@@ -94,7 +94,7 @@ def _check_state(state: Any, optimizer: Any) -> optax.GradientTransformation:
 
 
 def _specs(batch: Any) -> tuple[Any, tuple[PartitionSpec, ...]]:
-    """A placed batch's structure and specs, hashable (a static argument of ``_step``)."""
+    """A placed batch's structure and specs, hashable (a static argument of ``engine_step``)."""
     leaves, treedef = jax.tree.flatten(batch)
     return treedef, tuple(leaf.sharding.spec for leaf in leaves)
 
@@ -125,7 +125,7 @@ def _device_loss(loss_fn: Callable, mesh: Mesh, data_axis: str, reduce_type: str
 
 @functools.partial(jax.jit, static_argnames=("loss_fn", "tx", "mesh", "data_axis", "reduce_type", "has_aux",
                                              "with_rng", "batch_specs"))
-def _step(params: Any, opt_state: Any, batch: Any, rng: jax.Array, *, loss_fn: Callable,
+def engine_step(params: Any, opt_state: Any, batch: Any, rng: jax.Array, *, loss_fn: Callable,
           tx: optax.GradientTransformation, mesh: Mesh, data_axis: str, reduce_type: str, has_aux: bool,
           with_rng: bool, batch_specs: Any) -> tuple[TrainState, dict[str, Any]]:
     """One step of the engine's train step (``shardax.step.train``) on a plain parameter tree,
@@ -185,7 +185,7 @@ def data_parallel_train_step(
     params, opt_state = jax.device_put(_state_fields(state), NamedSharding(mesh, PartitionSpec()))
     rng = jax.device_put(rngs if rngs is not None else jax.random.key(0),
                          NamedSharding(mesh, PartitionSpec()))
-    new, metrics = _step(params, opt_state, batch, rng, loss_fn=loss_fn, tx=tx, mesh=mesh,
+    new, metrics = engine_step(params, opt_state, batch, rng, loss_fn=loss_fn, tx=tx, mesh=mesh,
                          data_axis=data_axis, reduce_type=reduce_type, has_aux=has_aux,
                          with_rng=rngs is not None, batch_specs=batch_specs)
     return _with_fields(state, new.params, new.opt_state), _metrics(metrics, has_aux)

@@ -84,7 +84,7 @@ class SafeTensors:
         return array
 
 
-def _give_back_freed_memory() -> None:
+def give_back_freed_memory() -> None:
     """Return the host memory freed while reading a weight to the system (glibc keeps freed heap
     memory for reuse otherwise, and it would count against the process until the load ends)."""
     try:
@@ -97,7 +97,7 @@ def _give_back_freed_memory() -> None:
 
 
 
-def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Any]], dtype: str) -> None:
+def write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Any]], dtype: str) -> None:
     """A safetensors file written a tensor at a time (the header first: every shape is known).
     ``entries``: (name, shape, a function giving the tensor)."""
     code, numpy_dtype = DTYPES[dtype]
@@ -116,7 +116,7 @@ def _write_safetensors(path: Path, entries: list[tuple[str, tuple[int, ...], Any
             file.write(np.ascontiguousarray(produce(), dtype=numpy_dtype).tobytes())
 
 
-def _check_out(out: Path, dtype: str) -> None:
+def check_output(out: Path, dtype: str) -> None:
     if dtype not in DTYPES:
         raise UsageError(f"dtype={dtype!r}; use one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -124,7 +124,7 @@ def _check_out(out: Path, dtype: str) -> None:
                          "save in")
 
 
-def _begin(out: Path) -> tuple[bool, Path]:
+def begin_write(out: Path) -> tuple[bool, Path]:
     """(whether this process writes, the directory it writes into before it becomes ``out``)."""
     writing = jax.process_index() == 0
     partial = out.with_name(out.name + ".partial")
@@ -135,7 +135,7 @@ def _begin(out: Path) -> tuple[bool, Path]:
     return writing, partial
 
 
-def _finish(writing: bool, partial: Path, out: Path) -> Path:
+def finish_write(writing: bool, partial: Path, out: Path) -> Path:
     if writing:
         if out.exists():
             out.rmdir()

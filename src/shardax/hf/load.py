@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from shardax.errors import UsageError
 from shardax.hf.families import read_config
-from shardax.hf.files import SafeTensors, _give_back_freed_memory
-from shardax.hf.names import _check_names, _normalize, _parameter_source, _sources, is_adapter
+from shardax.hf.files import SafeTensors, give_back_freed_memory
+from shardax.hf.names import check_tensor_names, is_adapter, layer_sources, normalize_index, parameter_source
 from shardax.hf.save import save
 from shardax.model_parallel import ParallelModel, parallelize, trained_part
 from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
@@ -92,15 +92,15 @@ def _read_slice(tensors: SafeTensors, config: TransformerConfig, name: str, dtyp
                 index: tuple[slice, ...]) -> np.ndarray:
     """One device's slice of parameter ``name``, filled a layer at a time: besides the slice
     itself, only one layer's part of it is ever held."""
-    source, layer, below = _parameter_source(name, config)
+    source, layer, below = parameter_source(name, config)
     out = np.empty(tuple(s.stop - s.start for s in index), dtype)
     if source is not None:
         out[...] = source.read(tensors, index)
     elif layer is not None:
-        out[...] = _sources(config, layer)[below].read(tensors, index)
+        out[...] = layer_sources(config, layer)[below].read(tensors, index)
     else:
         for row, at in enumerate(range(config.n_layers)[index[0]]):
-            out[row] = _sources(config, at)[below].read(tensors, index[1:])
+            out[row] = layer_sources(config, at)[below].read(tensors, index[1:])
     return out
 
 
@@ -110,7 +110,7 @@ def _fill(tensors: SafeTensors, config: TransformerConfig, keypath: Any, leaf: j
     name = path_to_str(keypath)
 
     def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
-        return tuple((s.start, s.stop) for s in _normalize(index, leaf.shape))
+        return tuple((s.start, s.stop) for s in normalize_index(index, leaf.shape))
 
     # devices that hold the same slice read it once; a slice is let go once its last device has it
     wanted = collections.Counter(key(index) for index in
@@ -120,13 +120,13 @@ def _fill(tensors: SafeTensors, config: TransformerConfig, keypath: Any, leaf: j
     def block(index: tuple[slice, ...]) -> np.ndarray:
         at = key(index)
         if at not in blocks:
-            blocks[at] = _read_slice(tensors, config, name, leaf.dtype, _normalize(index, leaf.shape))
+            blocks[at] = _read_slice(tensors, config, name, leaf.dtype, normalize_index(index, leaf.shape))
             tensors.release()
         wanted[at] -= 1
         return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
 
     array = jax.make_array_from_callback(leaf.shape, sharding, block)
-    _give_back_freed_memory()
+    give_back_freed_memory()
     return array
 
 
@@ -153,7 +153,7 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
     path = Path(path)
     config = _checkpoint_config(parallel, path)
     tensors = SafeTensors(path)
-    _check_names(tensors, config)
+    check_tensor_names(tensors, config)
     leaves = zip(jax.tree_util.tree_leaves_with_path(parallel.abstract_state.params),
                  jax.tree.leaves(parallel.state_shardings.params))
     loaded = {path_to_str(keypath): _fill(tensors, config, keypath, leaf, sharding)

@@ -144,7 +144,7 @@ def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
     return sources
 
 
-def _sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
+def layer_sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     """Each per-layer parameter of ``TransformerLM`` (its path below the layer) and its tensors."""
     d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
     at = f"model.layers.{layer}."
@@ -191,12 +191,12 @@ def _global_sources(config: TransformerConfig) -> dict[str, Source]:
     return sources
 
 
-def _check_names(tensors: SafeTensors, config: TransformerConfig) -> None:
+def check_tensor_names(tensors: SafeTensors, config: TransformerConfig) -> None:
     """One line for a tensor the model needs that is missing, one whose shape is not what
     ``config.json`` says, or one the model has no place for."""
     expected = {}
     for source in [*_global_sources(config).values(),
-                   *(s for layer in range(config.n_layers) for s in _sources(config, layer).values())]:
+                   *(s for layer in range(config.n_layers) for s in layer_sources(config, layer).values())]:
         for name, _ in source.components():
             expected[name] = source.hf_shape()
     for name, shape in expected.items():
@@ -214,7 +214,7 @@ def _check_names(tensors: SafeTensors, config: TransformerConfig) -> None:
                          "of another model")
 
 
-def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+def normalize_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
 
 
@@ -228,7 +228,7 @@ TARGETS = {("qkv", 0): "q", ("qkv", 1): "k", ("qkv", 2): "v", ("q", 0): "q", ("k
            ("attn_out", 0): "o", ("mlp_gate_up", 0): "gate", ("mlp_gate_up", 1): "up", ("mlp_out", 0): "down"}
 
 
-def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, str]:
+def parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, str]:
     """Where a parameter of ``TransformerLM`` comes from: (its source when it is not a layer's;
     the layer of a looped stack's parameter, None for a scanned stack's; its path below the layer)."""
     glob = _global_sources(config)
@@ -245,7 +245,7 @@ def _parameter_source(path: str, config: TransformerConfig) -> tuple[Source | No
 def hf_names(config: TransformerConfig) -> Sequence[str]:
     """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests)."""
     sources = [*_global_sources(config).values(),
-               *(s for layer in range(config.n_layers) for s in _sources(config, layer).values())]
+               *(s for layer in range(config.n_layers) for s in layer_sources(config, layer).values())]
     return [name for source in sources for name, _ in source.components()]
 
 

@@ -13,8 +13,8 @@ import numpy as np
 
 from shardax.errors import UsageError
 from shardax.hf.families import config_json
-from shardax.hf.files import DTYPES, _begin, _check_out, _finish, _write_safetensors
-from shardax.hf.names import MODULES, TARGETS, Source, _parameter_source, _sources, hf_names, is_adapter
+from shardax.hf.files import DTYPES, begin_write, check_output, finish_write, write_safetensors
+from shardax.hf.names import MODULES, TARGETS, Source, hf_names, is_adapter, layer_sources, parameter_source
 from shardax.models.transformer import TransformerConfig
 from shardax.sharding.paths import path_to_str
 
@@ -61,10 +61,10 @@ def _entries(arrays: dict[str, jax.Array], adapters: dict[str, jax.Array], confi
     merged delta or None)``, in Hugging Face's order: embedding, layers, norm, head."""
     entries = []
     for name, array in arrays.items():
-        source, layer, below = _parameter_source(name, config)
+        source, layer, below = parameter_source(name, config)
         layers = [layer] if layer is not None else [None] if source is not None else range(config.n_layers)
         for at in layers:
-            one = source or _sources(config, at)[below]
+            one = source or layer_sources(config, at)[below]
             index = None if source is not None or layer is not None else at
             for tensor, component in one.components():
                 merged = (functools.partial(_lora_delta, config, adapters, name, below, component, index)
@@ -120,14 +120,14 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
     A model with LoRA adapters is saved with ``merge=True``: each adapted weight as
     ``W + (alpha / rank) A B``, the model it computes (``save_adapters`` writes them alone)."""
     out = Path(out)
-    _check_out(out, dtype)
+    check_output(out, dtype)
     _check_merge(config, merge)
     raw = config_json(config, hf_config)
     arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
     adapters = {name: arrays.pop(name) for name in list(arrays) if is_adapter(name)}
     itemsize = np.dtype(DTYPES[dtype][1]).itemsize
     files = _shard(_entries(arrays, adapters, config, merge), itemsize, max_shard_bytes)
-    writing, partial = _begin(out)
+    writing, partial = begin_write(out)
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     cache: dict[tuple[int, int | None], np.ndarray] = {}
@@ -135,7 +135,7 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
         producers = [(name, shape, _producer(cache, array, index, source, component, merged))
                      for name, shape, array, index, source, component, merged in group]
         if writing:
-            _write_safetensors(partial / file_name, producers, dtype)
+            write_safetensors(partial / file_name, producers, dtype)
         else:
             for _, _, tensor in producers:  # the gathers are collective: every process runs them
                 tensor()
@@ -144,7 +144,7 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
             _write_index(partial, names, files, itemsize)
         raw["torch_dtype"] = dtype
         (partial / "config.json").write_text(json.dumps(raw, indent=2))
-    return _finish(writing, partial, out)
+    return finish_write(writing, partial, out)
 
 
 def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, base_model: str | None = None,
@@ -155,7 +155,7 @@ def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, ba
     ``peft.PeftModel.from_pretrained`` puts on the base model (``base_model``: its name or
     directory, recorded). A tensor at a time is gathered; process 0 writes."""
     out = Path(out)
-    _check_out(out, dtype)
+    check_output(out, dtype)
     if not config.lora_rank:
         raise UsageError("this model has no LoRA adapters to save (it trained every weight); save(...) "
                          "writes it whole")
@@ -177,9 +177,9 @@ def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, ba
 
                 name = f"base_model.model.model.layers.{layer}.{MODULES[target]}.lora_{part.upper()}.weight"
                 entries.append((name, shape, tensor))
-    writing, partial = _begin(out)
+    writing, partial = begin_write(out)
     if writing:
-        _write_safetensors(partial / "adapter_model.safetensors", entries, dtype)
+        write_safetensors(partial / "adapter_model.safetensors", entries, dtype)
         adapter_config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": config.lora_rank, "lora_alpha": config.lora_alpha or config.lora_rank, "lora_dropout": 0.0,
@@ -190,4 +190,4 @@ def save_adapters(out: str | Path, params: Any, config: TransformerConfig, *, ba
     else:
         for _, _, tensor in entries:  # the gathers are collective: every process runs them
             tensor()
-    return _finish(writing, partial, out)
+    return finish_write(writing, partial, out)

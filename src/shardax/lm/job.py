@@ -96,7 +96,7 @@ def _checkpoints_flag(config: TrainConfig) -> str:
     return f"--checkpoint-dir {config.checkpoint_dir}"
 
 
-def _layout(config: TrainConfig, saved: dict[str, Any] | None, model: TransformerConfig) -> list[str]:
+def loop_note(config: TrainConfig, saved: dict[str, Any] | None, model: TransformerConfig) -> list[str]:
     """A line saying so when a new run lays its blocks in a loop by default (``blocks_in_a_loop``)."""
     if saved is not None or config.scan_layers is not None or model.scan_layers:
         return []
@@ -215,7 +215,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, 
                       context_attention=config.context_attention, seed=run.seed, eval_loss_fn=data.eval_loss,
                       learning_rate=schedule, name="shardax train", example_batch=example,
                       init_from=run.init_from, trackers=_trackers(config.tracker))
-    return trainer, data, run, _layout(config, saved, model) + _changes(record, config, trainer.mesh, model)
+    return trainer, data, run, loop_note(config, saved, model) + _changes(record, config, trainer.mesh, model)
 
 
 def _check_packing(data: ByteText | TokenShards) -> None:

@@ -114,7 +114,7 @@ def _shardings(tree: Any, mesh: Mesh, spec_of: Any) -> Any:
     )
 
 
-def _owning_param(path: str, shape: tuple[int, ...], layouts: dict[str, LeafLayout]) -> LeafLayout | None:
+def owning_param(path: str, shape: tuple[int, ...], layouts: dict[str, LeafLayout]) -> LeafLayout | None:
     """The parameter an optimizer-state leaf mirrors: the longest parameter path it ends with."""
     best = None
     for param_path, layout in layouts.items():
@@ -170,7 +170,7 @@ class Layout:
     def optimizer(self, opt_state: Any) -> Any:
         """Optimizer-state shardings: leaves mirroring a parameter follow its optimizer spec."""
         def spec_of(path: str, leaf: Any) -> PartitionSpec:
-            owner = _owning_param(path, tuple(np.shape(leaf)), self.leaves)
+            owner = owning_param(path, tuple(np.shape(leaf)), self.leaves)
             return owner.optimizer_spec if owner else PartitionSpec()
 
         return _shardings(opt_state, self.mesh, spec_of)

@@ -164,7 +164,7 @@ class _StateHandler(ocp.StandardCheckpointHandler):
 
 
 @ocp.args.register_with_handler(_StateHandler, for_save=True)
-class _SaveState(ocp.args.StandardSave):
+class SaveState(ocp.args.StandardSave):
     """orbax's ``StandardSave``, for the handler that hashes what it wrote."""
 
 
@@ -301,7 +301,7 @@ class Checkpointer:
         if self._saving is not None:  # a failure of the write still under way is that step's, said as such
             with self._writing(self._saving):
                 self.manager.wait_until_finished()
-        items = {"state": _SaveState(as_tree(state)), "record": ocp.args.JsonSave(record)}
+        items = {"state": SaveState(as_tree(state)), "record": ocp.args.JsonSave(record)}
         if data is not None:
             items["data"] = data
         with self._writing(step):
