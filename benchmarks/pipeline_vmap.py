@@ -56,8 +56,8 @@ def measure(variant: str) -> dict:
         pipeline.vmap_stages = nnx_vmap
     config = TransformerConfig(**MODEL)
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3),
-                           DeviceMeshManager().create_device_mesh(MESH), STRATEGY)
-    step = parallel.train_step(next_token_loss, microbatches=MICROBATCHES, donate=False)
+                           DeviceMeshManager().create_device_mesh(MESH), STRATEGY, microbatches=MICROBATCHES)
+    step = parallel.train_step(next_token_loss, donate=False)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, config.seq_len + 1),
                                                dtype=np.int32)
     batch = parallel.place_batch({"tokens": tokens})

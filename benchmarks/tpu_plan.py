@@ -113,8 +113,7 @@ def reanalyse() -> None:
 
     results = json.loads(RESULTS.read_text())
     for key, entry, target, model, row, parallel in stored_steps(results):
-        schedule = (parallel.schedule(microbatches=None, pipeline_repeats=1)
-                    if parallel.strategy.pipeline_axis else None)
+        schedule = parallel.schedule() if parallel.strategy.pipeline_axis else None
         predicted = predict_memory(parallel, model, entry["batch_size"], model.seq_len, 1, schedule,
                                    compiler=target.chip.platform, on_chip=target.chip.on_chip_bytes)
         compiled = row.get("hbm_peak_gb", row["peak_gb"]) * 1e9  # what XLA:TPU allocates, where known

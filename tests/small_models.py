@@ -45,8 +45,9 @@ def train_transformer(config, mesh, strategy, *, steps=20, batch_size=32, lr=3e-
     from shardax import parallelize
     from shardax.models.transformer import TransformerLM, next_token_loss
 
-    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(lr), mesh, strategy)
-    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss, **options)
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(lr), mesh, strategy,
+                           **options)
+    state, step = parallel.init(seed=0), parallel.train_step(next_token_loss)
     losses = []
     for batch in token_batches(steps, batch_size=batch_size):
         state, metrics = step(state, parallel.place_batch(batch))

@@ -198,8 +198,7 @@ def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mas
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.adamw(1e-3), mesh, "dp")
     batch = {name: jax.ShapeDtypeStruct((8, 65), jnp.int32, sharding=parallel.layout.batch())
              for name in ("tokens", "segments")}
-    calls = cudnn_calls(exported_for_cuda(parallel.train_step(next_token_loss,
-                                                              context_attention="all-gather"),
+    calls = cudnn_calls(exported_for_cuda(parallel.train_step(next_token_loss),
                                           parallel.abstract_state, batch))
     rows, share, heads, head_dim = 8 // 2, 64 // 4, config.n_heads, config.head_dim
     queries, keys = (f"tensor<{rows}x{share}x{heads}x{head_dim}xbf16>",
@@ -302,10 +301,10 @@ def test_bad_context_settings_are_one_line_errors():
     with pytest.raises(UsageError, match=r"12 tokens does not cut into 16 equal chunks.*`seq_len=16`"):
         step(parallel.init(), parallel.place_batch(batch))
     with pytest.raises(UsageError, match="`context_attention='ring'` is for meshes with a 'context' axis"):
-        parallelize(factory, optax.adamw(1e-3), mesh_of("data=8"), "dp").train_step(next_token_loss,
-                                                                                   context_attention="ring")
+        parallelize(factory, optax.adamw(1e-3), mesh_of("data=8"), "dp",
+                    context_attention="ring").train_step(next_token_loss)
     with pytest.raises(UsageError, match="use one of all-gather, ring"):
-        parallel.train_step(next_token_loss, context_attention="ulysses")
+        parallel.with_settings(context_attention="ulysses")
     with pytest.raises(UsageError, match="does not combine with pipeline strategies"):
         parallelize(factory, optax.adamw(1e-3), mesh_of("stage=2,context=4"),
                     "pp").train_step(next_token_loss)

@@ -47,11 +47,11 @@ def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh,
     dropless grouped matmuls run batched over the stages and the router's statistics come out
     of the stages' loop (the mean over the microbatches)."""
     loss, metrics, grads = reference
-    parallel = parallelize(lambda rngs: TransformerLM(CONFIG, rngs=rngs), optax.sgd(1.0), mesh, strategy)
+    parallel = parallelize(lambda rngs: TransformerLM(CONFIG, rngs=rngs), optax.sgd(1.0), mesh, strategy,
+                           context_attention="ring" if "context" in mesh else "all-gather")
     state = parallel.init(0)
     before = {path_to_str(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(state.params)}
-    step = parallel.train_step(next_token_loss,
-                               context_attention="ring" if "context" in mesh else "all-gather")
+    step = parallel.train_step(next_token_loss)
     new, got = step(state, parallel.place_batch({"tokens": TOKENS}))
     np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5)
     for name in ("router_balance", "router_z"):

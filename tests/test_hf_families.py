@@ -92,8 +92,9 @@ def test_each_family_computes_what_transformers_computes_under_every_layout(fami
     config = hf.read_config(folder)
     for strategy, mesh in [("pp_tp", "stage=2,data=2,model=2"), ("fsdp_tp", "data=2,model=2,context=2")]:
         loaded = hf.load(folder, mesh, strategy)  # experts dropless, under the pipeline too
-        evaluate = loaded.parallel.eval_step(next_token_loss, context_attention=variant if "context" in mesh
-                                             else "all-gather")
+        attention = variant if "context" in mesh else "all-gather"
+        parallel = loaded.parallel.with_settings(context_attention=attention)
+        evaluate = parallel.eval_step(next_token_loss)
         loss = float(evaluate(loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))["loss"])
         np.testing.assert_allclose(loss, hf_loss(expected), rtol=1e-5)
     if config.sliding_window:  # the same weights without the window compute something else
@@ -280,7 +281,7 @@ def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line
     loaded = hf.load(folder, "data=4,context=2", "dp")
     with pytest.raises(UsageError,
                        match=r"soft-capping .* runs with `context_attention='all-gather'`, not 'ring'"):
-        loaded.parallel.eval_step(next_token_loss, context_attention="ring")(
+        loaded.parallel.with_settings(context_attention="ring").eval_step(next_token_loss)(
             loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
     odd = dataclasses.replace(loaded.config, post_norms=False, attention_softcap=None, logits_softcap=None,
                               attention_scale=None, sliding_window=0, sliding_layers=None, norm="rms")

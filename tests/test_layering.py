@@ -6,7 +6,8 @@
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
     step                          the compiled train/eval step of any model under any layout
-    model_parallel, parts, compat parallelize(), reshard(); named parts of a run; artifex's data-parallel API
+    model_parallel, model_state,  parallelize(), reshard(), a model's state; named parts of a run;
+    parts, compat                 artifex's data-parallel API
     hf, generation                Hugging Face checkpoints in and out, into and from shards; generate()
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
@@ -24,7 +25,7 @@ LAYERS = [
     {"runtime"},
     {"layers", "blocks", "models", "data"},
     {"step"},
-    {"model_parallel", "parts", "compat"},
+    {"model_parallel", "model_state", "parts", "compat"},
     {"hf", "generation"},
     {"trainer"},
     {"lm", "analysis"},

@@ -147,7 +147,7 @@ def test_init_goes_straight_into_shards(axis_types):
     full = report(parallel).replicated_bytes
     import functools
 
-    from shardax.model_parallel import build_state
+    from shardax.model_state import build_state
 
     init = jax.jit(functools.partial(build_state, parallel.factory, parallel.tx, 0, parallel.mesh),
                    out_shardings=parallel.state_shardings)

@@ -99,10 +99,10 @@ def test_each_device_holds_its_stage_of_the_layers(strategy, mesh_shape, stages)
 
 def compiled_step(strategy, mesh_shape, microbatches, repeats):
     parallel = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh(mesh_shape),
-                           strategy)
+                           strategy, microbatches=microbatches, pipeline_repeats=repeats)
     batch = {"tokens": jax.ShapeDtypeStruct((BATCH, CONFIG.seq_len + 1), jnp.int32,
                                             sharding=parallel.layout.batch())}
-    step = parallel.train_step(next_token_loss, microbatches=microbatches, pipeline_repeats=repeats)
+    step = parallel.train_step(next_token_loss)
     return parallel, step.lower(parallel.abstract_state, batch).compile()
 
 
@@ -152,10 +152,11 @@ def test_a_circular_schedule_keeps_what_the_remat_policy_says(remat, below):
     def temporaries(policy, repeats):
         model = tiny_transformer_config(n_layers=8, d_model=64, seq_len=32, remat=policy)
         parallel = parallelize(lambda rngs: TransformerLM(model, rngs=rngs), optax.adamw(LR),
-                               DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
+                               DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp",
+                               microbatches=4, pipeline_repeats=repeats)
         batch = {"tokens": jax.ShapeDtypeStruct((BATCH, model.seq_len + 1), jnp.int32,
                                                 sharding=parallel.layout.batch())}
-        step = parallel.train_step(next_token_loss, microbatches=4, pipeline_repeats=repeats)
+        step = parallel.train_step(next_token_loss)
         return step.lower(parallel.abstract_state, batch).compile().memory_analysis().temp_size_in_bytes
 
     kept, recomputed, one_pass = temporaries("none", 2), temporaries(remat, 2), temporaries(remat, 1)
@@ -172,8 +173,8 @@ def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(back), jax.device_get(state))
     # and the fsdp copy trains on exactly as the pipeline would
     batch = next(token_batches(1, batch_size=BATCH, seed=5))
-    _, pipelined = parallel.train_step(next_token_loss, microbatches=8,
-                                       donate=False)(state, parallel.place_batch(batch))
+    _, pipelined = parallel.with_settings(microbatches=8).train_step(
+        next_token_loss, donate=False)(state, parallel.place_batch(batch))
     _, sharded = fsdp.train_step(next_token_loss, donate=False)(moved, fsdp.place_batch(batch))
     np.testing.assert_allclose(float(pipelined["loss"]), float(sharded["loss"]), rtol=1e-6)
 
@@ -190,17 +191,17 @@ def test_layers_that_do_not_split_into_stages_are_refused_with_the_nearest_count
 
 
 def test_a_model_without_stacked_layers_is_refused_under_a_pipeline():
-    from small_models import AnnotatedMLP, mse_loss
+    from small_models import AnnotatedMLP
 
     # Refused when the layout is read, before any state is built or a step is compiled.
     with pytest.raises(UsageError,
                        match="cuts a stack of layers into stages over 'stage', and this model has none"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
                     DeviceMeshManager().create_device_mesh("stage=2,data=4"), "pp")
-    with pytest.raises(UsageError, match="microbatches/pipeline repeats are for pipeline strategies; 'fsdp'"):
+    with pytest.raises(UsageError,
+                       match="`microbatches`/`pipeline_repeats` are for pipeline strategies; .fsdp. is not"):
         parallelize(lambda rngs: AnnotatedMLP(rngs), optax.adamw(LR),
-                    DeviceMeshManager().create_device_mesh("data=8"),
-                    "fsdp").train_step(mse_loss, microbatches=4)
+                    DeviceMeshManager().create_device_mesh("data=8"), "fsdp", microbatches=4)
 
 
 # Circular schedules regroup each stage's layers (and their gradients) every step. With S = R

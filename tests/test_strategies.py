@@ -197,8 +197,8 @@ def test_gradient_accumulation_is_the_same_update_as_the_full_batch(case):
     results = {}
     for accum in (1, 2, 4):
         # SGD keeps parameters linear in the gradients, so this compares the gradients tightly.
-        parallel = parallelize(factory, optax.sgd(0.5), mesh, strategy)
-        state, step = parallel.init(), parallel.train_step(loss_fn, grad_accum=accum)
+        parallel = parallelize(factory, optax.sgd(0.5), mesh, strategy, grad_accum=accum)
+        state, step = parallel.init(), parallel.train_step(loss_fn)
         losses = []
         for batch in batches():
             state, metrics = step(state, parallel.place_batch(batch))

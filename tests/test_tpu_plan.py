@@ -112,7 +112,7 @@ def test_analytic_peak_against_xla_tpu_on_held_out_shapes(shape, strategy, mesh,
     pipeline = {"microbatches": microbatches, "pipeline_repeats": 1} if microbatches else {}
     measured = compiled_memory(compile_step(parallel, batch, model.seq_len, **pipeline))
     assert "hbm_peak" in measured and device_bytes(measured) > 300e6
-    schedule = parallel.schedule(**pipeline) if pipeline else None
+    schedule = parallel.with_settings(**pipeline).schedule() if pipeline else None
     on_chip = CHIPS["v5p"].on_chip_bytes
     predicted = predict_memory(parallel, model, batch, model.seq_len, 1, schedule, compiler="tpu",
                                on_chip=on_chip)

@@ -143,7 +143,7 @@ def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
     by_trainer = trainer("zero2", ConvNet, grad_accum=2)
     run = by_trainer.fit(batches, settings=shardax.FitSettings(steps=4, log_every=1))
     by_hand = trainer("zero2", ConvNet)
-    state, step = by_hand.init(), by_hand.parallel.train_step(classification_loss, grad_accum=2)
+    state, step = by_hand.init(), by_hand.parallel.with_settings(grad_accum=2).train_step(classification_loss)
     losses = []
     for batch in batches:
         state, metrics = step(state, by_hand.parallel.place_batch(batch))

@@ -62,8 +62,8 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
     factory, batches = USER_MODELS[model_name]
     expected, ref_model, ref_optimizer = reference(model_name, grad_accum)
     parallel = parallelize(factory, TX, DeviceMeshManager().create_device_mesh(mesh_shape), strategy,
-                           loss_fn=classification_loss, example_batch=next(batches(1)))
-    state, step = parallel.init(seed=0), parallel.train_step(classification_loss, grad_accum=grad_accum)
+                           loss_fn=classification_loss, example_batch=next(batches(1)), grad_accum=grad_accum)
+    state, step = parallel.init(seed=0), parallel.train_step(classification_loss)
     initial = variables(parallel.merge(state), nnx.Param)
     history = []
     for batch in batches(STEPS):

@@ -372,7 +372,7 @@ def test_a_model_built_from_the_blocks_trains_like_plain_nnx_under_pipelines_and
                              "embed/embedding", "lm_head/kernel"}, split
     if "stage" in mesh_shape:
         assert parallel.layout.leaves["layers/layers/q_proj/kernel"].spec[0] == "stage"
-    state, step = parallel.init(seed=0), parallel.train_step(lm_loss, context_attention=variant)
+    state, step = parallel.init(seed=0), parallel.with_settings(context_attention=variant).train_step(lm_loss)
     losses = []
     for batch in lm_batches(STEPS):
         state, metrics = step(state, parallel.place_batch(batch))

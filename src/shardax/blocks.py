@@ -37,7 +37,7 @@ from shardax.runtime.pipeline import PipelineRun, Specs, run_pipeline
 from shardax.sharding.compute import gather_for_compute, remat_policy
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.rules import logical_axes_of
-from shardax.vocabulary import ATTENTION_KERNELS
+from shardax.vocabulary import ATTENTION_KERNELS, LAYERS
 
 REMAT_POLICIES = {
     "none": None,
@@ -128,14 +128,14 @@ class LayerStack(nnx.Module):
                 return
 
             @nnx.split_rngs(splits=count)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def make_layers(rngs: nnx.Rngs) -> nnx.Module:
                 return make_layer(rngs)
 
             self.layers = make_layers(rngs)
         for _, node in nnx.iter_graph(self.layers):
             if isinstance(node, nnx.Param) and logical_axes_of(node) is None and node[...].ndim:
-                node.set_metadata(out_sharding=("layers",) + (None,) * (node[...].ndim - 1))
+                node.set_metadata(out_sharding=(LAYERS,) + (None,) * (node[...].ndim - 1))
 
     def __call__(self, x: jax.Array, *riders: Any) -> jax.Array:
         plan = self.plan
@@ -193,7 +193,7 @@ class LayerStack(nnx.Module):
                     counter[...] = jnp.zeros_like(counter[...])
                 layer_axes = nnx.StateAxes({nnx.Cache: nnx.Carry, ...: 0})
             return nnx.scan(apply_layer, in_axes=(nnx.Carry, layer_axes), out_axes=nnx.Carry,
-                            transform_metadata={nnx.PARTITION_NAME: "layers"})(x, layers)
+                            transform_metadata={nnx.PARTITION_NAME: LAYERS})(x, layers)
         for layer in layers:
             x = apply_layer(x, layer)
         return x

@@ -2,7 +2,7 @@
 
     parallel = parallelize(lambda rngs: MyModel(rngs=rngs), optax.adamw(1e-3), mesh, "fsdp")
     state = parallel.init(seed=0)                 # straight into shards
-    step = parallel.train_step(loss_fn)           # compiled for this layout
+    step = parallel.train_step(loss_fn)           # compiled for this layout and its settings
     state, metrics = step(state, parallel.place_batch(batch))
 
 FSDP (ZeRO-3), ZeRO-1/2, tensor parallelism, their 2-D combinations and HSDP are all the same
@@ -25,46 +25,31 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
+from shardax.model_state import (
+    ModelFactory,
+    all_annotated,
+    build_state,
+    check_pipeline_axis,
+    derive_unannotated,
+    routing_grouped_convs,
+    trainable_filter,
+    trained_part,
+)
 from shardax.models.moe import ExpertLayout, MixtureOfExperts
-from shardax.runtime.context import AXIS as CONTEXT_AXIS, VARIANTS as CONTEXT_VARIANTS, ContextLayout
+from shardax.runtime.context import AXIS as CONTEXT_AXIS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
 from shardax.sharding.checks import check_split_axes
 from shardax.sharding.compute import layer_specs
-from shardax.sharding.derive import Derived, derive_split
-from shardax.sharding.grouped_conv import route_grouped_convs
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import place_batch, spec_axes
-from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
 from shardax.step.ema import averaged
-from shardax.step.loss import LossFn, split_loss
+from shardax.step.loss import LossFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.step.train import build_eval_step, build_train_step
-
-ModelFactory = Callable[[nnx.Rngs], nnx.Module]
-
-
-def trained_part(params: Any, trainable: Any) -> Any:
-    """The parameters the optimizer updates (all of them when ``trainable`` is None)."""
-    return params if trainable is None else nnx.split_state(params, trainable, ...)[0]
-
-
-def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
-                trainable: Any = None) -> TrainState:
-    # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
-    # the mesh, so that a model's own sharding constraints resolve while it is built; with every
-    # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
-    # and every device would draw the whole model (jax.make_mesh's default is Explicit).
-    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto
-                                                 for name in mesh.axis_names})
-    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
-        model = factory(nnx.Rngs(seed))
-    _, params, rest = nnx.split(model, nnx.Param, ...)
-    zero = jax.numpy.zeros((), jax.numpy.int32)
-    return TrainState(step=zero, params=params, opt_state=tx.init(trained_part(params, trainable)), rest=rest,
-                      skipped=zero)
+from shardax.vocabulary import LAYERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +63,8 @@ class ParallelModel:
       state_shardings: a ``TrainState`` of ``NamedSharding``: where each leaf lives.
       trainable: an NNX filter of the parameters the optimizer updates (None: every one);
         the others stay as they are, have no optimizer state and no gradient is computed for them.
+      settings: how each step is computed (``StepSettings``: gradient accumulation, a pipeline's
+        schedule, context attention), resolved once; ``with_settings`` gives another.
     """
 
     factory: ModelFactory
@@ -87,6 +74,7 @@ class ParallelModel:
     abstract_state: TrainState
     state_shardings: TrainState
     trainable: Any = None
+    settings: StepSettings | None = None
 
     @classmethod
     def create(cls, factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
@@ -115,33 +103,35 @@ class ParallelModel:
         """Split a batch (or this process's slice of it) over the strategy's batch axes."""
         return place_batch(batch, self.layout.batch())
 
-    def train_step(self, loss_fn: LossFn, *, grad_accum: int = 1, donate: bool = True,
-                   nonfinite: str = "stop", microbatches: int | None = None, pipeline_repeats: int = 1,
-                   context_attention: str = "all-gather") -> Callable[[TrainState, Any],
-                                                                      tuple[TrainState, dict]]:
-        """A compiled ``(state, batch) -> (state, metrics)`` for this layout.
+    def with_settings(self, **changes: Any) -> ParallelModel:
+        """This layout with other step settings (``grad_accum``, ``microbatches``,
+        ``pipeline_repeats``, ``context_attention``), checked as ``parallelize`` checks them."""
+        return dataclasses.replace(self, settings=self.settings.replace(**changes))
+
+    def train_step(self, loss_fn: LossFn, *, donate: bool = True,
+                   nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+        """A compiled ``(state, batch) -> (state, metrics)`` for this layout and its settings.
 
         ``loss_fn(model, batch)`` returns the mean loss of the batch, or ``(loss, {"name": scalar, ...})``;
         the model runs in training mode (``model.train()``) and whatever it updates in ``__call__`` (batch
-        statistics, RNG counters) is carried in ``state.rest``. ``metrics`` holds ``loss``, ``grad_norm`` and
-        the named values, each averaged over the global batch. With ``grad_accum=k`` the batch is split into k
-        microbatches whose gradients and metrics are averaged (same result, less activation memory). A step
-        with a non-finite loss or gradient norm is not applied and counted in ``state.skipped``; with
-        ``nonfinite="stop"`` no later step is applied either (see ``build_train_step``). Under a pipeline
-        strategy, ``microbatches`` (default: the number of stages) flow through the stages,
-        ``pipeline_repeats`` times round for a circular schedule. On a mesh with a ``context`` axis, sequences
-        are split over it and attention gathers the rest by ``context_attention``: ``all-gather`` or ``ring``
-        (``shardax.runtime.context``)."""
+        statistics, RNG counters) is carried in ``state.rest``. ``metrics`` holds ``loss``, ``grad_norm``
+        and the named values, each averaged over the global batch. With ``settings.grad_accum=k`` the batch
+        is split into k microbatches whose gradients and metrics are averaged (same result, less activation
+        memory). A step with a non-finite loss or gradient norm is not applied and counted in
+        ``state.skipped``; with ``nonfinite="stop"`` no later step is applied either (see
+        ``build_train_step``). Under a pipeline strategy, ``settings.microbatches`` (default: the number of
+        stages) flow through the stages, ``pipeline_repeats`` times round for a circular schedule. On a mesh
+        with a ``context`` axis, sequences are split over it and attention gathers the rest by
+        ``settings.context_attention``: ``all-gather`` or ``ring`` (``shardax.runtime.context``)."""
         params = self.abstract_state.params
-        graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
-                                   self.context_attention(context_attention))
+        graphdef = self.configured(self.schedule(), self.context_attention())
         step = build_train_step(
             graphdef, self.tx, loss_fn,
             param_shardings=self.state_shardings.params,
             compute_shardings=self.layout.compute(params),
             gradient_shardings=self.layout.gradients(params),
             batch_sharding=self.layout.batch(),
-            grad_accum=grad_accum,
+            grad_accum=self.settings.grad_accum,
             layer_layout=self._layer_layout,
             nonfinite=nonfinite,
             trainable=self.trainable,
@@ -156,12 +146,10 @@ class ParallelModel:
             donate_argnums=(0,) if donate else (),
         )
 
-    def eval_step(self, loss_fn: LossFn, *, microbatches: int | None = None, pipeline_repeats: int = 1,
-                  context_attention: str = "all-gather") -> Callable[[TrainState, Any], dict]:
+    def eval_step(self, loss_fn: LossFn) -> Callable[[TrainState, Any], dict]:
         """A compiled ``(state, batch) -> metrics`` in eval mode (``model.eval()``: running
         averages, no dropout), with the train step's layouts; the state is left as it was."""
-        graphdef = self.configured(self.schedule(microbatches, pipeline_repeats),
-                                   self.context_attention(context_attention))
+        graphdef = self.configured(self.schedule(), self.context_attention())
         evaluate = build_eval_step(graphdef, loss_fn,
                                    compute_shardings=self.layout.compute(self.abstract_state.params),
                                    layer_layout=self._layer_layout)
@@ -169,28 +157,24 @@ class ParallelModel:
         return jax.jit(evaluate, in_shardings=(self.state_shardings, self.layout.batch()),
                        out_shardings=replicated)
 
-    def schedule(self, microbatches: int | None = None, pipeline_repeats: int = 1) -> Schedule | None:
+    def schedule(self) -> Schedule | None:
         """The pipeline schedule of this layout (None unless the strategy pipelines): as many
-        microbatches as stages unless told."""
-        axis = self.strategy.pipeline_axis
+        microbatches as stages unless the settings say."""
+        axis, microbatches = self.strategy.pipeline_axis, self.settings.microbatches
         if axis is None:
-            if microbatches is not None or pipeline_repeats != 1:
-                raise UsageError("microbatches/pipeline repeats are for pipeline strategies; "
-                                 f"{self.strategy.name!r} is not one (use `grad_accum=N` to split a batch "
-                                 "into microbatches)")
             return None
         stages = self.mesh.shape[axis]
-        schedule = Schedule(stages, stages if microbatches is None else microbatches, pipeline_repeats)
+        schedule = Schedule(stages, stages if microbatches is None else microbatches,
+                            self.settings.pipeline_repeats)
         for leaf in self.layout.leaves.values():  # the stacked layers must split evenly: say so now
-            if leaf.logical and leaf.logical[0] == "layers":
+            if leaf.logical and leaf.logical[0] == LAYERS:
                 schedule.check_layers(leaf.shape[0])
         return schedule
 
-    def context_attention(self, variant: str = "all-gather") -> str | None:
+    def context_attention(self) -> str | None:
         """How attention spans a sequence split over the mesh's ``context`` axis (None: no such
         axis of more than one device)."""
-        if variant not in CONTEXT_VARIANTS:
-            raise UsageError(f"`context_attention={variant!r}`; use one of {', '.join(CONTEXT_VARIANTS)}")
+        variant = self.settings.context_attention
         if self.mesh.shape.get(CONTEXT_AXIS, 1) == 1:
             if variant != "all-gather":
                 raise UsageError(f"`context_attention={variant!r}` is for meshes with a {CONTEXT_AXIS!r} "
@@ -233,7 +217,7 @@ class ParallelModel:
                            layer_specs(self.strategy, leaf.logical, leaf.shape, self.mesh,
                                          f"parameter {leaf.path!r}"))
                           for leaf in self.layout.leaves.values()
-                          if leaf.path.startswith(prefix) and leaf.logical and leaf.logical[0] == "layers")
+                          if leaf.path.startswith(prefix) and leaf.logical and leaf.logical[0] == LAYERS)
             pipeline = None
             if schedule is not None:
                 pipeline = PipelineRun(self.mesh, self.strategy.pipeline_axis, schedule,
@@ -267,8 +251,9 @@ class ParallelModel:
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh | str | None,
                 strategy: str | Strategy = "dp", *, axis_names: AxisNames = None,
-                loss_fn: LossFn | None = None, example_batch: Any = None,
-                trainable: Any = None) -> ParallelModel:
+                loss_fn: LossFn | None = None, example_batch: Any = None, trainable: Any = None,
+                grad_accum: int = 1, microbatches: int | None = None, pipeline_repeats: int = 1,
+                context_attention: str = "all-gather") -> ParallelModel:
     """Lay out ``factory(rngs)`` and ``tx`` on ``mesh`` by ``strategy``, from abstract shapes only.
 
     Args:
@@ -289,13 +274,18 @@ def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: M
         of the parameters to train; the rest are frozen: no gradient, no optimizer state. Default:
         a model holding LoRA adapters (``nnx.LoRAParam``, as ``TransformerConfig(lora_rank=...)``
         and Flax's ``nnx.LoRA`` make them) trains those alone, any other model every parameter.
+      grad_accum, microbatches, pipeline_repeats, context_attention: how each step is computed
+        (``shardax.StepSettings``), checked here once; ``train_step(loss_fn)`` and
+        ``eval_step(loss_fn)`` use them.
 
     A strategy whose tensor axis would split no weight at all is refused here: the devices of
     each group on that axis would only repeat each other's work. ``layout.notes()`` lists every
     weight left whole on it, and why.
     """
-    return ParallelModel.create(factory, tx, StepSettings.resolve(strategy, mesh), axis_names=axis_names,
-                                loss_fn=loss_fn, example_batch=example_batch, trainable=trainable)
+    settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
+                                    pipeline_repeats=pipeline_repeats, context_attention=context_attention)
+    return ParallelModel.create(factory, tx, settings, axis_names=axis_names, loss_fn=loss_fn,
+                                example_batch=example_batch, trainable=trainable)
 
 
 def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
@@ -308,20 +298,20 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     tensor, expert = strategy.tensor_axis(mesh), strategy.expert_axis(mesh)
     if tensor is not None:
         # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
-        factory = _routing_grouped_convs(factory)
+        factory = routing_grouped_convs(factory)
     with nnx.use_eager_sharding(False):
         graphdef, params, _ = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param, ...)
-    trainable = _trainable(params, trainable)
+    trainable = trainable_filter(params, trainable)
     abstract = jax.eval_shape(functools.partial(build_state, factory, tx, 0, mesh, trainable))
     derived = None
     if ((tensor or expert) and loss_fn is not None and example_batch is not None
-            and not _all_annotated(abstract.params)):
+            and not all_annotated(abstract.params)):
         sizes = (mesh.shape[tensor] if tensor else 1, mesh.shape[expert] if expert else 1)
-        derived = _derive(graphdef, abstract, loss_fn, example_batch, mesh, sizes)
+        derived = derive_unannotated(graphdef, abstract, loss_fn, example_batch, mesh, sizes)
     layout = Layout.create(abstract.params, mesh, strategy, derived)
     if check_tensor:
         check_split_axes([layout], derived is not None)
-    _check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
+    check_pipeline_axis(layout, nnx.merge(graphdef, abstract.params, abstract.rest))
     shardings = TrainState(
         step=NamedSharding(mesh, PartitionSpec()),
         params=layout.params(abstract.params),
@@ -329,67 +319,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
         rest=layout.replicated(abstract.rest),
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
-    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, trainable)
-
-
-def _routing_grouped_convs(factory: ModelFactory) -> ModelFactory:
-    """``factory`` whose models' grouped ``nnx.Conv``s use ``grouped_conv``
-    (``shardax.sharding.grouped_conv``)."""
-
-    @functools.wraps(factory)
-    def build(rngs: nnx.Rngs) -> nnx.Module:
-        return route_grouped_convs(factory(rngs))
-
-    return build
-
-
-def _trainable(params: Any, trainable: Any) -> Any:
-    """The filter of trained parameters (None: all), refused in one line when it selects none."""
-    if trainable is None:
-        adapters = nnx.split_state(params, nnx.LoRAParam, ...)[0]
-        return nnx.LoRAParam if jax.tree.leaves(adapters) else None
-    if not jax.tree.leaves(nnx.split_state(params, trainable, ...)[0]):
-        raise UsageError(f"trainable={trainable!r} selects none of the model's parameters, so nothing would "
-                         "train; give a filter that matches some (e.g. nnx.LoRAParam, or a path predicate)")
-    return trainable
-
-
-def _all_annotated(params: Any) -> bool:
-    variables = jax.tree.leaves(params, is_leaf=lambda node: isinstance(node, nnx.Variable))
-    return all(isinstance(v, nnx.Variable) and not unannotated(logical_axes_of(v)) for v in variables)
-
-
-def _derive(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any, mesh: Mesh,
-            sizes: tuple[int, int]) -> Derived:
-    """The split of the model's unannotated weights over the strategy's tensor and expert axes,
-    read off ``loss_fn``'s program on ``example_batch`` (traced on shapes only, in training mode,
-    under the mesh); ``sizes``: the tensor and expert axes' devices."""
-    def loss(params: Any, rest: Any, batch: Any) -> Any:
-        model = nnx.merge(graphdef, params, rest, copy=True)
-        model.train()
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return split_loss(loss_fn(model, batch))[0]
-
-    return derive_split(loss, abstract.params, abstract.rest, example_batch, *sizes)
-
-
-def _check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
-    """Refuse a pipeline for a model with no stack of layers to cut into stages."""
-    axis = layout.strategy.pipeline_axis
-    if axis is None:
-        return
-    stacks = blocks_of(model, LayerStack)
-    if any(stack.scan for _, stack in stacks):
-        return
-    if stacks:
-        raise UsageError(f"strategy {layout.strategy.name!r} cuts the stacked layers into stages over "
-                         f"{axis!r}, and this model's LayerStack {stacks[0][0]!r} runs its layers in a "
-                         "Python loop (scan=False; shardax train: --no-scan-layers), which has no stack: use "
-                         "scan=True (drop --no-scan-layers)")
-    raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, "
-                     "and this model has none (no shardax.blocks.LayerStack), so every stage would repeat "
-                     "the same work; build the repeated layers with LayerStack, or use dp, fsdp, tp or "
-                     "fsdp_tp")
+    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, trainable, settings)
 
 
 def reshard(tree: Any, target: Any) -> Any:

@@ -26,7 +26,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
-from shardax.model_parallel import ModelFactory, ParallelModel, build_state, trained_part
+from shardax.model_parallel import ParallelModel
+from shardax.model_state import ModelFactory, build_state, trained_part
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_split_axes
 from shardax.sharding.layout import Layout

@@ -45,8 +45,10 @@ def batch_granule(strategy: str, mesh_shape: str | None, target: Target,
                   microbatches: int | None = None) -> int:
     """The rows a global batch must be a multiple of: the devices its rows are split over (times
     a pipeline's microbatches, one per stage unless given)."""
-    return StepSettings.resolve(strategy, mesh_shape, microbatches=microbatches,
-                                devices=target.devices()).rows_per_split()
+    settings = StepSettings.resolve(strategy, mesh_shape, devices=target.devices())
+    if settings.strategy.pipeline_axis:  # the other strategies have no pipeline's microbatches
+        settings = settings.replace(microbatches=microbatches)
+    return settings.rows_per_split()
 
 
 def _peak(model: TransformerConfig, strategy: str, mesh_shape: str | None, target: Target, batch: int,

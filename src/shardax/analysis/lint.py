@@ -13,6 +13,7 @@ from shardax.sharding.layout import owning_param
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 from shardax.sharding.report import format_bytes
+from shardax.vocabulary import LAYERS
 
 REPLICATED_LIMIT = 1 << 20  # parameters above this many bytes should not sit whole on every device
 
@@ -91,7 +92,7 @@ def full_parameter_gathers(layout: Any, collectives: list[Collective]) -> list[s
                 # token positions and ids (context parallelism), not weights
                 continue
             for leaf in by_shape.get(_dims(shape), []):
-                stacked = (bool(layout.strategy.gather_axes) and "layers" in (leaf.logical or ())
+                stacked = (bool(layout.strategy.gather_axes) and LAYERS in (leaf.logical or ())
                            and leaf.shape[0] > 1)
                 if stacked or never_gathers:
                     why = ("all layers at once" if stacked

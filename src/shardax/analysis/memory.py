@@ -19,10 +19,11 @@ import numpy as np
 from shardax.analysis.residuals import STAND_IN, traced_residuals
 from shardax.analysis.tiles import kept_bytes, round_up, stored_bytes, tiled_bytes
 from shardax.errors import UsageError
-from shardax.model_parallel import trained_part
+from shardax.model_state import trained_part
 from shardax.sharding.layout import Layout
 from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
+from shardax.vocabulary import LAYERS
 
 
 def size_of_axes(mesh_shape: dict[str, int], axes: Any) -> int:
@@ -120,7 +121,7 @@ def _actual_sizes(model: Any, rows: int, split: dict[str, int]) -> dict[int, int
     return {size["rows"]: rows, size["seq"]: model.seq_len, size["heads"] * size["head"]: model.d_model,
             size["heads"]: max(model.n_heads // split["heads"], 1), size["head"]: model.head_dim,
             size["head"] // 2: model.head_dim // 2, size["mlp"]: max(model.d_ff // split["mlp"], 1),
-            size["vocab"]: max(model.vocab_size // split["vocab"], 1), size["layers"]: model.n_layers}
+            size["vocab"]: max(model.vocab_size // split["vocab"], 1), size[LAYERS]: model.n_layers}
 
 
 def _looped_residual_bytes(model: Any, rows: int, split: dict[str, int]) -> int:
@@ -163,7 +164,7 @@ def _residual_bytes(model: Any, rows: int, split: dict[str, int], compiler: str 
         for kept in residuals:
             nbytes = kept_bytes(kept, tuple(actual.get(dim, dim) for dim in kept.dims), compiler, shards)
             every += nbytes
-            if kept.dims and kept.dims[0] == STAND_IN["layers"] and not kept.parameter:
+            if kept.dims and kept.dims[0] == STAND_IN[LAYERS] and not kept.parameter:
                 per_layer += nbytes // model.n_layers
                 if kept.dims.count(STAND_IN["seq"]) >= 2:
                     scores += nbytes // model.n_layers
@@ -341,9 +342,8 @@ def context_activation_bytes(layout: Layout, model: Any, batch_size: int, grad_a
 
 def replica_count(layout: Layout) -> int:
     """How many copies of the state the batch axes that do not gather hold (1 for FSDP)."""
-    shape, strategy = dict(layout.mesh.shape), layout.strategy
-    return size_of_axes(shape, [a for a in strategy.batch_axes
-                                if a in shape and a not in strategy.gather_axes])
+    shape, kept = dict(layout.mesh.shape), set(layout.strategy.batch_axes) - set(layout.strategy.gather_axes)
+    return size_of_axes(shape, [a for a in layout.strategy.batch_axes if a in shape and a in kept])
 
 
 def held_on_chip(on_chip: int, temporaries: int) -> int:

@@ -87,7 +87,7 @@ def compile_step(parallel, batch_size: int, seq_len: int, grad_accum: int = 1,
     ``compiler_options``: XLA flags for this compile)."""
     batch = {"tokens": jax.ShapeDtypeStruct((batch_size, seq_len + 1), jax.numpy.int32,
                                             sharding=parallel.layout.batch())}
-    step = parallel.train_step(weighted_next_token_loss, grad_accum=grad_accum, **pipeline)
+    step = parallel.with_settings(grad_accum=grad_accum, **pipeline).train_step(weighted_next_token_loss)
     return compile_with_heap(step.lower(parallel.abstract_state, batch), compiler_options)
 
 
@@ -154,8 +154,9 @@ def plan_strategy(model: TransformerConfig, strategy: str, mesh_shape: str | Non
     resolved, mesh = parallel.strategy, parallel.mesh  # a pipeline's schedule: for pipeline strategies only
     pipeline = ({"microbatches": microbatches, "pipeline_repeats": pipeline_repeats} if resolved.pipeline_axis
                 else {})
-    schedule = parallel.schedule(**pipeline)
-    context = parallel.context_attention(context_attention) if "context" in mesh.shape else None
+    schedule = parallel.with_settings(**pipeline).schedule()
+    context = (parallel.with_settings(context_attention=context_attention).context_attention()
+               if "context" in mesh.shape else None)
     if context is not None:
         pipeline["context_attention"] = context
     started = time.perf_counter()

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardax.vocabulary import LAYERS
+
 # Stand-in sizes for tracing: distinct numbers, so each dimension of a saved residual can be
 # told apart and mapped back to its size on one device (rows, sequence, heads, head size, half a
 # head for rotary, MLP width, vocabulary, layers). Model width is heads x head size.
@@ -66,7 +68,7 @@ def _uses(jaxpr: Any, var: Any) -> frozenset:
 
 
 @functools.lru_cache(maxsize=64)
-def traced_residuals(model: Any, layers: int = STAND_IN["layers"]) -> tuple[Residual, ...]:
+def traced_residuals(model: Any, layers: int = STAND_IN[LAYERS]) -> tuple[Residual, ...]:
     """The residuals of ``model``'s loss with ``layers`` layers, in stand-in sizes."""
     import jax
     import jax.numpy as jnp

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from shardax.analysis.residuals import STAND_IN, Residual
+from shardax.vocabulary import LAYERS
 
 
 def round_up(size: int, multiple: int) -> int:
@@ -44,7 +45,7 @@ def kept_bytes(kept: Residual, real: tuple[int, ...], compiler: str, shards: int
         return 0 if kept.parameter else math.prod(real) * kept.itemsize
     narrowed = kept.itemsize == 4 and "dot" in kept.uses
     if kept.parameter:
-        stacked = real and kept.dims[0] == STAND_IN["layers"]
+        stacked = real and kept.dims[0] == STAND_IN[LAYERS]
         return real[0] * tiled_bytes(real[1:], 2) // shards if narrowed and stacked else 0
     return (tiled_bytes(real, 2) if narrowed else 0) + (
         0 if narrowed and kept.uses == {"dot"} else tiled_bytes(real, kept.itemsize))

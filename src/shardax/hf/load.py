@@ -19,7 +19,8 @@ from shardax.hf.families import read_config
 from shardax.hf.files import SafeTensors, give_back_freed_memory
 from shardax.hf.names import check_tensor_names, is_adapter, layer_sources, normalize_index, parameter_source
 from shardax.hf.save import save
-from shardax.model_parallel import ParallelModel, parallelize, trained_part
+from shardax.model_parallel import ParallelModel, parallelize
+from shardax.model_state import trained_part
 from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
 from shardax.step.state import TrainState

@@ -22,6 +22,7 @@ from shardax.sharding.paths import path_to_str
 from shardax.sharding.place import spec_axes
 from shardax.sharding.rules import LOGICAL_AXES, logical_axes_of, unannotated
 from shardax.sharding.strategies import Strategy
+from shardax.vocabulary import LAYERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ def leaf_layouts(params: Any, mesh: Mesh, strategy: Strategy,
             # nothing (or only a stack's leading layers): read the rest off the program
             found = derived.logical.get(path) if derived else None
             if found is not None:
-                logical = found if annotated is None else ("layers", *found[1:])
+                logical = found if annotated is None else (LAYERS, *found[1:])
             annotated = None
         spec, notes = strategy.param_spec(logical, shape, mesh, f"parameter {path!r}")
         whole = None
@@ -158,7 +159,7 @@ class Layout:
             layout = self.leaves.get(path)
             if layout is None:
                 return PartitionSpec()
-            return layout.spec if "layers" in (layout.logical or ()) else layout.compute_spec
+            return layout.spec if LAYERS in (layout.logical or ()) else layout.compute_spec
 
         return _shardings(tree, self.mesh, spec_of)
 

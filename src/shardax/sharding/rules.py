@@ -17,10 +17,11 @@ from jax.sharding import Mesh, PartitionSpec
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import spec_axes
+from shardax.vocabulary import LAYERS
 
 BATCH = "batch"
 # Logical names used by shardax's layers and models.
-LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", "layers", "expert")
+LOGICAL_AXES = ("batch", "length", "embed", "mlp", "heads", "kv", "vocab", LAYERS, "expert")
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -50,7 +51,7 @@ def unannotated(logical: tuple[str | None, ...] | None) -> bool:
     """Whether logical names say nothing beyond a stack: none at all, or only the leading
     ``layers`` that ``shardax.blocks.LayerStack`` gives the parameters it stacks."""
     return (logical is None
-            or (len(logical) > 0 and logical[0] == "layers" and all(n is None for n in logical[1:])))
+            or (len(logical) > 0 and logical[0] == LAYERS and all(n is None for n in logical[1:])))
 
 
 def _targets(name: str, rules: Rules, mesh: Mesh, where: str) -> list[MeshAxes]:
@@ -126,7 +127,7 @@ def add_axis_to_largest_dim(
     names = logical if logical is not None and len(logical) == len(shape) else (None,) * len(shape)
     free = [
         (shape[d], -d) for d, entry in enumerate(entries)
-        if entry is None and shape[d] % size == 0 and names[d] != "layers"
+        if entry is None and shape[d] % size == 0 and names[d] != LAYERS
     ]
     if not free:
         return None

@@ -17,6 +17,7 @@ from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import spec_axes
 from shardax.sharding.rules import LOGICAL_AXES, Rules, add_axis_to_largest_dim, resolve_spec
+from shardax.vocabulary import LAYERS
 
 
 def _rules(**targets: Any) -> Rules:
@@ -129,7 +130,7 @@ def _no_room(spec: PartitionSpec, shape: tuple[int, ...], logical: tuple[str | N
     reasons = []
     for length, name, entry in zip(shape, names, entries):
         label = f"{name}={length}" if name else f"{length}"
-        if name == "layers":
+        if name == LAYERS:
             reasons.append(f"{label} is the stacked layers, never split")
         elif entry is not None:
             reasons.append(f"{label} is split over {entry} already")

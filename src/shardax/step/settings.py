@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from shardax.errors import UsageError
 from shardax.mesh import DeviceMeshManager, describe_mesh
 from shardax.sharding.strategies import Strategy, default_mesh, get_strategy
-from shardax.vocabulary import NONFINITE_MODES
+from shardax.vocabulary import CONTEXT_ATTENTIONS, NONFINITE_MODES
 
 NONFINITE = NONFINITE_MODES
 
@@ -77,20 +77,40 @@ class StepSettings:
                 context_attention: str = "all-gather", devices: Any = None) -> StepSettings:
         """Every setting checked, in one place (see the module docstring)."""
         if isinstance(strategy, StepSettings):
-            return strategy
+            raise UsageError("StepSettings.resolve takes a strategy's name or a Strategy, and was given "
+                             "StepSettings, which are resolved already: use them as they are, or change "
+                             "them with `settings.replace(...)`")
         strategy = get_strategy(strategy)
-        check_grad_accum(grad_accum)
-        if microbatches is not None:
-            check_at_least("microbatches", microbatches, 1)
-        check_at_least("pipeline_repeats", pipeline_repeats, 1)
-        return cls(strategy, resolve_mesh(strategy, mesh, devices), grad_accum, microbatches,
-                   pipeline_repeats, context_attention)
+        settings = cls(strategy, resolve_mesh(strategy, mesh, devices), grad_accum, microbatches,
+                       pipeline_repeats, context_attention)
+        settings.check()
+        return settings
 
-    @property
-    def schedule_options(self) -> dict[str, Any]:
-        """The keywords of ``ParallelModel.train_step``/``eval_step`` that shape the forward pass."""
-        return {"microbatches": self.microbatches, "pipeline_repeats": self.pipeline_repeats,
-                "context_attention": self.context_attention}
+    def replace(self, **changes: Any) -> StepSettings:
+        """These settings with ``changes`` (any field but the strategy and mesh), checked again."""
+        fixed = {"strategy", "mesh"} & set(changes)
+        if fixed:
+            raise UsageError(f"{', '.join(sorted(fixed))} cannot be changed on a laid-out model: the layout "
+                             "was made for them; call parallelize again with the new ones")
+        settings = dataclasses.replace(self, **changes)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Each number in range; a pipeline's schedule only on a pipeline strategy; a context
+        attention shardax has."""
+        check_grad_accum(self.grad_accum)
+        if self.microbatches is not None:
+            check_at_least("microbatches", self.microbatches, 1)
+        check_at_least("pipeline_repeats", self.pipeline_repeats, 1)
+        scheduled = self.microbatches is not None or self.pipeline_repeats != 1
+        if self.strategy.pipeline_axis is None and scheduled:
+            raise UsageError(f"`microbatches`/`pipeline_repeats` are for pipeline strategies; "
+                             f"{self.strategy.name!r} is not one (use `grad_accum=N` to split a batch into "
+                             "microbatches)")
+        if self.context_attention not in CONTEXT_ATTENTIONS:
+            raise UsageError(f"`context_attention={self.context_attention!r}`; use one of "
+                             f"{', '.join(CONTEXT_ATTENTIONS)}")
 
     def rows_per_split(self) -> int:
         """The rows a global batch must be a multiple of: the devices of the batch axes, times

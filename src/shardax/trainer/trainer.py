@@ -142,9 +142,9 @@ class Trainer:
                                                  self.settings, axis_names=axis_names, loss_fn=loss_fn,
                                                  example_batch=example_batch)
             # checked here, at the start
-            self.schedule = self.parallel.schedule(microbatches, pipeline_repeats)
+            self.schedule = self.parallel.schedule()
             # None: no context axis
-            self.context_attention = self.parallel.context_attention(context_attention)
+            self.context_attention = self.parallel.context_attention()
         self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
         self.step_fn, self.eval_fn = step, eval_fn
         self.seed, self.name, self.learning_rate = seed, name, learning_rate
@@ -200,10 +200,7 @@ class Trainer:
         if on_nonfinite not in self._steps and self.parts is not None:
             self._steps[on_nonfinite] = self.parallel.train_step(self.step_fn, nonfinite=on_nonfinite)
         if on_nonfinite not in self._steps:
-            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn,
-                                                                 grad_accum=self.settings.grad_accum,
-                                                                 nonfinite=on_nonfinite,
-                                                                 **self.settings.schedule_options)
+            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, nonfinite=on_nonfinite)
         return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
@@ -213,7 +210,7 @@ class Trainer:
                                  "parts, batch: {'name': scalar, ...}) to evaluate, or leave eval_data out")
             self._steps["eval"] = self.parallel.eval_step(self.eval_fn)
         if "eval" not in self._steps:
-            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn, **self.settings.schedule_options)
+            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn)
         return self._steps["eval"]
 
     def place(self, batch: Any) -> Any:

@@ -1,0 +1,110 @@
+"""A model's training state from its factory, and what laying it out checks of the model.
+
+``build_state`` initialises a ``TrainState`` (under ``jax.jit`` with the layout's shardings each
+device computes only what it holds); the rest serves ``shardax.parallelize``: the filter of the
+parameters that train, the Megatron-style split of unannotated weights read off a loss's
+program, and the refusals of a model that a strategy cannot lay out.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardax.blocks import LayerStack, blocks_of
+from shardax.errors import UsageError
+from shardax.sharding.derive import Derived, derive_split
+from shardax.sharding.grouped_conv import route_grouped_convs
+from shardax.sharding.layout import Layout
+from shardax.sharding.rules import logical_axes_of, unannotated
+from shardax.step.loss import LossFn, split_loss
+from shardax.step.state import TrainState
+
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+
+
+def trained_part(params: Any, trainable: Any) -> Any:
+    """The parameters the optimizer updates (all of them when ``trainable`` is None)."""
+    return params if trainable is None else nnx.split_state(params, trainable, ...)[0]
+
+
+def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
+                trainable: Any = None) -> TrainState:
+    # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
+    # the mesh, so that a model's own sharding constraints resolve while it is built; with every
+    # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
+    # and every device would draw the whole model (jax.make_mesh's default is Explicit).
+    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto
+                                                 for name in mesh.axis_names})
+    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
+        model = factory(nnx.Rngs(seed))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    zero = jax.numpy.zeros((), jax.numpy.int32)
+    return TrainState(step=zero, params=params, opt_state=tx.init(trained_part(params, trainable)), rest=rest,
+                      skipped=zero)
+
+
+def routing_grouped_convs(factory: ModelFactory) -> ModelFactory:
+    """``factory`` whose models' grouped ``nnx.Conv``s use ``grouped_conv``
+    (``shardax.sharding.grouped_conv``)."""
+
+    @functools.wraps(factory)
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return route_grouped_convs(factory(rngs))
+
+    return build
+
+
+def trainable_filter(params: Any, trainable: Any) -> Any:
+    """The filter of trained parameters (None: all), refused in one line when it selects none."""
+    if trainable is None:
+        adapters = nnx.split_state(params, nnx.LoRAParam, ...)[0]
+        return nnx.LoRAParam if jax.tree.leaves(adapters) else None
+    if not jax.tree.leaves(nnx.split_state(params, trainable, ...)[0]):
+        raise UsageError(f"trainable={trainable!r} selects none of the model's parameters, so nothing would "
+                         "train; give a filter that matches some (e.g. nnx.LoRAParam, or a path predicate)")
+    return trainable
+
+
+def all_annotated(params: Any) -> bool:
+    variables = jax.tree.leaves(params, is_leaf=lambda node: isinstance(node, nnx.Variable))
+    return all(isinstance(v, nnx.Variable) and not unannotated(logical_axes_of(v)) for v in variables)
+
+
+def derive_unannotated(graphdef: nnx.GraphDef, abstract: TrainState, loss_fn: LossFn, example_batch: Any,
+                       mesh: Mesh, sizes: tuple[int, int]) -> Derived:
+    """The split of the model's unannotated weights over the strategy's tensor and expert axes,
+    read off ``loss_fn``'s program on ``example_batch`` (traced on shapes only, in training mode,
+    under the mesh); ``sizes``: the tensor and expert axes' devices."""
+    def loss(params: Any, rest: Any, batch: Any) -> Any:
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        model.train()
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return split_loss(loss_fn(model, batch))[0]
+
+    return derive_split(loss, abstract.params, abstract.rest, example_batch, *sizes)
+
+
+def check_pipeline_axis(layout: Layout, model: nnx.Module) -> None:
+    """Refuse a pipeline for a model with no stack of layers to cut into stages."""
+    axis = layout.strategy.pipeline_axis
+    if axis is None:
+        return
+    stacks = blocks_of(model, LayerStack)
+    if any(stack.scan for _, stack in stacks):
+        return
+    if stacks:
+        raise UsageError(f"strategy {layout.strategy.name!r} cuts the stacked layers into stages over "
+                         f"{axis!r}, and this model's LayerStack {stacks[0][0]!r} runs its layers in a "
+                         "Python loop (scan=False; shardax train: --no-scan-layers), which has no stack: use "
+                         "scan=True (drop --no-scan-layers)")
+    raise UsageError(f"strategy {layout.strategy.name!r} cuts a stack of layers into stages over {axis!r}, "
+                     "and this model has none (no shardax.blocks.LayerStack), so every stage would repeat "
+                     "the same work; build the repeated layers with LayerStack, or use dp, fsdp, tp or "
+                     "fsdp_tp")
