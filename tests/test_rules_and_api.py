@@ -109,3 +109,24 @@ def test_one_vocabulary_of_option_names():
     probe = "import sys, shardax.vocabulary; print(sorted({'jax', 'numpy'} & set(sys.modules)))"
     assert (subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
             == "[]")
+
+
+def test_a_parallel_model_carries_its_step_settings_resolved_once(mesh8):
+    import optax
+    from flax import nnx
+
+    from shardax.errors import UsageError
+
+    parallel = shardax.parallelize(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.sgd(0.1), mesh8, "fsdp",
+                                   grad_accum=2)
+    assert (parallel.settings.grad_accum, parallel.settings.strategy.name) == (2, "fsdp")
+    wider = parallel.with_settings(grad_accum=4)
+    assert wider.settings.grad_accum == 4 and parallel.settings.grad_accum == 2
+    assert wider.layout is parallel.layout and wider.state_shardings is parallel.state_shardings
+    with pytest.raises(UsageError, match=r"^`grad_accum=0` must be a whole number of at least 1"):
+        parallel.with_settings(grad_accum=0)
+    with pytest.raises(UsageError, match=r"^mesh cannot be changed on a laid-out model.*parallelize again"):
+        parallel.with_settings(mesh=mesh8)
+    with pytest.raises(UsageError, match=r"^StepSettings.resolve takes a strategy's name or a Strategy, "
+                                         r"and was given StepSettings"):
+        shardax.StepSettings.resolve(parallel.settings)
