@@ -126,3 +126,14 @@ def test_no_private_name_crosses_a_module_boundary():
                 crossing += [f"{path.relative_to(root)}: {node.module}.{alias.name}" for alias in node.names
                              if alias.name.startswith("_") and not alias.name.startswith("__")]
     assert not crossing, crossing
+
+
+def test_every_class_name_is_used_once_in_the_package():
+    """One name, one thing: two classes called ``Run`` (or ``Trainer``) in two modules make a
+    reader, a traceback and a search ask which one is meant."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}

@@ -220,7 +220,7 @@ def model_config(preset: str, init_from: str | None, overrides: dict[str, Any], 
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class RunDefinition:
     """The settings that define a run, resolved (preset defaults filled in)."""
 
     preset: str | None  # None: the model of init_from
@@ -257,7 +257,7 @@ class Run:
                 "packing": self.packing}
 
 
-def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> Run:
+def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> RunDefinition:
     """The run ``config`` asks for on ``platform`` (JAX's backend: cpu, gpu or tpu); with
     ``saved`` (a checkpoint's run record), the saved run, refusing flags that contradict it."""
     # --data and --init-from are kept as absolute paths: a resume from another working directory
@@ -286,7 +286,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
                          config.lora_alpha, config.lora_targets)
     steps = config.steps if config.steps is not None else preset.steps
     train_to = config.extend_to or (saved or {}).get("train_to") or steps
-    return Run(preset=None if config.init_from else config.preset or "tiny", model=model,
+    return RunDefinition(preset=None if config.init_from else config.preset or "tiny", model=model,
                seed=config.seed or 0,
                batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
                steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,

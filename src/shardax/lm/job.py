@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
 
 from shardax.errors import Preempted, Stopped, UsageError
-from shardax.lm.config import Run, TrainConfig, check_values, resolve
+from shardax.lm.config import RunDefinition, TrainConfig, check_values, resolve
 from shardax.lm.data import ByteText, Conversations, Preferences, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
@@ -123,7 +123,8 @@ def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: Tra
 COMPUTED = ("remat", "compute_dtype", "attention", "scan_layers")
 
 
-def _check_same_model(record: dict[str, Any], run: Run, step: int | None, config: TrainConfig) -> None:
+def _check_same_model(record: dict[str, Any], run: RunDefinition, step: int | None,
+                      config: TrainConfig) -> None:
     """A checkpoint whose model this shardax would build otherwise (a preset from before the presets
     became Llama-shaped) is refused in one line, before anything is read."""
     before = record.get("model") or {}
@@ -143,7 +144,7 @@ def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _check_not_finished(run: Run, step: int | None, config: TrainConfig) -> None:
+def _check_not_finished(run: RunDefinition, step: int | None, config: TrainConfig) -> None:
     if step is not None and step >= run.train_to:
         raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it "
                          f"further, pass --extend-to N with N > {step} (the learning rate stays at its final "
@@ -181,7 +182,7 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
     return lines
 
 
-def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, Run, list[str]]:
+def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDefinition, list[str]]:
     """Check every setting and lay the model out, before any step or file write; with the lines
     that say what a resumed run changes."""
     check_values(config)
@@ -226,7 +227,7 @@ def _check_packing(data: ByteText | TokenShards) -> None:
             "; leave it out")
 
 
-def _loss(data: ByteText | TokenShards, run: Run) -> Any:
+def _loss(data: ByteText | TokenShards, run: RunDefinition) -> Any:
     """What the run trains on: the LM loss (on the learned tokens), or DPO's on preference pairs,
     with the base weights of a LoRA model as the reference (the adapters left out)."""
     dpo = {"beta": run.dpo_beta, "label_smoothing": run.dpo_label_smoothing}
@@ -286,7 +287,7 @@ def run(config: TrainConfig) -> TrainResult:
                                         f"metrics are in {where.path}") from None
 
 
-def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: Run, config: TrainConfig,
+def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, config: TrainConfig,
            where: RunDirectory) -> TrainResult:
     """A finished run's closing sample and summary, and what ``run`` returns."""
     model, batch = run.model, run.batch_size
@@ -325,8 +326,8 @@ def _whole_lines(data: ByteText | TokenShards, prompt: list[int]) -> list[int]:
     return prompt
 
 
-def _fit(trainer: Trainer, data: ByteText | TokenShards, run: Run, config: TrainConfig, where: RunDirectory,
-         changes: list[str]):
+def _fit(trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, config: TrainConfig,
+         where: RunDirectory, changes: list[str]):
     """The Trainer's loop over the run's data, writing into ``where``; the summary is left to ``run``."""
     model, batch = run.model, run.batch_size
     sharding = trainer.parallel.layout.batch()
@@ -368,6 +369,6 @@ def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText
     return on_log
 
 
-def _run_settings(run: Run) -> dict[str, Any]:
+def _run_settings(run: RunDefinition) -> dict[str, Any]:
     """The resolved settings that define the run, as ``TrainConfig`` fields (for its config.yaml)."""
     return {name: value for name, value in run.record().items() if name != "train_to"}

@@ -30,10 +30,10 @@ from shardax.trainer.sources import BatchSource
 from shardax.trainer.trackers import Tracker, open_tracker
 
 
-class Trainer(Protocol):
+class TrainerLike(Protocol):
     """What a run needs of ``shardax.Trainer`` (which this module does not import: the Trainer
     starts runs, a run does not make Trainers). A run reads the trainer's state and never writes
-    it: ``Trainer.fit`` takes the run's final ``Run.state``."""
+    it: ``Trainer.fit`` takes the run's final ``FitRun.state``."""
 
     @property
     def state(self) -> TrainState | None: ...
@@ -97,10 +97,10 @@ class FitResult:
 
 
 @dataclasses.dataclass
-class Run:
+class FitRun:
     """One ``fit``: its settings, its state as it trains, and what it writes to."""
 
-    trainer: Trainer
+    trainer: TrainerLike
     settings: FitSettings
     source: BatchSource
     state: TrainState
@@ -116,8 +116,8 @@ class Run:
     best_eval_loss: float | None = None
 
     @classmethod
-    def start(cls, trainer: Trainer, source: BatchSource, settings: FitSettings,
-              samples: SampleFn | None = None) -> Run:
+    def start(cls, trainer: TrainerLike, source: BatchSource, settings: FitSettings,
+              samples: SampleFn | None = None) -> FitRun:
         """Restore or initialise the state (the settings were checked as they were made); nothing
         is written before."""
         checkpointer = (Checkpointer(settings.checkpoint_dir, keep=settings.keep_checkpoints)
@@ -130,8 +130,8 @@ class Run:
             raise
 
     @classmethod
-    def _start(cls, trainer: Trainer, source: BatchSource, checkpointer: Checkpointer | None,
-               settings: FitSettings) -> Run:
+    def _start(cls, trainer: TrainerLike, source: BatchSource, checkpointer: Checkpointer | None,
+               settings: FitSettings) -> FitRun:
         notes = []
         if settings.resume:
             if checkpointer.directory.is_dir():
@@ -337,7 +337,8 @@ class Run:
             self.checkpointer.close()
 
 
-def _open_trackers(trainer: Trainer, tensorboard: str | None, record: dict[str, Any] | None) -> list[Tracker]:
+def _open_trackers(trainer: TrainerLike, tensorboard: str | None,
+                   record: dict[str, Any] | None) -> list[Tracker]:
     """The trainer's trackers (and ``fit(tensorboard=DIR)``'s), opened on process 0; any that
     opened are closed again if one fails."""
     specs = [*trainer.trackers, *([f"tensorboard:{tensorboard}"] if tensorboard else [])]
@@ -361,7 +362,7 @@ def _took_over(checkpointer: Checkpointer) -> list[str]:
             f"(host {dead.get('host', '?')}, pid {dead.get('pid', '?')}, since {dead.get('since', '?')})"]
 
 
-def _restore(trainer: Trainer, checkpointer: Checkpointer,
+def _restore(trainer: TrainerLike, checkpointer: Checkpointer,
              source: BatchSource) -> tuple[TrainState, list[str]]:
     """Restore the latest good checkpoint into the trainer's layout and the data source's position;
     newer damaged ones are set aside (renamed ``<step>.damaged``), each with a warning."""

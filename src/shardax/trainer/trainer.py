@@ -46,7 +46,7 @@ from shardax.trainer.display import count_parameters
 from shardax.trainer.models import first_weights, model_factory
 from shardax.trainer.preemption import StopSignals
 from shardax.trainer.procedure import check_procedure
-from shardax.trainer.run import FitResult, Run, batch_rows, host_float
+from shardax.trainer.run import FitResult, FitRun, batch_rows, host_float
 from shardax.trainer.samples import SampleFn, check_samples
 from shardax.trainer.settings import FitSettings, settings_given
 from shardax.trainer.sources import batch_source, evaluation_batches
@@ -149,7 +149,7 @@ class Trainer:
         self.step_fn, self.eval_fn = step, eval_fn
         self.seed, self.name, self.learning_rate = seed, name, learning_rate
         self._state: TrainState | None = None
-        self._run: Run | None = None  # the fit under way: its state is the trainer's
+        self._run: FitRun | None = None  # the fit under way: its state is the trainer's
         self._steps: dict[str, Callable] = {}
         self.checked = False  # whether the train step was traced on a batch's shapes (check_step)
         if example_batch is not None:
@@ -383,7 +383,7 @@ class Trainer:
         if not self.checked and (example := source.first_batch()) is not None:
             self.check_step(example)  # what the first step would refuse, refused before anything is written
         with StopSignals() as stops:  # from here to the final checkpoint: stop after a step, saved
-            run = self._run = Run.start(self, source, settings, samples)
+            run = self._run = FitRun.start(self, source, settings, samples)
             try:
                 run.display.print(*self.describe(), *header, *run.notes)
                 return run.loop(evaluations, on_log, stops)
