@@ -35,11 +35,12 @@ began = time.perf_counter()
 from shardax.cli.devices import configure_jax
 configure_jax(8)
 from shardax.lm import job
-from shardax.lm.config import TrainConfig, resolve
+from shardax.lm.config import resolve
+from shardax.lm.settings import TrainConfig
 from shardax.lm.data import open_data
 from shardax.lm.sampling import sample_tokens
 
-config = TrainConfig(sample_bytes=0)
+config = TrainConfig.of(sample_bytes=0)
 result = job.run(config)
 wall = time.perf_counter() - began
 run = resolve(config)

@@ -76,9 +76,9 @@ def loading_share(shards: Path, steps: int, rounds: int = 5) -> dict:
     code = f"""
 import json, statistics, time, jax
 simulate_cpu_devices(8)
-from shardax.lm.config import TrainConfig
+from shardax.lm.settings import TrainConfig
 from shardax.lm import job
-trainer, data, run = job.prepare(TrainConfig(data=[{str(shards)!r}]))
+trainer, data, run = job.prepare(TrainConfig.of(data=[{str(shards)!r}]))
 sharding = trainer.parallel.layout.batch()
 batches = data.batches(run.model.seq_len, run.batch_size, run.seed, sharding)
 step_fn = trainer.train_step()

@@ -31,7 +31,8 @@ def _make_workspace(root, small_corpus):
     (root / "short.txt").write_text("too short")
     (root / "a_file").write_text("not a directory")
     yaml = {"typo.yaml": "stepz: 5\n", "ten.yaml": "steps: ten\n", "list.yaml": "- steps\n- 5\n",
-            "broken.yaml": "steps: [5\n", "lr.yaml": "lr: -1e-3\n"}
+            "broken.yaml": "steps: [5\n", "lr.yaml": "optimizer:\n  lr: -1e-3\n",
+            "misplaced.yaml": "model:\n  lr: 1e-3\n"}
     for name, text in yaml.items():
         (root / name).write_text(text)
     run = ("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", root / "text")
@@ -120,6 +121,7 @@ CASES = [
     (["--config", "{root}/ten.yaml"], "steps is 'ten', expected int"),
     (["--config", "{root}/list.yaml"], "expected a mapping of settings, got list"),
     (["--config", "{root}/lr.yaml"], "--lr -0.001 must be a positive learning rate"),
+    (["--config", "{root}/misplaced.yaml"], "lr belongs under optimizer:, not model:"),
     # checkpoint directories and files to write
     (["--checkpoint-dir", "{root}/a_file"], "is a file; give a directory"),
     (["--checkpoint-dir", "{root}/other_run"], "already holds checkpoints (latest step 2); pass --resume"),

@@ -18,9 +18,10 @@ from shardax.data.prepare import is_validation, prepare
 from shardax.data.shards import PackedBatches, PreparedData, TokenStream, packed, validation_rows
 from shardax.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardax.errors import UsageError
-from shardax.lm.config import TrainConfig, resolve
+from shardax.lm.config import resolve
 from shardax.lm.job import loop_note
 from shardax.lm.sampling import sample_tokens, vocabulary, word_share
+from shardax.lm.settings import TrainConfig
 from shardax.models.transformer import TransformerConfig, TransformerLM, token_losses
 from shardax.trainer.trainer import Trainer
 
@@ -340,21 +341,21 @@ def test_a_new_run_loops_its_blocks_on_gpus_where_benchmark_24_timed_it_faster()
     run keeps the layout its checkpoint records, and the header says when the default chose."""
     for strategy, looped in [("dp", True), ("zero1", True), ("tp", True), ("zero2", False), ("fsdp", False),
                              ("hsdp", False), ("fsdp_tp", False), ("pp", False), ("pp_tp", False)]:
-        config = TrainConfig(strategy=strategy)
+        config = TrainConfig.of(strategy=strategy)
         assert resolve(config, platform="gpu").model.scan_layers is not looped, strategy
         assert resolve(config, platform="tpu").model.scan_layers and resolve(config).model.scan_layers
-    assert resolve(TrainConfig(scan_layers=True), platform="gpu").model.scan_layers
-    assert not resolve(TrainConfig(scan_layers=False, strategy="fsdp"), platform="cpu").model.scan_layers
+    assert resolve(TrainConfig.of(scan_layers=True), platform="gpu").model.scan_layers
+    assert not resolve(TrainConfig.of(scan_layers=False, strategy="fsdp"), platform="cpu").model.scan_layers
     new = resolve(TrainConfig(), platform="gpu")
     assert loop_note(TrainConfig(), None, new.model) == [
         "blocks: in a Python loop, the default on GPUs under dp (steps 1.14-1.27x faster than scanned on an "
         "H100, benchmark 24); --scan-layers scans them, compiling in time flat in depth"]
-    assert loop_note(TrainConfig(scan_layers=False), None, new.model) == []  # asked for: nothing to explain
-    resumed = resolve(TrainConfig(strategy="fsdp"), saved=new.record(), platform="cpu")
+    assert loop_note(TrainConfig.of(scan_layers=False), None, new.model) == []  # asked for: nothing to say
+    resumed = resolve(TrainConfig.of(strategy="fsdp"), saved=new.record(), platform="cpu")
     assert not resumed.model.scan_layers
     with pytest.raises(UsageError,
                        match="--scan-layers True contradicts the checkpoint's --scan-layers False"):
-        resolve(TrainConfig(scan_layers=True), saved=new.record(), platform="gpu")
+        resolve(TrainConfig.of(scan_layers=True), saved=new.record(), platform="gpu")
 
 
 def test_the_default_run_is_the_one_measured_in_the_readme():
@@ -364,10 +365,11 @@ def test_the_default_run_is_the_one_measured_in_the_readme():
     assert ((run.preset, run.tokenizer, run.vocab_size, run.batch_size, run.steps)
             == ("tiny", "bpe", 1024, 32, 500))
     assert run.model.seq_len == 64
-    assert (TrainConfig().sample_temperature, TrainConfig().sample_top_k) == (0.7, 10)
+    assert (TrainConfig().run.sample_temperature, TrainConfig().run.sample_top_k) == (0.7, 10)
     rows = json.loads((Path(__file__).parents[1] / "benchmarks/results/default_sample.json").read_text())
     after = next(row for row in rows if row["label"] == "after")
     measured = {key: after[key] for key in ("tokenizer", "batch_size", "steps", "temperature", "top_k")}
     assert measured == {"tokenizer": run.tokenizer, "batch_size": run.batch_size, "steps": run.steps,
-                        "temperature": TrainConfig().sample_temperature, "top_k": TrainConfig().sample_top_k}
+                        "temperature": TrainConfig().run.sample_temperature,
+                        "top_k": TrainConfig().run.sample_top_k}
     assert 0 < after["word_share"] <= 1 and after["words"] > 200

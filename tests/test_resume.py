@@ -108,12 +108,13 @@ def test_a_checkpoint_of_shardax_0_1s_gpt_shaped_preset_is_refused_in_one_line()
 
     from shardax.errors import UsageError
     from shardax.lm import job
-    from shardax.lm.config import TrainConfig, resolve
+    from shardax.lm.config import resolve
+    from shardax.lm.settings import TrainConfig
 
-    run = resolve(TrainConfig(data=["corpus"]))
+    run = resolve(TrainConfig.of(data=["corpus"]))
     run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=320))
     old = {**dataclasses.asdict(run.model), "norm": "layer", "mlp": "gelu", "d_ff": 512, "vocab_size": 256}
-    config = TrainConfig(checkpoint_dir="runs/old/checkpoints", resume=True)
+    config = TrainConfig.of(checkpoint_dir="runs/old/checkpoints", resume=True)
     with pytest.raises(UsageError) as refused:
         job._check_same_model({"model": old}, run, 500, config)
     assert str(refused.value) == (

@@ -61,10 +61,11 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     assert re.search(r"validation loss +│ \d\.\d{4} nats/byte \(best \d\.\d{4}\); \d\.\d{3} bits/byte", out)
     assert re.search(r"unigram baseline +│ \d\.\d{4} nats/byte", out) and re.search(r"run directory +│ ", out)
     assert out.index("sample") < out.index("summary")  # the sample, then the summary, then what to do next
-    settings = yaml.safe_load((run / "config.yaml").read_text())
-    assert settings["strategy"] == "fsdp" and settings["steps"] == 6 and settings["preset"] == "tiny"
-    assert settings["ema"] == 0.9
-    assert settings["data"] == [str(small_corpus)] and "resume" not in settings
+    settings = yaml.safe_load((run / "config.yaml").read_text())  # by section: model, data, optimizer, ...
+    assert list(settings) == ["model", "data", "optimizer", "parallelism", "run"]
+    assert settings["parallelism"]["strategy"] == "fsdp" and settings["model"]["preset"] == "tiny"
+    assert settings["optimizer"]["steps"] == 6 and settings["optimizer"]["ema"] == 0.9
+    assert settings["data"]["data"] == [str(small_corpus)] and "resume" not in settings["run"]
 
     records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 6]  # first step, every 2nd, and evaluations (3, 6)
@@ -95,7 +96,8 @@ def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_cor
     again = tmp_path / "again"  # the same settings afresh, from the run's config.yaml
     assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(again), "--steps", "2"]) == 0
     assert "strategy fsdp" in capsys.readouterr().out
-    assert yaml.safe_load((again / "config.yaml").read_text()) == {**settings, "steps": 2}
+    assert yaml.safe_load((again / "config.yaml").read_text()) == {
+        **settings, "optimizer": {**settings["optimizer"], "steps": 2}}
 
     assert main(["train", "--resume"]) == 2
     assert (f"--resume continues a saved run: name it with --run-dir DIR (the latest is {run})"

@@ -7,7 +7,6 @@ nothing already saved is touched before every setting has been checked.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -195,17 +194,17 @@ def _load_yaml(path: str) -> dict[str, Any]:
 def train_config(args: argparse.Namespace):
     """Presets < the resumed run's config.yaml < YAML file < flags, as a ``TrainConfig`` (YAML values
     coerced to the settings' types). What defines a resumed run comes from its checkpoint."""
-    from shardax.lm.config import RUN_SETTINGS, TrainConfig, typed_settings
+    from shardax.lm.config import DEFINING_SETTINGS, typed_settings
     from shardax.lm.rundir import saved_settings
+    from shardax.lm.settings import PLACES, TrainConfig
 
-    fields = {field.name for field in dataclasses.fields(TrainConfig)}
     values = {}
     if args.resume and args.run_dir:
-        values = {k: v for k, v in saved_settings(args.run_dir).items() if k not in RUN_SETTINGS}
+        values = {k: v for k, v in saved_settings(args.run_dir).items() if k not in DEFINING_SETTINGS}
     if args.config:
         values.update(typed_settings(_load_yaml(args.config), f"--config {args.config}"))
-    values.update({k: v for k, v in vars(args).items() if k in fields and v is not None})
-    return TrainConfig(**values)
+    values.update({k: v for k, v in vars(args).items() if k in PLACES and v is not None})
+    return TrainConfig.of(**values)
 
 
 def _join_cluster(devices: int) -> None:
@@ -234,7 +233,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         with signals.deferred():  # JAX, its plugins and the libraries with compiled parts start here
             config = train_config(args)
-            _join_cluster(config.devices)
+            _join_cluster(config.parallelism.devices)
             import tokenizers  # noqa: F401  (imported by data preparation later, where a signal raises)
 
             from shardax.lm.job import run

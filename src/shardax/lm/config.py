@@ -20,6 +20,7 @@ from typing import Any
 
 from shardax.data.python_chats import BUILT_IN_SETS
 from shardax.errors import UsageError
+from shardax.lm.settings import PLACES, SECTIONS, TrainConfig, setting_types
 from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
 from shardax.vocabulary import (
@@ -31,74 +32,14 @@ from shardax.vocabulary import (
     REMAT_POLICIES,
 )
 
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything ``shardax train`` takes; ``None`` means "the preset's value" (or, on resume, the
-    checkpoint's)."""
-
-    strategy: str = "dp"  # dp, zero1, zero2, fsdp, tp, fsdp_tp, hsdp, pp, pp_fsdp, pp_tp
-    mesh: str | None = None  # e.g. "data=4,model=2"; default: every device on data
-    preset: str | None = None  # model size, see shardax.models.presets (default tiny)
-    # a Hugging Face checkpoint (Llama or Gemma family) to fine-tune: its model and tokenizer
-    init_from: str | None = None
-    # LoRA adapters of this rank, the base weights frozen (0 or None: full training)
-    lora_rank: int | None = None
-    lora_alpha: float | None = None  # the adapters' scale is alpha / rank (default: the rank)
-    lora_targets: str | None = None  # e.g. "q,v" (default: every projection the model has)
-    steps: int | None = None  # optimizer steps: the schedule's length and where the run ends
-    batch_size: int | None = None  # global batch, in sequences
-    grad_accum: int = 1  # microbatches per step (same update, less activation memory)
-    microbatches: int | None = None  # pipeline strategies: microbatches through the stages (default: stages)
-    pipeline_repeats: int = 1  # pipeline strategies: times round the stages (circular schedule)
-    context_attention: str = "all-gather"  # a mesh with a context axis: all-gather or ring attention
-    seq_len: int | None = None  # tokens per training sequence (bytes with the byte tokenizer)
-    lr: float | None = None  # peak learning rate (warmup then cosine decay to a tenth of it)
-    ema: float | None = None  # keep a moving average of the weights with this decay (export/generate --ema)
-    seed: int | None = None  # model initialisation and data order (default 0)
-    # text/.jsonl/.parquet files or folders, or a prepared directory; default: stdlib
-    data: list[str] | None = None
-    # bytes, bpe or a tokenizer.json: tokenize into shards first (see shardax prepare)
-    tokenizer: str | None = None
-    vocab_size: int | None = None  # with --tokenizer bpe: the vocabulary to train (default 4096)
-    field: str | None = None  # the text field of .jsonl / .parquet inputs (default "text")
-    # conversations: a checkpoint folder or .jinja (default: the tokenizer's)
-    chat_template: str | None = None
-    data_format: str | None = None  # documents, conversations or preferences (default: read off the files)
-    packing: bool | None = None  # conversations: whole examples share rows (default), or False: one a row
-    dpo_beta: float | None = None  # preference pairs: DPO's beta (default 0.1)
-    # preference pairs: conservative DPO's label smoothing (default 0)
-    dpo_label_smoothing: float | None = None
-    precision: str = "float32"  # compute dtype: float32 or bfloat16 (parameters stay float32)
-    remat: str | None = None  # none, full, dots_saveable, ...
-    attention: str = "auto"  # auto (cuDNN on GPU where it applies), xla or cudnn
-    scan_layers: bool | None = None  # False: blocks in a Python loop (default: see blocks_in_a_loop)
-    eval_every: int = 100  # steps between validation evaluations (0: only at the end)
-    eval_batches: int = 4  # validation batches per evaluation
-    log_every: int = 10  # steps between metric records and progress lines
-    run_dir: str | None = None  # the run's directory (default: a new one under runs/); see lm/rundir.py
-    checkpoint_dir: str | None = None  # where checkpoints go (default: the run directory's checkpoints/)
-    checkpoint_every: int = 0  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 3  # how many of the latest checkpoints to keep
-    resume: bool = False  # continue from the latest good checkpoint in checkpoint_dir
-    extend_to: int | None = None  # with --resume: train to this step instead of the saved run's end
-    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: stop, or skip that update
-    # JSON-lines metrics file, a PNG of the curves beside it (default: in the run dir)
-    metrics: str | None = None
-    tracker: list[str] | None = None  # also log to tensorboard:DIR, mlflow:DIR or wandb:DIR (offline)
-    devices: int = 8  # simulated CPU devices (ignored on GPU/TPU)
-    sample_bytes: int = 160  # tokens of text sampled at the end (bytes with the byte tokenizer; 0: none)
-    sample_temperature: float = 0.7  # 0: greedy
-    sample_top_k: int = 10  # draw from the k most likely tokens (0: all)
-
-
 # The default run's tokenizer: a byte-level BPE of this many tokens trained on the standard library.
 DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-RUN_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len", "scan_layers",
-                "seed", "batch_size", "steps", "lr", "ema", "data", "tokenizer", "vocab_size", "field",
-                "chat_template", "data_format", "packing", "dpo_beta", "dpo_label_smoothing")
+DEFINING_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len",
+                     "scan_layers", "seed", "batch_size", "steps", "lr", "ema", "data", "tokenizer",
+                     "vocab_size", "field", "chat_template", "data_format", "packing", "dpo_beta",
+                     "dpo_label_smoothing")
 AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pipeline_repeats": 1,
             "seq_len": 1, "eval_every": 0, "eval_batches": 1, "log_every": 1, "checkpoint_every": 0,
             "keep_checkpoints": 1, "extend_to": 1, "devices": 1, "sample_bytes": 0, "seed": 0,
@@ -143,10 +84,11 @@ def _example(name: str) -> str:
 
 
 def typed_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
-    """Settings from a YAML file (keys with - or _) coerced to ``TrainConfig``'s field types."""
-    hints = typing.get_type_hints(TrainConfig)
+    """Settings from a YAML file (keys with - or _, flat or under their sections: ``lr: 3e-3`` or
+    ``optimizer: {lr: 3e-3}``) coerced to their types, by flag name."""
+    hints = setting_types()
     typed = {}
-    for key, value in values.items():
+    for key, value in _flattened(values, where).items():
         name = str(key).replace("-", "_")
         if name not in hints:
             near = difflib.get_close_matches(name, list(hints), n=1)
@@ -156,29 +98,46 @@ def typed_settings(values: dict[str, Any], where: str) -> dict[str, Any]:
     return typed
 
 
+def _flattened(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """A section's settings lifted to the top level (each checked to belong to its section)."""
+    flat = {}
+    for key, value in values.items():
+        if key in SECTIONS and isinstance(value, dict):
+            for name, inner in value.items():
+                name = str(name).replace("-", "_")
+                name = next((flag for flag, place in PLACES.items() if place == (key, name)), name)
+                if name in PLACES and PLACES[name][0] != key:
+                    raise UsageError(f"{where}: {name} belongs under {PLACES[name][0]}:, not {key}:")
+                flat[name] = inner
+        else:
+            flat[key] = value
+    return flat
+
+
 def check_values(config: TrainConfig) -> None:
     """Ranges and choices of every setting, before anything starts."""
+    flat = config.flat()
     for name, least in AT_LEAST.items():
-        value = getattr(config, name)
+        value = flat[name]
         if value is not None and value < least:
             raise UsageError(f"{flag(name)} {value} must be at least {least}")
     for name, choices in CHOICES.items():
-        value = getattr(config, name)
+        value = flat[name]
         if value is not None and value not in choices:
             raise UsageError(f"{flag(name)} {value!r} is not one of {', '.join(choices)}")
-    if config.lr is not None and not config.lr > 0:
-        raise UsageError(f"--lr {config.lr} must be a positive learning rate, e.g. 3e-3")
-    if config.extend_to is not None and not config.resume:
-        raise UsageError(f"--extend-to {config.extend_to} continues a saved run; add --resume (and its "
+    model, optimizer, run = config.model, config.optimizer, config.run
+    if optimizer.lr is not None and not optimizer.lr > 0:
+        raise UsageError(f"--lr {optimizer.lr} must be a positive learning rate, e.g. 3e-3")
+    if run.extend_to is not None and not run.resume:
+        raise UsageError(f"--extend-to {run.extend_to} continues a saved run; add --resume (and its "
                          "--checkpoint-dir)")
-    if config.resume and not (config.checkpoint_dir or config.run_dir):
+    if run.resume and not (run.checkpoint_dir or run.run_dir):
         raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its "
                          "--checkpoint-dir)")
-    check_model_choice(config.preset, config.init_from, config.lora_rank, config.lora_alpha,
-                       config.lora_targets)
-    if config.ema is not None and not 0 < config.ema < 1:
-        raise UsageError(f"--ema {config.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an average "
-                         "over about the last 1,000 steps")
+    check_model_choice(model.preset, model.init_from, model.lora_rank, model.lora_alpha, model.lora_targets)
+    if optimizer.ema is not None and not 0 < optimizer.ema < 1:
+        raise UsageError(f"--ema {optimizer.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an "
+                         "average over about the last 1,000 steps")
 
 
 def check_model_choice(preset: str | None, init_from: str | None, lora_rank: int | None,
@@ -260,48 +219,53 @@ class RunDefinition:
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> RunDefinition:
     """The run ``config`` asks for on ``platform`` (JAX's backend: cpu, gpu or tpu); with
     ``saved`` (a checkpoint's run record), the saved run, refusing flags that contradict it."""
-    # --data and --init-from are kept as absolute paths: a resume from another working directory
-    # reads the same data and model
-    config = dataclasses.replace(config, data=_absolute(config.data),
-                                 init_from=None if config.init_from is None
-                                           else str(Path(config.init_from).absolute()))
-    if config.init_from is not None and config.tokenizer is None:  # the checkpoint's own tokenizer
-        own = Path(config.init_from) / "tokenizer.json"
-        if not own.is_file():
-            raise UsageError(f"--init-from {config.init_from} has no tokenizer.json; give the one the model "
-                             "was trained with: --tokenizer path/to/tokenizer.json")
-        config = dataclasses.replace(config, tokenizer=str(own))
+    config = _with_sources(config)
     if saved is not None:
         config = _from_record(config, saved)
-    elif config.data is None and config.tokenizer is None and config.init_from is None:
+    elif config.data.paths is None and config.data.tokenizer is None and config.model.init_from is None:
         # the built-in corpus: a BPE trained on it (once, cached) gives the default run text made of words
-        config = dataclasses.replace(config, tokenizer="bpe", vocab_size=config.vocab_size or DEFAULT_VOCAB)
-    preset = get_preset(config.preset or "tiny")
-    overrides: dict[str, Any] = {"compute_dtype": config.precision, "attention": config.attention}
-    for name in ("seq_len", "remat", "scan_layers"):
-        if getattr(config, name) is not None:
-            overrides[name] = getattr(config, name)
-    overrides.setdefault("scan_layers", not blocks_in_a_loop(platform, config.strategy))
-    model = model_config(config.preset or "tiny", config.init_from, overrides, config.lora_rank,
-                         config.lora_alpha, config.lora_targets)
-    steps = config.steps if config.steps is not None else preset.steps
-    train_to = config.extend_to or (saved or {}).get("train_to") or steps
-    return RunDefinition(preset=None if config.init_from else config.preset or "tiny", model=model,
-               seed=config.seed or 0,
-               batch_size=config.batch_size if config.batch_size is not None else preset.batch_size,
-               steps=steps, lr=config.lr if config.lr is not None else preset.lr, data=config.data,
-               train_to=max(train_to, steps) if config.extend_to else train_to, tokenizer=config.tokenizer,
-               vocab_size=config.vocab_size, field=config.field, init_from=config.init_from, ema=config.ema,
-               chat_template=None if config.chat_template is None
-                             else str(Path(config.chat_template).absolute()), dpo_beta=config.dpo_beta,
-               dpo_label_smoothing=config.dpo_label_smoothing, data_format=config.data_format,
-               packing=config.packing)
+        config = config.replace(tokenizer="bpe", vocab_size=config.data.vocab_size or DEFAULT_VOCAB)
+    chosen, data, optimizer = config.model, config.data, config.optimizer
+    preset = get_preset(chosen.preset or "tiny")
+    overrides: dict[str, Any] = {"compute_dtype": chosen.precision, "attention": chosen.attention}
+    overrides |= {name: getattr(chosen, name) for name in ("seq_len", "remat", "scan_layers")
+                  if getattr(chosen, name) is not None}
+    overrides.setdefault("scan_layers", not blocks_in_a_loop(platform, config.parallelism.strategy))
+    model = model_config(chosen.preset or "tiny", chosen.init_from, overrides, chosen.lora_rank,
+                         chosen.lora_alpha, chosen.lora_targets)
+    steps = optimizer.steps if optimizer.steps is not None else preset.steps
+    extend_to = config.run.extend_to
+    train_to = extend_to or (saved or {}).get("train_to") or steps
+    return RunDefinition(
+        preset=None if chosen.init_from else chosen.preset or "tiny", model=model, seed=config.run.seed or 0,
+        batch_size=optimizer.batch_size if optimizer.batch_size is not None else preset.batch_size,
+        steps=steps, lr=optimizer.lr if optimizer.lr is not None else preset.lr, data=data.paths,
+        train_to=max(train_to, steps) if extend_to else train_to, tokenizer=data.tokenizer,
+        vocab_size=data.vocab_size, field=data.field, init_from=chosen.init_from, ema=optimizer.ema,
+        chat_template=None if data.chat_template is None else str(Path(data.chat_template).absolute()),
+        dpo_beta=optimizer.dpo_beta, dpo_label_smoothing=optimizer.dpo_label_smoothing,
+        data_format=data.data_format, packing=data.packing)
+
+
+def _with_sources(config: TrainConfig) -> TrainConfig:
+    """``--data`` and ``--init-from`` as absolute paths (a resume from another working directory
+    reads the same data and model), and a checkpoint's own tokenizer where none is given."""
+    init_from = config.model.init_from
+    init_from = None if init_from is None else str(Path(init_from).absolute())
+    config = config.replace(data=_absolute(config.data.paths), init_from=init_from)
+    if init_from is not None and config.data.tokenizer is None:
+        own = Path(init_from) / "tokenizer.json"
+        if not own.is_file():
+            raise UsageError(f"--init-from {init_from} has no tokenizer.json; give the one the model was "
+                             "trained with: --tokenizer path/to/tokenizer.json")
+        config = config.replace(tokenizer=str(own))
+    return config
 
 
 def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
-    updates = {}
-    for name in RUN_SETTINGS:
-        given, kept = getattr(config, name), saved.get(name)
+    updates, flat = {}, config.flat()
+    for name in DEFINING_SETTINGS:
+        given, kept = flat[name], saved.get(name)
         if name == "data":
             kept = _absolute(kept)
         if given is None:
@@ -314,7 +278,7 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
             raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} "
                              f"{_show(kept)}; drop {flag(name)} to resume that run, or start a new run in "
                              "another --checkpoint-dir")
-    return dataclasses.replace(config, **updates)
+    return config.replace(**updates)
 
 
 def _absolute(data: list[str] | None) -> list[str] | None:

@@ -20,10 +20,11 @@ from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
 
 from shardax.errors import Preempted, Stopped, UsageError
-from shardax.lm.config import RunDefinition, TrainConfig, check_values, resolve
+from shardax.lm.config import RunDefinition, check_values, resolve
 from shardax.lm.data import ByteText, Conversations, Preferences, TokenShards, open_data
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
+from shardax.lm.settings import TrainConfig
 from shardax.mesh import describe_mesh, resolve_mesh_shape
 from shardax.model_parallel import ParallelModel
 from shardax.models.preference import dpo_loss
@@ -69,12 +70,12 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
     """The run record, step and whole record of the checkpoint to resume (``None``, ``None``,
     ``{}`` when starting fresh), after refusing, before anything is written, a resume that
     cannot work or a start that would overwrite."""
-    if config.checkpoint_dir is None:
+    if config.run.checkpoint_dir is None:
         return None, None, {}
-    checkpointer = Checkpointer(config.checkpoint_dir)
+    checkpointer = Checkpointer(config.run.checkpoint_dir)
     try:
         checkpointer.lock.check_free()  # another run writing it: say so first
-        if not config.resume:
+        if not config.run.resume:
             checkpointer.refuse_fresh_start(_checkpoints_flag(config), "--resume")
             return None, None, {}
         step, _ = checkpointer.latest_good_step()  # damaged newer ones: the Trainer warns and sets them aside
@@ -83,7 +84,7 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
     finally:
         checkpointer.close()
     if not isinstance(saved, dict):
-        raise UsageError(f"--resume: the checkpoint at step {step} in {config.checkpoint_dir} was not "
+        raise UsageError(f"--resume: the checkpoint at step {step} in {config.run.checkpoint_dir} was not "
                          "written by shardax train (it has no run record); resume it with shardax.Trainer, "
                          "or start a new run")
     return saved, step, record
@@ -91,30 +92,30 @@ def _saved_run(config: TrainConfig) -> tuple[dict[str, Any] | None, int | None, 
 
 def _checkpoints_flag(config: TrainConfig) -> str:
     """How the user named where the checkpoints are: ``--run-dir D`` or ``--checkpoint-dir C``."""
-    if config.run_dir and Path(config.checkpoint_dir) == Path(config.run_dir) / CHECKPOINTS:
-        return f"--run-dir {config.run_dir}"
-    return f"--checkpoint-dir {config.checkpoint_dir}"
+    if config.run.run_dir and Path(config.run.checkpoint_dir) == Path(config.run.run_dir) / CHECKPOINTS:
+        return f"--run-dir {config.run.run_dir}"
+    return f"--checkpoint-dir {config.run.checkpoint_dir}"
 
 
 def loop_note(config: TrainConfig, saved: dict[str, Any] | None, model: TransformerConfig) -> list[str]:
     """A line saying so when a new run lays its blocks in a loop by default (``blocks_in_a_loop``)."""
-    if saved is not None or config.scan_layers is not None or model.scan_layers:
+    if saved is not None or config.model.scan_layers is not None or model.scan_layers:
         return []
-    return [f"blocks: in a Python loop, the default on GPUs under {config.strategy} (steps 1.14-1.27x faster "
-            "than scanned on an H100, benchmark 24); --scan-layers scans them, compiling in time flat in "
-            "depth"]
+    return [f"blocks: in a Python loop, the default on GPUs under {config.parallelism.strategy} (steps "
+            "1.14-1.27x faster than scanned on an H100, benchmark 24); --scan-layers scans them, compiling "
+            "in time flat in depth"]
 
 
 def _changes(record: dict[str, Any], config: TrainConfig, mesh: Mesh, model: TransformerConfig) -> list[str]:
     """A line naming how a resumed run is computed differently from when its checkpoint was saved
     (what may change on resume: it is allowed, and said)."""
     before = record.get("model") or {}
-    pairs = [("strategy", record.get("strategy"), config.strategy),
+    pairs = [("strategy", record.get("strategy"), config.parallelism.strategy),
              ("mesh", record.get("mesh"), describe_mesh(mesh)),
              ("precision", before.get("compute_dtype"), model.compute_dtype),
              ("remat", before.get("remat"), model.remat),
              ("attention", before.get("attention"), model.attention),
-             ("grad-accum", record.get("grad_accum"), config.grad_accum)]
+             ("grad-accum", record.get("grad_accum"), config.parallelism.grad_accum)]
     changed = [f"{name} {old} -> {new}" for name, old, new in pairs if old is not None and old != new]
     return [f"changed since the checkpoint was saved: {'; '.join(changed)}"] if changed else []
 
@@ -134,10 +135,10 @@ def _check_same_model(record: dict[str, Any], run: RunDefinition, step: int | No
         return
     held = ", ".join(f"{name} {_listed(before[name])}" for name in differ)
     built = ", ".join(f"{name} {_listed(getattr(run.model, name))}" for name in differ)
-    raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} holds a model with {held}, "
-                     f"where this shardax builds {built} (since 0.2 every preset is Llama-shaped, and "
-                     "byte-level runs embed the end-of-document token); start a new run (without --resume), "
-                     "or resume this one with the shardax that wrote it (0.1)")
+    raise UsageError(f"the checkpoint at step {step} in {config.run.checkpoint_dir} holds a model with "
+                     f"{held}, where this shardax builds {built} (since 0.2 every preset is Llama-shaped, "
+                     "and byte-level runs embed the end-of-document token); start a new run (without "
+                     "--resume), or resume this one with the shardax that wrote it (0.1)")
 
 
 def _listed(value: Any) -> Any:
@@ -146,7 +147,7 @@ def _listed(value: Any) -> Any:
 
 def _check_not_finished(run: RunDefinition, step: int | None, config: TrainConfig) -> None:
     if step is not None and step >= run.train_to:
-        raise UsageError(f"the run in {config.checkpoint_dir} is complete at step {step}; to train it "
+        raise UsageError(f"the run in {config.run.checkpoint_dir} is complete at step {step}; to train it "
                          f"further, pass --extend-to N with N > {step} (the learning rate stays at its final "
                          f"{run.lr / 10:g})")
 
@@ -156,7 +157,7 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
     """A resumed run reads data of the tokenizer it was trained with."""
     kept = (saved or {}).get("tokenizer_fingerprint")
     if saved is not None and kept != data.tokenizer_fingerprint:
-        raise UsageError(f"the checkpoint at step {step} in {config.checkpoint_dir} was trained on "
+        raise UsageError(f"the checkpoint at step {step} in {config.run.checkpoint_dir} was trained on "
                          f"{kept or 'bytes held in memory'} tokens (model vocabulary "
                          f"{saved.get('model_vocab')}), but its data now gives "
                          f"{data.tokenizer_fingerprint or 'bytes held in memory'} tokens (vocabulary "
@@ -186,7 +187,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDe
     """Check every setting and lay the model out, before any step or file write; with the lines
     that say what a resumed run changes."""
     check_values(config)
-    _check_mesh_uses_every_device(config.mesh)
+    _check_mesh_uses_every_device(config.parallelism.mesh)
     saved, step, record = _saved_run(config)
     run = resolve(config, saved, platform=jax.default_backend())
     _check_not_finished(run, step, config)
@@ -210,12 +211,10 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDe
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32)
                for key in data.batch_keys}
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, loss, mesh=config.mesh,
-                      strategy=config.strategy, grad_accum=config.grad_accum,
-                      microbatches=config.microbatches, pipeline_repeats=config.pipeline_repeats,
-                      context_attention=config.context_attention, seed=run.seed, eval_loss_fn=data.eval_loss,
+    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, loss,
+                      **config.parallelism.step_options(), seed=run.seed, eval_loss_fn=data.eval_loss,
                       learning_rate=schedule, name="shardax train", example_batch=example,
-                      init_from=run.init_from, trackers=_trackers(config.tracker))
+                      init_from=run.init_from, trackers=_trackers(config.run.tracker))
     return trainer, data, run, loop_note(config, saved, model) + _changes(record, config, trainer.mesh, model)
 
 
@@ -269,9 +268,10 @@ def _trackers(specs: list[str] | None) -> list[str]:
 
 def run(config: TrainConfig) -> TrainResult:
     """Train as ``config`` says; see the module docstring."""
-    where = run_directory(config.run_dir, config.strategy, config.checkpoint_dir, config.metrics,
-                          config.resume)
-    config = dataclasses.replace(config, checkpoint_dir=str(where.checkpoint_dir), metrics=str(where.metrics))
+    settings = config.run
+    where = run_directory(settings.run_dir, config.parallelism.strategy, settings.checkpoint_dir,
+                          settings.metrics, settings.resume)
+    config = config.replace(checkpoint_dir=str(where.checkpoint_dir), metrics=str(where.metrics))
     try:
         trainer, data, run, changes = prepare(config)  # every setting checked: from here on, the run writes
         fit = _fit(trainer, data, run, config, where, changes)
@@ -291,13 +291,14 @@ def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: RunDef
            where: RunDirectory) -> TrainResult:
     """A finished run's closing sample and summary, and what ``run`` returns."""
     model, batch = run.model, run.batch_size
-    if config.sample_bytes:  # every process takes part in the computation; process 0 prints
+    settings = config.run
+    if settings.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = _whole_lines(data, data.prompt(min(48, model.seq_len // 2)))
-        ids = sample_tokens(trainer.parallel, fit.state, prompt, config.sample_bytes, model.seq_len,
-                            vocab=data.vocab, temperature=config.sample_temperature,
-                            top_k=config.sample_top_k, seed=run.seed)
-        how = ("greedy" if config.sample_temperature == 0 else
-               f"temperature {config.sample_temperature:g}, top-k {config.sample_top_k or 'all'}, seed "
+        ids = sample_tokens(trainer.parallel, fit.state, prompt, settings.sample_bytes, model.seq_len,
+                            vocab=data.vocab, temperature=settings.sample_temperature,
+                            top_k=settings.sample_top_k, seed=run.seed)
+        how = ("greedy" if settings.sample_temperature == 0 else
+               f"temperature {settings.sample_temperature:g}, top-k {settings.sample_top_k or 'all'}, seed "
                f"{run.seed}")
         text = data.decode(ids)
         # conversations: the reply ends where the template ends a turn
@@ -331,18 +332,20 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, con
     """The Trainer's loop over the run's data, writing into ``where``; the summary is left to ``run``."""
     model, batch = run.model, run.batch_size
     sharding = trainer.parallel.layout.batch()
-    validation = data.validation(model.seq_len, batch, config.eval_batches, sharding)
-    settings = {**dataclasses.asdict(config), **_run_settings(run)}
+    done = config.run
+    validation = data.validation(model.seq_len, batch, done.eval_batches, sharding)
+    settings = {**config.flat(), **_run_settings(run)}
     return trainer.fit(
         data.batches(model.seq_len, batch, run.seed, sharding), steps=run.train_to, eval_data=validation,
-        eval_every=config.eval_every, log_every=config.log_every, checkpoint_dir=config.checkpoint_dir,
-        checkpoint_every=config.checkpoint_every, keep_checkpoints=config.keep_checkpoints,
-        resume=config.resume, metrics=config.metrics, tokens_per_example=model.seq_len,
-        on_nonfinite=config.on_nonfinite, on_log=_config_writer(where, settings, data, run.train_to),
+        eval_every=done.eval_every, log_every=done.log_every, checkpoint_dir=done.checkpoint_dir,
+        checkpoint_every=done.checkpoint_every, keep_checkpoints=done.keep_checkpoints,
+        resume=done.resume, metrics=done.metrics, tokens_per_example=model.seq_len,
+        on_nonfinite=config.optimizer.on_nonfinite,
+        on_log=_config_writer(where, settings, data, run.train_to),
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
-                "strategy": config.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
-                "grad_accum": config.grad_accum, "model": dataclasses.asdict(model)},
+                "strategy": config.parallelism.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
+                "grad_accum": config.parallelism.grad_accum, "model": dataclasses.asdict(model)},
         header=_header(data, model, run.train_to, batch, run.init_from) + changes
         + [f"run directory: {where.path} (resume it with: {where.resume_command()})"],
         summary=False, loss_unit=data.unit, baselines=data.baselines(),

@@ -139,17 +139,20 @@ def saved_settings(run_dir: str) -> dict[str, Any]:
 
 
 def write_config(path: Path, settings: dict[str, Any], train_to: int | None = None) -> None:
-    """``config.yaml``: the settings (``None`` left out), written whole or not at all. A run
-    extended past its schedule (``--extend-to``) says so in a comment: ``steps`` stays the
-    schedule's length, which is what defines the run."""
+    """``config.yaml``: the settings (``None`` left out) under their sections (model, data,
+    optimizer, parallelism, run), written whole or not at all. A run extended past its schedule
+    (``--extend-to``) says so in a comment: ``steps`` stays the schedule's length, which is what
+    defines the run."""
     import yaml
+
+    from shardax.lm.settings import by_section
 
     kept = {name: value for name, value in settings.items() if value is not None and name not in NOT_SAVED}
     text = "# shardax train's settings for this run; `shardax train --config <this file>` starts it afresh\n"
     if train_to is not None and train_to != kept.get("steps"):
         text += (f"# trained to step {train_to} (--resume --extend-to {train_to}): steps past "
                  f"{kept.get('steps')} at the schedule's final learning rate\n")
-    _write_whole(path, text + yaml.safe_dump(kept, sort_keys=False))
+    _write_whole(path, text + yaml.safe_dump(by_section(kept), sort_keys=False))
 
 
 def write_tokenizer(run_dir: Path, text: str, chat_template: str | None = None) -> None:
