@@ -1,11 +1,11 @@
-"""Seed notebook vs shardax: step time and tokens/s of the notebook's model, same devices, one run.
+"""The data-parallel notebook vs shardax: step time and tokens/s of the notebook's model, same
+devices, one run (benchmark 5 in docs/benchmarks.md).
 
 The notebook's own implementation (flax.linen + TrainState, replicated state) is read from
-the seed document at run time (``../shared/seeds/notebook-data-parallelism-in-jax.txt``, or
---notebook PATH) and executed as written; shardax trains its ``notebook`` preset (same shapes:
-vocab 512, seq 64, d_model 256, 8 heads, 4 layers, d_ff 1024, batch 32) with strategy dp and,
-like the notebook, its blocks applied in a Python loop (``scan_layers=False``; shardax's default
-scan costs about 7% here in stacking buffers, and pays off in compile time for deep models).
+its text at run time (``../shared/seeds/notebook-data-parallelism-in-jax.txt``, or
+--notebook PATH) and executed as written; shardax trains its GPT-style model (``GPT_STYLE``, same
+shapes: vocab 512, seq 64, d_model 256, 8 heads, 4 layers, d_ff 1024, batch 32) with strategy dp
+and, like the notebook, its blocks applied in a Python loop (``scan_layers=False``).
 The two are timed interleaved, step for step (which goes first alternating), so machine noise
 hits both alike; the ratio is the median of the paired per-step ratios.
 

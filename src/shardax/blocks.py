@@ -51,11 +51,10 @@ IMPLEMENTATIONS = ATTENTION_KERNELS
 def remat_plain_loop(platform: str) -> bool:
     """Whether a Python loop of layers that neither recomputes (``remat="none"``) nor gathers
     weights runs under ``nnx.remat`` anyway on ``platform`` (every value saved, each marked by a
-    reduce-precision op): on GPUs, where it took ``medium``'s step from 58.3 ms in 14.3 GB to
-    57.2 ms in 12.3 GB on an H100 (benchmark 24). Not on TPUs, where XLA:TPU's compile of ``small``
-    needs 0.65 GB without it against 0.85 GB with it, and fewer HBM bytes (benchmark 22), nor on
-    XLA:CPU, which runs each mark as one more copy (about 3% of the GPT-style model's step; inside a
-    scan, dropping it measured no faster)."""
+    reduce-precision op): on GPUs, where it makes the step a little faster and smaller on an H100
+    (benchmark 24 in docs/benchmarks.md). Not on TPUs, where XLA:TPU's compile needs less memory
+    and fewer HBM bytes without it (benchmark 22), nor on XLA:CPU, which runs each mark as one more
+    copy (benchmark 5; inside a scan, dropping it measured no faster)."""
     return platform == "gpu"
 
 

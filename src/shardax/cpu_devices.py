@@ -22,9 +22,8 @@ from typing import Any
 
 POOL_VARIABLE = "PJRT_NPROC"
 # A device ran at most two collectives side by side in every program seen (a loop holding some,
-# beside one outside it); a pool of 2 per device serves them all at once. A larger pool costs
-# the default run 10-15% of its step time on 2 cores (4 per device: 167-183 ms a step against
-# 144-163 with 2, which matches XLA's own pool), so the pool is no larger.
+# beside one outside it); a pool of 2 per device serves them all at once. A larger pool slows
+# the default run's step on 2 cores (benchmark 25 in docs/benchmarks.md), so the pool is no larger.
 THREADS_PER_DEVICE = 2
 
 

@@ -1,7 +1,6 @@
 """The numerics of shardax's transformer: layer norm, RMSNorm, GELU and SwiGLU with backward
-passes of their own (they keep less for the backward pass than autodiff would: 1.00 against
-1.47 GB per chip on ``small`` under XLA:TPU with layer norm and GELU, benchmark 22), and rotary
-position embeddings with Llama 3's scaling."""
+passes of their own (they keep less for the backward pass than autodiff would: benchmarks 13 and
+22 in docs/benchmarks.md), and rotary position embeddings with Llama 3's scaling."""
 
 from __future__ import annotations
 
@@ -31,9 +30,9 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
 
     Autodiff of the plain formula saves the centred input, both statistics and more for the
     backward pass. What is saved is chosen by JAX when it differentiates, before any backend
-    compiles the program, so the saving holds on every platform: the whole step of the
-    ``small`` preset without remat needs 1.07 GB per device with plain layer norm and GELU
-    against 0.71 GB with these (XLA:CPU's compiled peak, dp on 8 devices).
+    compiles the program, so the saving holds on every platform: the step's compiled peak is
+    lower with these than with plain layer norm and GELU on XLA:CPU, on a GPU and on XLA:TPU
+    (benchmarks 13 and 22 in docs/benchmarks.md).
     """
     return _normalized(x)[0] * scale + bias
 
@@ -75,7 +74,8 @@ def _rms_normalized(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMS normalisation over the last axis whose backward pass keeps only its input (as
-    ``layer_norm``): the default run's step 1.05x faster than autodiff's on XLA:CPU."""
+    ``layer_norm``): with SwiGLU's, the default run's step is faster than with autodiff's on
+    XLA:CPU (benchmark 20 in docs/benchmarks.md)."""
     return _rms_normalized(x, eps)[0] * scale
 
 

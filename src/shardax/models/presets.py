@@ -127,12 +127,11 @@ def blocks_in_a_loop(platform: str, strategy: str) -> bool:
     strategies that keep each weight and its gradient whole on a data-parallel device and have no
     pipeline (dp, zero1, tp).
 
-    On one H100 (benchmark 24, dp, bfloat16) the loop's step took 58 ms against the scan's 74 on
-    ``medium`` and 449 against 510 on ``1b`` (MFU 48% against 42%), with 2% more memory on
-    ``medium`` and 11% less on ``1b``. XLA:TPU's compile of ``small`` agrees for those strategies
-    (0.71-0.91x the scan's heap), but holds up to 1.86x the scan's where gradients or weights are
-    sharded (zero2, fsdp, hsdp, fsdp_tp), so those scan everywhere. TPUs and CPUs scan: no TPU has timed
-    it, and the scan's compile time stays flat in depth.
+    On an H100 the loop's step is faster than the scan's in about the same memory. XLA:TPU's
+    compile of ``small`` holds less with the loop under those strategies, but more where gradients
+    or weights are sharded (zero2, fsdp, hsdp, fsdp_tp), so those scan everywhere (benchmark 24 in
+    docs/benchmarks.md). TPUs and CPUs scan: no TPU has timed it, and the scan's compile time stays
+    flat in depth.
     """
     chosen = STRATEGIES.get(strategy)
     return (platform == "gpu" and chosen is not None and chosen.fsdp_axis is None

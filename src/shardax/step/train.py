@@ -50,12 +50,11 @@ def keep_where(apply: jax.Array, update: Callable[[], Any], kept: Any, *, select
 
     With ``select`` the update is computed either way and one result kept; without, a
     ``lax.cond`` computes it only when it applies. Which is better depends on the compiler
-    (benchmark 22): XLA:TPU fuses the select into the update and needs less memory with it
-    (small preset: 1-4.5% less under dp, zero2, tp and hsdp; a wide, shallow model 25% less under
-    tp and 9% under hsdp, though 6-8% more under dp and zero2), while XLA:CPU computes the new
-    state beside the old one before selecting (1-20% more memory than the cond). ``ParallelModel`` selects on
-    TPUs, except under a pipeline (there the select made XLA:TPU all-reduce a stage's gradients instead of
-    reduce-scattering them: 10% more sent on the tiny pp_fsdp step), and uses the cond elsewhere."""
+    (benchmark 22 in docs/benchmarks.md): XLA:TPU fuses the select into the update and mostly
+    needs less memory with it, while XLA:CPU computes the new state beside the old one before
+    selecting and needs more than with the cond. ``ParallelModel`` selects on TPUs, except under a
+    pipeline (there the select made XLA:TPU all-reduce a stage's gradients instead of
+    reduce-scattering them, sending more), and uses the cond elsewhere."""
     if select:
         return jax.tree.map(lambda new, old: jnp.where(apply, new, old), update(), kept)
     return jax.lax.cond(apply, update, lambda: kept)
