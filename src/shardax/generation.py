@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.blocks import init_cache
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM
+from shardax.vocabulary import MODEL
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this; the cache grows from it by doubling
 
@@ -153,9 +154,9 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
     data_axes: tuple[str, ...] = ()
     heads_axis = None
     if mesh is not None:  # rows over every axis but model (a pipeline's stages and a context axis too)
-        data_axes = tuple(axis for axis in mesh.axis_names if axis != "model" and mesh.shape[axis] > 1)
-        if mesh.shape.get("model", 1) > 1 and config.kv_heads % mesh.shape["model"] == 0:
-            heads_axis = "model"
+        data_axes = tuple(axis for axis in mesh.axis_names if axis != MODEL and mesh.shape[axis] > 1)
+        if mesh.shape.get(MODEL, 1) > 1 and config.kv_heads % mesh.shape[MODEL] == 0:
+            heads_axis = MODEL
     batch = _round_up(rows, math.prod(mesh.shape[axis] for axis in data_axes) if mesh is not None else 1)
     last = min(_round_up(longest + max_new_tokens, PROMPT_BUCKET), config.seq_len)
     prompt_length = min(_round_up(longest, PROMPT_BUCKET), last)

@@ -36,6 +36,7 @@ from shardax.step.ema import averaged, keeps_average
 from shardax.step.parts import PartPlan, StepFn, build_parts_eval_step, build_parts_step
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
+from shardax.vocabulary import CONTEXT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,7 @@ class ParallelParts:
     def create(cls, parts: Mapping[str, Part], settings: StepSettings, *, axis_names: AxisNames = None,
                example_batch: Any = None) -> ParallelParts:
         parts = check_parts(parts)
-        if settings.strategy.pipeline_axis is not None or settings.mesh.shape.get("context", 1) > 1:
+        if settings.strategy.pipeline_axis is not None or settings.mesh.shape.get(CONTEXT, 1) > 1:
             raise UsageError(f"strategy {settings.strategy.name!r} on mesh {dict(settings.mesh.shape)} "
                              "pipelines or splits sequences of one model; a run of several parts uses dp, "
                              "zero1, zero2, fsdp, hsdp, tp or fsdp_tp on a mesh without a context axis")

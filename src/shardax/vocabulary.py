@@ -29,5 +29,5 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 # mesh axis names the library shares, and the name of a stack's layer dimension
-DATA, MODEL, STAGE, CONTEXT, EXPERT = "data", "model", "stage", "context", "expert"
+DATA, MODEL, STAGE, CONTEXT, EXPERT, REPLICA = "data", "model", "stage", "context", "expert", "replica"
 LAYERS = "layers"

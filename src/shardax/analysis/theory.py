@@ -29,6 +29,7 @@ from shardax.analysis.memory import (
 )
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import spec_axes
+from shardax.vocabulary import CONTEXT, MODEL
 
 
 def pipeline_point_to_point_bytes(layout: Layout, model: Any, batch_size: int, schedule: Any) -> float:
@@ -75,7 +76,7 @@ def context_attention_bytes(layout: Layout, model: Any, batch_size: int,
 
     Besides, the per-token losses come back from the zig-zag order: (C-1)/C of each row's
     float32 losses."""
-    shards = dict(layout.mesh.shape).get("context", 1)
+    shards = dict(layout.mesh.shape).get(CONTEXT, 1)
     if model is None or shards == 1:
         return 0.0
     rows = batch_rows_per_device(layout, batch_size)
@@ -135,7 +136,7 @@ def _parameter_bytes(layout: Layout, schedule: Any, compute: Any, compiler: str)
     replicas = replica_count(layout)
     # each device of a context axis computes the gradients of its share of the sequence: they are
     # summed over it first, then over the batch axes (two all-reduces, as XLA compiles them)
-    context = shape.get("context", 1)
+    context = shape.get(CONTEXT, 1)
     stages = shape.get(strategy.pipeline_axis, 1) if schedule is not None else 1
     total = 0.0
     for leaf in layout.leaves.values():
@@ -170,11 +171,11 @@ def _tensor_parallel_bytes(layout: Layout, model: Any, batch_size: int, schedule
     each direction (XLA:GPU sends them in the compute dtype), and those around the embedding and
     the head, in float32 (0 without a split ``model`` axis)."""
     shape = dict(layout.mesh.shape)
-    model_size = shape.get("model", 1)
-    if model is None or model_size <= 1 or "model" not in str(layout.strategy.param_rules):
+    model_size = shape.get(MODEL, 1)
+    if model is None or model_size <= 1 or MODEL not in str(layout.strategy.param_rules):
         return 0.0
     rows = batch_rows_per_device(layout, batch_size)
-    activation = rows * model.seq_len * model.d_model * 4 / shape.get("context", 1)
+    activation = rows * model.seq_len * model.d_model * 4 / shape.get(CONTEXT, 1)
     layers, ends = model.n_layers, activation
     if compiler == "cuda":
         activation *= jnp.dtype(getattr(model, "compute_dtype", None) or "float32").itemsize / 4
@@ -198,7 +199,7 @@ def expert_exchange_bytes(layout: Layout, model: Any, batch_size: int) -> float:
     if shards <= 1 or not getattr(model, "n_experts", 0):
         return 0.0
     token_axes = [a for a in layout.strategy.batch_axes if a in layout.mesh.shape] + [
-        a for a in ("context",) if a in layout.mesh.shape]
+        a for a in (CONTEXT,) if a in layout.mesh.shape]
     tokens = batch_size * model.seq_len // size_of_axes(dict(layout.mesh.shape), token_axes)
     slots = tokens * min(model.experts_per_token, model.n_experts // shards)
     share = (shards - 1) / shards

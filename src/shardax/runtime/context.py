@@ -36,9 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.runtime.attention import allowed, dense_attention
-from shardax.vocabulary import CONTEXT_ATTENTIONS
+from shardax.vocabulary import CONTEXT, CONTEXT_ATTENTIONS, DATA
 
-AXIS = "context"
+AXIS = CONTEXT
 VARIANTS = CONTEXT_ATTENTIONS
 
 
@@ -53,7 +53,7 @@ class ContextLayout:
     heads_axes: tuple[str, ...] = ()  # where attention heads are split (tensor parallelism)
 
     @classmethod
-    def create(cls, mesh: Mesh, variant: str = "all-gather", batch_axes: tuple[str, ...] = ("data",),
+    def create(cls, mesh: Mesh, variant: str = "all-gather", batch_axes: tuple[str, ...] = (DATA,),
                heads_axes: tuple[str, ...] = (), axis: str = AXIS) -> "ContextLayout":
         """Sequences split over ``axis``; rows over ``batch_axes`` and attention heads over
         ``heads_axes`` (those the mesh has)."""

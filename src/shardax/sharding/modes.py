@@ -20,6 +20,7 @@ from shardax.mesh import describe_mesh
 from shardax.sharding.paths import leaves_with_paths, map_with_path, path_matches, path_to_str
 from shardax.sharding.place import check_spec
 from shardax.sharding.strategies import Strategy
+from shardax.vocabulary import DATA
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ MODES = ("replicate", "shard")
 
 def default_shard_axis(mesh: Mesh) -> str:
     """The axis ``"shard"`` mode uses unless told: ``data`` if the mesh has it, else its first axis."""
-    return "data" if "data" in mesh.shape else mesh.axis_names[0]
+    return DATA if DATA in mesh.shape else mesh.axis_names[0]
 
 
 def replicated(tree: Any, mesh: Mesh) -> Any:

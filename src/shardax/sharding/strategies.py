@@ -17,7 +17,7 @@ from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.sharding.place import spec_axes
 from shardax.sharding.rules import LOGICAL_AXES, Rules, add_axis_to_largest_dim, resolve_spec
-from shardax.vocabulary import LAYERS
+from shardax.vocabulary import DATA, EXPERT, LAYERS, MODEL, REPLICA, STAGE
 
 
 def _rules(**targets: Any) -> Rules:
@@ -50,12 +50,12 @@ class Strategy:
 
     name: str
     param_rules: Rules
-    batch_axes: tuple[str, ...] = ("data",)
+    batch_axes: tuple[str, ...] = (DATA,)
     fsdp_axis: str | None = None
     gather_axes: tuple[str, ...] = ()
     optimizer_axes: tuple[str, ...] = ()
     shard_gradients: bool = False
-    required_axes: tuple[str, ...] = ("data",)
+    required_axes: tuple[str, ...] = (DATA,)
     pipeline_axis: str | None = None
     description: str = ""
 
@@ -143,36 +143,36 @@ STRATEGIES: dict[str, Strategy] = {
     strategy.name: strategy
     for strategy in (
         Strategy("dp", _rules(), description="replicated state, gradients all-reduced"),
-        Strategy("zero1", _rules(), optimizer_axes=("data",),
+        Strategy("zero1", _rules(), optimizer_axes=(DATA,),
                  description="optimizer state sharded over data"),
-        Strategy("zero2", _rules(), optimizer_axes=("data",), shard_gradients=True,
+        Strategy("zero2", _rules(), optimizer_axes=(DATA,), shard_gradients=True,
                  description="optimizer state and gradients sharded over data (reduce-scatter)"),
-        Strategy("fsdp", _rules(embed="data"), fsdp_axis="data", gather_axes=("data",),
+        Strategy("fsdp", _rules(embed=DATA), fsdp_axis=DATA, gather_axes=(DATA,),
                  description="parameters, gradients and optimizer state sharded over data (ZeRO-3)"),
-        Strategy("tp", _rules(mlp="model", heads="model", vocab="model"), required_axes=("model",),
+        Strategy("tp", _rules(mlp=MODEL, heads=MODEL, vocab=MODEL), required_axes=(MODEL,),
                  description="Megatron tensor parallelism: heads and MLP hidden over model"),
-        Strategy("fsdp_tp", _rules(embed="data", mlp="model", heads="model", vocab="model"),
-                 fsdp_axis="data", gather_axes=("data",), required_axes=("data", "model"),
+        Strategy("fsdp_tp", _rules(embed=DATA, mlp=MODEL, heads=MODEL, vocab=MODEL),
+                 fsdp_axis=DATA, gather_axes=(DATA,), required_axes=(DATA, MODEL),
                  description="FSDP over data x tensor parallelism over model (2-D mesh)"),
-        Strategy("hsdp", _rules(embed="data"), batch_axes=("replica", "data"), fsdp_axis="data",
-                 gather_axes=("data",), required_axes=("replica", "data"),
+        Strategy("hsdp", _rules(embed=DATA), batch_axes=(REPLICA, DATA), fsdp_axis=DATA,
+                 gather_axes=(DATA,), required_axes=(REPLICA, DATA),
                  description="FSDP within groups over data, replicated across groups over replica"),
-        Strategy("ep", _rules(expert="expert"), batch_axes=("data", "expert"), required_axes=("expert",),
+        Strategy("ep", _rules(expert=EXPERT), batch_axes=(DATA, EXPERT), required_axes=(EXPERT,),
                  description="expert parallelism: each group of experts on its devices over expert, tokens "
                              "exchanged by all-to-all, the rest data-parallel over data and expert"),
-        Strategy("fsdp_ep", _rules(embed="data", expert="expert"), batch_axes=("data", "expert"),
-                 fsdp_axis="data", gather_axes=("data",), required_axes=("data", "expert"),
+        Strategy("fsdp_ep", _rules(embed=DATA, expert=EXPERT), batch_axes=(DATA, EXPERT),
+                 fsdp_axis=DATA, gather_axes=(DATA,), required_axes=(DATA, EXPERT),
                  description="expert parallelism over expert x FSDP over data"),
-        Strategy("ep_tp", _rules(expert="expert", mlp="model", heads="model", vocab="model"),
-                 batch_axes=("data", "expert"), required_axes=("expert", "model"),
+        Strategy("ep_tp", _rules(expert=EXPERT, mlp=MODEL, heads=MODEL, vocab=MODEL),
+                 batch_axes=(DATA, EXPERT), required_axes=(EXPERT, MODEL),
                  description="expert parallelism over expert x tensor parallelism over model"),
-        Strategy("pp", _rules(layers="stage"), required_axes=("stage",), pipeline_axis="stage",
+        Strategy("pp", _rules(layers=STAGE), required_axes=(STAGE,), pipeline_axis=STAGE,
                  description="pipeline: layers split into stages over stage, microbatches flow through"),
-        Strategy("pp_fsdp", _rules(layers="stage", embed="data"), fsdp_axis="data", gather_axes=("data",),
-                 required_axes=("stage", "data"), pipeline_axis="stage",
+        Strategy("pp_fsdp", _rules(layers=STAGE, embed=DATA), fsdp_axis=DATA, gather_axes=(DATA,),
+                 required_axes=(STAGE, DATA), pipeline_axis=STAGE,
                  description="pipeline over stage x FSDP over data within each stage"),
-        Strategy("pp_tp", _rules(layers="stage", mlp="model", heads="model", vocab="model"),
-                 required_axes=("stage", "model"), pipeline_axis="stage",
+        Strategy("pp_tp", _rules(layers=STAGE, mlp=MODEL, heads=MODEL, vocab=MODEL),
+                 required_axes=(STAGE, MODEL), pipeline_axis=STAGE,
                  description="pipeline over stage x tensor parallelism over model (x data parallelism over "
                              "data)"),
     )

@@ -51,6 +51,7 @@ from shardax.trainer.samples import SampleFn, check_samples
 from shardax.trainer.settings import FitSettings, settings_given
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.trackers import parse_tracker
+from shardax.vocabulary import CONTEXT
 
 
 class Trainer:
@@ -323,7 +324,7 @@ class Trainer:
                          f"microbatches{repeats}: {schedule.iterations} stage iterations per step, bubble "
                          f"{100 * schedule.bubble:.1f}%")
         if self.context_attention is not None:
-            shards = self.mesh.shape["context"]
+            shards = self.mesh.shape[CONTEXT]
             how = ("keys and values all-gathered" if self.context_attention == "all-gather"
                    else "keys and values passed round a ring")
             # a loss marked sequence_order="zig-zag" (shardax's LM losses) feeds the model its tokens so;
