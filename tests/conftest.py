@@ -80,3 +80,16 @@ def cudnn_calls(text):
 
     return [(name, mask, operands.split(", ")) for name, mask, operands in re.findall(
         r"custom_call @(__cudnn\$\w+)\(.*?mask_type\\22: \\22(\w+)\\22.*?: \(([^)]*)\)", text)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (``pytest -m "not slow"``): a parametrized test's first case stands for the
+    behaviour, and its other cases (more strategies, models, meshes) are ``slow``, unless the test
+    is marked ``every_case`` (the bad-input battery: each case is its own behaviour); so are the
+    tests marked ``slow`` by hand. CI runs every test."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.get_closest_marker("every_case") is not None:
+            continue
+        if callspec is not None and any(index != 0 for index in callspec.indices.values()):
+            item.add_marker(pytest.mark.slow)

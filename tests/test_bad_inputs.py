@@ -158,6 +158,7 @@ def exit_code(argv):
 
 
 @pytest.mark.parametrize("args, message", CASES, ids=[" ".join(args) for args, _ in CASES])
+@pytest.mark.every_case
 def test_bad_train_input(args, message, workspace, capsys):
     args = [arg.replace("{root}", str(workspace)) for arg in args]
     data = [] if "--data" in args or "--config" in args else ["--data", str(workspace / "text")]
@@ -186,6 +187,7 @@ def test_bad_train_input(args, message, workspace, capsys):
     ("other.parquet", ["--tokenizer", "bpe", "--vocab-size", "9"], "--vocab-size 9: a byte-level BPE needs"),
     ("latin1.txt", ["--tokenizer", "{root}/shards_bpe/index.json"], "is not a Hugging Face tokenizer.json"),
 ])
+@pytest.mark.every_case
 def test_bad_prepare_input(name, extra, message, workspace, capsys):
     before = snapshot(workspace)
     extra = [arg.replace("{root}", str(workspace)) for arg in extra]
@@ -208,6 +210,7 @@ def test_bad_prepare_input(name, extra, message, workspace, capsys):
     (["plan", "--target", "tpu-v5p-6"], "v5p slices come in powers of two from v5p-8"),
     (["plan", "--fit", "--strategy", "dp"], "--fit searches against a chip's memory; add --target"),
 ])
+@pytest.mark.every_case
 def test_bad_launch_and_plan_input(args, message, tmp_path):
     result = shardax(*args, check=False)
     assert result.returncode == 2

@@ -62,6 +62,7 @@ def compile_step(strategy, mesh_shape):
 
 
 @pytest.mark.parametrize("strategy, mesh_shape", CASES, ids=[f"{s}-{m}" for s, m in CASES])
+@pytest.mark.slow
 def test_bytes_per_device_match_theory(strategy, mesh_shape):
     parallel, compiled, sizes = compile_step(strategy, mesh_shape)
     expected = theoretical_state_bytes(strategy, sizes)
@@ -82,6 +83,7 @@ def test_bytes_per_device_match_theory(strategy, mesh_shape):
     assert report(state).bytes_per_device == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.slow
 def test_fsdp_is_one_eighth_and_zero_shards_only_optimizer_state():
     replicated = theoretical_state_bytes("dp", {"data": 8})
     fsdp = compile_step("fsdp", "data=8")[1].memory_analysis().argument_size_in_bytes

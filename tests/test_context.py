@@ -124,6 +124,7 @@ def test_ring_cut_into_blocks_smaller_than_a_chunk_still_equals_full_attention(m
     test_attention_and_its_gradients_equal_full_attention("ring", "data=2,context=4", (), True)
 
 
+@pytest.mark.slow
 def test_packed_per_token_losses_equal_one_device():
     """Each token's loss, with documents whose boundaries cross the shares' edges."""
     config = tiny_transformer_config(seq_len=32, positions="rotary")
@@ -212,6 +213,7 @@ def test_the_all_gather_variant_hands_cudnn_the_gathered_keys_and_the_packed_mas
                 and mask_type == "NO_MASK"), (name, operands)
 
 
+@pytest.mark.slow
 def test_activation_bytes_per_device_fall_as_one_over_C():
     """What a longer sequence adds to a device's temporaries (activations; the state is the same
     at both lengths) is 1/C of one device's, within 10%; ring attention keeps less still."""
@@ -278,6 +280,7 @@ def test_communication_equals_theory(strategy, mesh_shape, variant, remat):
     assert theory <= sent <= 1.12 * theory, (sent, theory)
 
 
+@pytest.mark.slow
 def test_plan_covers_context_meshes():
     """Communication from theory within 12% of the compiled step, and the memory predicted within
     the band measured on the tiny preset at 512 tokens (0.90 all-gather, 0.99 ring, of XLA:CPU's peak)."""

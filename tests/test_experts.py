@@ -84,6 +84,7 @@ def test_a_capacity_of_experts_over_top_k_drops_nothing_and_a_smaller_one_drops(
     (dict(n_experts=4, capacity_factor=1.0), "ep", "data=4,expert=2",
      "capacity_factor=1.0 with the experts split"),
 ], ids=["axis-does-not-divide", "top-k-above-experts", "capacity-across-devices"])
+@pytest.mark.every_case
 def test_bad_expert_settings_are_one_line(config, strategy, mesh, message):
     with pytest.raises(UsageError) as error:
         settings = tiny_transformer_config(positions="rotary", norm="rms", mlp="swiglu", **config)
@@ -95,6 +96,7 @@ def test_bad_expert_settings_are_one_line(config, strategy, mesh, message):
 
 @pytest.mark.parametrize("strategy, mesh, remat", [("fsdp_ep", "data=2,expert=4", "none"),
                                                    ("ep", "data=4,expert=2", "full")])
+@pytest.mark.slow
 def test_plan_counts_the_all_to_alls_and_the_experts_bytes_per_device(strategy, mesh, remat):
     """The compiled step's all-to-all bytes equal theory's (within 5%; a remat policy runs the
     forward pair again), and each device holds 1 / X of the experts' bytes (ep) or 1 / (X * data)

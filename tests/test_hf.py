@@ -255,6 +255,7 @@ def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize("lora", [None, "q,k,v,o,gate,up,down"])
+@pytest.mark.slow
 def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
     """``Trainer(None, ..., init_from=dir)``, with all weights or LoRA adapters: its first loss is
     Hugging Face's on the same batch, training lowers it, and a checkpoint of the run resumes bit
@@ -295,6 +296,7 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
                 init_from=folder).init()
 
 
+@pytest.mark.slow
 def test_two_processes_each_read_only_their_own_slices(checkpoints, tmp_path):
     """2 processes x 4 devices load under fsdp: each reads the slices its devices hold (about
     half the model), the logits are transformers', and the checkpoint they save is the same."""
@@ -338,6 +340,7 @@ def with_tokenizer(tmp_path_factory, small_corpus):
     return folder
 
 
+@pytest.mark.slow
 def test_shardax_train_fine_tunes_a_hugging_face_checkpoint(with_tokenizer, small_corpus, tmp_path):
     from cli_helpers import read_metrics, shardax
 
@@ -394,6 +397,7 @@ def chat_model(with_tokenizer, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template(chat_model, tmp_path):
     """``shardax train --init-from DIR --data chats.jsonl``: the conversations render with the
     checkpoint's own template, and the first step's loss (LoRA: the model as loaded) is
@@ -446,6 +450,7 @@ def test_shardax_train_fine_tunes_on_conversations_with_the_checkpoints_template
                                                       skip_special_tokens=True).strip()
 
 
+@pytest.mark.slow
 def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(chat_model, tmp_path):
     """``shardax train --init-from DIR --data pairs.jsonl --lora-rank R``: DPO with the base
     weights as the reference. The first step's loss is log 2 with zero rewards (B starts at
@@ -485,6 +490,7 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
             and "--dpo-beta tunes DPO, and --data holds no preference pairs" in wrong.stderr)
 
 
+@pytest.mark.slow
 def test_lora_trains_adapters_alone_and_exports_merged_and_for_peft(checkpoints, tmp_path):
     """LoRA on a loaded checkpoint under fsdp_tp: it starts as the checkpoint (B is zero), only
     the adapters train and hold optimizer state, each split like its base weight; the merged
@@ -565,6 +571,7 @@ def test_lora_under_fsdp_runs_to_the_end_on_few_simulated_devices(devices, with_
     assert len(losses) == 30 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_shardax_train_fine_tunes_with_lora_and_exports_adapters_or_merged(with_tokenizer, small_corpus,
                                                                            tmp_path):
     from cli_helpers import shardax
@@ -668,6 +675,7 @@ def params_grad(loss, model):
     return jax.jit(jax.grad(lambda params: loss(nnx.merge(graphdef, params, rest))))(params)
 
 
+@pytest.mark.slow
 def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
     """DPO of a Llama 3 checkpoint against a Qwen3 one as the reference (log-probabilities given with
     the batch): the loss and rewards equal the formula on transformers' log-probabilities of the
@@ -724,6 +732,7 @@ def test_dpo_loss_and_gradient_from_transformers_log_probabilities(checkpoints):
                                    atol=1e-3 * np.abs(np.asarray(w)).max(), err_msg=path_to_str(path))
 
 
+@pytest.mark.slow
 def test_lora_dpo_with_the_base_as_reference_equals_an_explicit_frozen_copy(checkpoints):
     """A LoRA model with no reference given uses its base weights (adapters left out) as the
     reference: the loss, rewards and the adapters' gradients equal those with the reference's

@@ -80,6 +80,7 @@ def close(got, expected):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_each_family_computes_what_transformers_computes_under_every_layout(family, made):
     """Logits under dp, fsdp, tp and fsdp_tp; the compiled eval step's loss under a pipeline
     (pp_tp) and with the sequence split over a context axis (ring attention; Gemma 2's capped
@@ -129,6 +130,7 @@ def test_each_family_reads_its_features_from_config_json(made):
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gemma2"])
+@pytest.mark.slow
 def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
     """``shardax plan --init-from`` (config.json only) plans what ``hf.load`` builds, full and with
     LoRA adapters (their optimizer state a small part of the full one's)."""
@@ -218,6 +220,7 @@ def test_greedy_generation_past_the_window_equals_transformers(family, made):
 
 
 @pytest.mark.parametrize("family, targets", [("gemma2", "q,k,o,gate,down"), ("qwen3-moe", None)])
+@pytest.mark.slow
 def test_lora_trains_and_peft_reads_its_adapters(family, targets, made, tmp_path):
     """On a mixture of experts the default targets are the attention's projections (the experts
     take none)."""

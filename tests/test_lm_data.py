@@ -165,6 +165,7 @@ def test_packed_windows_number_documents_and_restart_positions():
 
 @pytest.mark.parametrize("positions", ["learned", "rotary"])
 @pytest.mark.parametrize("scan_layers", [True, False])
+@pytest.mark.slow
 def test_each_packed_document_computes_as_if_it_were_alone(positions, scan_layers):
     config = TransformerConfig(vocab_size=64, seq_len=40, d_model=32, n_heads=4, n_layers=2, d_ff=64,
                                positions=positions, scan_layers=scan_layers)
@@ -225,6 +226,7 @@ def test_validation_counts_bits_per_byte_of_the_text_predicted(corpus, tmp_path)
     assert batches[-1]["segments"].min() == 0 or data.validation.length % 16 == 1
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_and_greedy_takes_the_most_likely_token():
     config = TransformerConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1, d_ff=64)
     trainer = Trainer(lambda rngs: TransformerLM(config, rngs=rngs), optax.sgd(0.1),

@@ -203,6 +203,7 @@ def _train_as(address, processes, index, timeout):
     return result, time.time() - started
 
 
+@pytest.mark.slow
 def test_wrong_coordinator_address_is_a_clear_error_not_a_hang():
     expected = "process 1 of 2: nothing answered at the coordinator address 127.0.0.1:1 within 3 s"
     result, took = _join("127.0.0.1:1", 2, 1, 3)  # the library raises; the program goes on
@@ -212,6 +213,7 @@ def test_wrong_coordinator_address_is_a_clear_error_not_a_hang():
         "check the address and that process 0 runs" and took < 60
 
 
+@pytest.mark.slow
 def test_missing_peer_is_a_clear_error_not_a_hang():
     from shardax.launch import free_port
 

@@ -88,6 +88,7 @@ def unwrapped(tree):  # plain NNX's optimizer holds Variables (OptArray); their 
 
 @pytest.mark.parametrize("procedure", list(PROCEDURES))
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.slow
 def test_a_procedure_of_parts_trains_like_plain_nnx_on_one_device(procedure, strategy, mesh_shape):
     make, step, evaluate, batches = PROCEDURES[procedure]
     expected, ref_models, ref_optimizers = reference(procedure)

@@ -131,6 +131,7 @@ def test_the_compiled_step_runs_r_m_plus_s_minus_1_stage_iterations(mesh_shape, 
     assert not [c for c in find_collectives(text) if c.executions > 1 and c.kind != "collective-permute"]
 
 
+@pytest.mark.slow
 def test_a_circular_schedule_keeps_no_copy_of_its_weights_per_stage_iteration():
     """Each pass picks its chunk of the stage's layers; the backward pass picks it again rather
     than keeping R*M + S - 1 copies of it (the MLP weights, 32 x 64 here, would show as buffers
@@ -144,6 +145,7 @@ def test_a_circular_schedule_keeps_no_copy_of_its_weights_per_stage_iteration():
 
 
 @pytest.mark.parametrize("remat, below", [("full", 0.5), ("dots_saveable", 0.95)])
+@pytest.mark.slow
 def test_a_circular_schedule_keeps_what_the_remat_policy_says(remat, below):
     """With R > 1 each stage iteration runs under a checkpoint of its own (so that it picks its
     chunk again rather than keep it); that checkpoint follows the model's remat policy, so
@@ -164,6 +166,7 @@ def test_a_circular_schedule_keeps_what_the_remat_policy_says(remat, below):
     assert recomputed < 1.25 * one_pass, (recomputed, one_pass)
 
 
+@pytest.mark.slow
 def test_a_pipeline_checkpoint_reshards_into_fsdp_and_back_exactly():
     losses, state, parallel = train("pp", "stage=4,data=2", microbatches=8)
     fsdp = parallelize(factory, optax.adamw(LR), DeviceMeshManager().create_device_mesh("data=8"), "fsdp")
@@ -216,6 +219,7 @@ PLANS = [("pp", "stage=4,data=2", 8, 1, 0.05), ("pp", "stage=8", 8, 1, 0.05),
 
 @pytest.mark.parametrize("strategy, mesh_shape, microbatches, repeats, within", PLANS,
                          ids=[f"{s}-{m}-M{mb}-R{r}" for s, m, mb, r, _ in PLANS])
+@pytest.mark.slow
 def test_plan_counts_what_a_pipeline_sends_and_flags_a_large_bubble(strategy, mesh_shape, microbatches,
                                                                     repeats,
                                                                       within):
@@ -253,6 +257,7 @@ def test_a_circular_schedule_regroups_what_a_stage_does_not_hold():
     assert circular_regroup_share(Schedule(4, 8, 1)) == 0.0
 
 
+@pytest.mark.slow
 def test_shardax_train_runs_a_pipeline_and_resumes_it_exactly(small_corpus, tmp_path):
     from cli_helpers import QUICK, read_metrics, shardax
 

@@ -30,6 +30,7 @@ MODEL = tiny_transformer_config(vocab_size=256, d_model=64, d_ff=256, seq_len=32
 @pytest.mark.parametrize("strategy, mesh", [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"),
                                             ("fsdp", "data=8"), ("tp", "data=4,model=2"),
                                             ("fsdp_tp", "data=2,model=4"), ("hsdp", "replica=2,data=4")])
+@pytest.mark.slow
 def test_predictions_agree_with_xla(strategy, mesh):
     plan = plan_strategy(MODEL, strategy, mesh, batch_size=16, device_memory=parse_bytes("1GB"))
     assert plan.predicted["state"] == pytest.approx(plan.compiled["arguments"], rel=0.05)
@@ -42,6 +43,7 @@ def test_predictions_agree_with_xla(strategy, mesh):
     assert plan.lint == []
 
 
+@pytest.mark.slow
 def test_recommendation_and_what_would_make_it_fit():
     plans = [plan_strategy(MODEL, name, None, batch_size=16, device_memory=parse_bytes("12MB"))
              for name in ("dp", "fsdp")]
@@ -69,6 +71,7 @@ def test_parse_bytes_rejects_nonsense():
         check_compiler("gpu")
 
 
+@pytest.mark.slow
 def test_cli_json_for_a_billion_parameter_preset():
     result = shardax("plan", "--preset", "1b", "--strategy", "fsdp", "--mesh", "data=8", "--batch-size", 16,
                      "--device-memory", "80GB", "--json")
@@ -82,6 +85,7 @@ def test_cli_json_for_a_billion_parameter_preset():
     assert plan["predicted"]["state"] == pytest.approx(plan["compiled"]["arguments"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_cli_table_and_bad_memory():
     result = shardax("plan", "--preset", "tiny", "--seq-len", 128, "--strategy", "dp", "--strategy", "fsdp",
                      "--device-memory", "40MB")
@@ -123,6 +127,7 @@ def test_lint_finds_optimizer_state_laid_out_unlike_its_parameter():
     assert any("mu/blocks/layers/mlp_in" in f for f in findings)
 
 
+@pytest.mark.slow
 def test_lint_finds_full_gathers_under_a_strategy_that_should_not_gather():
     # Parameters sharded over `data` by the rules, but nothing says to gather them for compute:
     # XLA has to all-gather whole weights every step, which the lint reports.
@@ -160,6 +165,7 @@ def test_predicted_peak_agrees_with_xla(strategy, mesh, remat):
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.slow
 def test_plan_for_every_preset_predicts_the_compiled_peak(remat):
     for name, preset in (("the GPT-style model", GPT_STYLE), ("0.1's small", PRESETS_0_1["small"])):
         plan = plan_strategy(preset.config(remat=remat), "fsdp", "data=8", batch_size=preset.batch_size)
@@ -183,6 +189,7 @@ def test_plan_beyond_the_presets(case, strategy, mesh, overrides):
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.slow
 def test_plan_for_blocks_in_a_loop(remat):
     """Blocks in a Python loop: every layer's activations stay live, with remat or without."""
     preset = GPT_STYLE
@@ -206,6 +213,7 @@ def test_plan_says_its_fit_never_saw_a_swiglu_mlp(remat, low):
     assert 1 - low <= plan.predicted["total"] / plan.compiled["peak"] <= 1.0, (plan.predicted, plan.compiled)
 
 
+@pytest.mark.slow
 def test_plan_in_bfloat16_says_the_cpu_compile_overstates_it():
     plan = plan_strategy(dataclasses.replace(MODEL, compute_dtype="bfloat16"), "dp", "data=8", batch_size=16)
     assert len(plan.lint) == 1 and plan.lint[0].startswith("bfloat16 compute on fake CPU devices: XLA:CPU "

@@ -85,6 +85,7 @@ def test_artifex_api_step_runs_and_prints_a_falling_loss():
     assert losses[2] < losses[1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_your_own_model_runs_learns_and_prints_its_held_out_accuracy(tmp_path):
     code = snippet("Your own model")
     code += ("\nassert model.dropout.deterministic and model.norm.use_running_average"
@@ -108,6 +109,7 @@ def test_a_checkpoint_restores_with_orbax_alone(tmp_path):
                                     "one: True")
 
 
+@pytest.mark.slow
 def test_the_strategies_page_trains_reports_and_reshards():
     out = run(snippet("Strategies"))
     assert "per device vs" in out and re.search(r"^loss \d+\.\d{3}; resharded to tp: [\d,]+ bytes per "
@@ -120,6 +122,7 @@ def test_trackers_page_logs_to_mlflow_and_reads_it_back(tmp_path):
     assert [int(step) for step, _ in pairs] == [1, 5, 10, 15, 20] and float(pairs[-1][1]) < float(pairs[0][1])
 
 
+@pytest.mark.slow
 def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_context():
     code = snippet("Pipelines and long sequences: `LayerStack` and `Attention`")
     model = code.split("def loss_fn", 1)[0]
@@ -134,6 +137,7 @@ def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_contex
             and "context: each sequence split 4 ways over context" in out)
 
 
+@pytest.mark.slow
 def test_fine_tuning_a_hugging_face_model(tmp_path):
     out = run(snippet("Fine-tune a Hugging Face model"), cwd=tmp_path)
     assert out.splitlines()[-1].startswith("loaded 2 layers, read ")
@@ -214,6 +218,7 @@ def test_the_guides_chain_runs_as_written_on_the_readme_machine(tmp_path):
     assert int(count) > 4 and float(peft_error) < 1e-4 and float(shardax_error) < 1e-4
 
 
+@pytest.mark.slow
 def test_the_layout_picture_is_drawn_from_the_arrays(tmp_path):
     """docs/layouts.py lays a model out under each strategy and draws its shards."""
     result = subprocess.run([sys.executable, str(ROOT / "docs/layouts.py"), str(tmp_path / "layouts.png")],

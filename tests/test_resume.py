@@ -80,6 +80,7 @@ def test_checkpoint_from_dp_restores_into_fsdp_tp(small_corpus, tmp_path):
         np.testing.assert_allclose(restored[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow
 def test_existing_checkpoints_are_not_overwritten(small_corpus, tmp_path):
     shardax("train", *QUICK, "--steps", 2, "--eval-every", 0, "--data", small_corpus, "--checkpoint-dir",
             tmp_path)

@@ -83,6 +83,7 @@ def test_strategy_matches_one_device(model_name, strategy, mesh_shape):
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.slow
 def test_blocks_in_a_python_loop_train_like_one_device(strategy):
     """Unscanned blocks: dp averages their dozens of small gradients in one bucket, fsdp gathers
     each weight; both match one device."""
@@ -132,6 +133,7 @@ def test_layouts_per_strategy_on_what_devices_hold():
         )
 
 
+@pytest.mark.slow
 def test_initial_values_do_not_depend_on_the_strategy():
     factory = lambda rngs: TransformerLM(tiny_transformer_config(), rngs=rngs)  # noqa: E731
     one = parallelize(factory, optax.adam(1e-3),
@@ -188,6 +190,7 @@ ACCUMULATION = {  # (model, loss, batches, strategy, mesh)
 
 
 @pytest.mark.parametrize("case", list(ACCUMULATION))
+@pytest.mark.slow
 def test_gradient_accumulation_is_the_same_update_as_the_full_batch(case):
     """2 and 4 microbatches give the full batch's loss and parameters within 1e-6 relative, also when
     microbatches count different numbers of tokens (packed or padded rows) or rows (a user's

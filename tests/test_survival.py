@@ -73,6 +73,7 @@ def saved_lm_run(small_corpus, tmp_path_factory):
      "step 4, use --extend-to 10"),
     ("--data", "/tmp", "--data /tmp contradicts the checkpoint's --data"),
 ])
+@pytest.mark.slow
 def test_resume_refuses_flags_that_contradict_the_saved_run(saved_lm_run, flag, value, message, capsys):
     before = files_of(saved_lm_run)
     args = ["train", *LM, "--checkpoint-dir", saved_lm_run / "ckpt", "--resume", flag, value]
@@ -82,6 +83,7 @@ def test_resume_refuses_flags_that_contradict_the_saved_run(saved_lm_run, flag, 
     assert files_of(saved_lm_run) == before
 
 
+@pytest.mark.slow
 def test_resume_takes_seed_data_and_schedule_from_the_checkpoint(saved_lm_run, small_corpus, tmp_path):
     """Resumed from step 2 with no run flags at all: the seed-3 run's steps 3 and 4, bit for bit."""
     for name in ("ckpt", "m.jsonl"):
@@ -133,6 +135,7 @@ def test_a_nan_step_stops_the_run_and_the_last_good_checkpoint_is_kept(tmp_path)
                                   state.params["hidden"]["kernel"])
 
 
+@pytest.mark.slow
 def test_shardax_train_stops_a_diverging_run_with_one_line_and_exit_code_4(small_corpus, tmp_path):
     """A learning rate of 1e30 overflows the parameters within a few steps: the command line says
     which step went non-finite and where the last good checkpoint is, in one line, and exits 4."""

@@ -71,6 +71,7 @@ def test_missing_compiler_is_one_line(monkeypatch):
 @pytest.mark.parametrize("strategy, mesh", [("dp", "data=4"), ("zero2", "data=4"), ("fsdp", "data=4"),
                                             ("tp", "data=2,model=2"), ("hsdp", "replica=2,data=2"),
                                             ("pp_fsdp", "stage=2,data=2")])
+@pytest.mark.slow
 def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
     """XLA:TPU's compiled step sends within 5% of the strategy's theory (its reduce-scatters are
     fusions, its loops carry no trip count: both read), fits the chip, and costs the model's FLOPs."""
@@ -98,6 +99,7 @@ def test_xla_tpu_collectives_and_flops_on_v5p_8(strategy, mesh):
     (dict(d_model=384, n_heads=12, n_layers=7, d_ff=1536, seq_len=320, remat="dots_saveable"), "dp", "data=8",
      16, None),
     (dict(d_model=640, n_heads=10, n_layers=4, d_ff=2560, seq_len=256), "pp", "stage=2,data=4", 16, 2)])
+@pytest.mark.slow
 def test_analytic_peak_against_xla_tpu_on_held_out_shapes(shape, strategy, mesh, batch, microbatches):
     """Three of benchmarks/suite.py's held-out shapes (never fitted on), above the TPU fit's floor
     of 300 MB: the analytic peak, residuals sized as XLA:TPU keeps them (float32 matmul operands in
@@ -133,6 +135,7 @@ def test_the_update_is_selected_on_tpus_and_branched_elsewhere(strategy, mesh, t
     assert text.count(" conditional(") == branches
 
 
+@pytest.mark.slow
 def test_flop_extrapolation_matches_an_unrolled_compile():
     """The FLOPs of a scanned step, extrapolated from compiles of 1 and 2 layers, equal XLA:TPU's
     count of the same step with its 4 layers unrolled (a depth the extrapolation did not compile)."""
@@ -155,6 +158,7 @@ LONG = dataclasses.replace(MODEL, seq_len=256, n_layers=2)
 @pytest.mark.parametrize("strategy, mesh, model, batch", [
     ("tp", "data=8,model=2", MODEL, 16), ("zero2", "data=16", MODEL, 16), ("fsdp", "data=16", MODEL, 16),
     ("fsdp_tp", "data=8,model=2", LONG, 64)])
+@pytest.mark.slow
 def test_multi_host_v5e_16(strategy, mesh, model, batch):
     """A v5e-16 spans 4 hosts of 4 chips; the step over all 16 chips compiles for it and sends
     what theory says. (There XLA:TPU spreads FSDP's gathers over chains of fusions, a copy of
@@ -176,6 +180,7 @@ def test_multi_host_v5e_16(strategy, mesh, model, batch):
         assert plan.compiled["peak_without_collective_matmuls"] > 0
 
 
+@pytest.mark.slow
 def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds():
     """On 8 v5p chips XLA:TPU turns a looped zero2 step's gradient reduce-scatters into collective
     matmuls (windowed einsums), and they hold more HBM (here 41 of 93 MB): the plan compiles the
@@ -199,6 +204,7 @@ def test_collective_matmuls_are_weighed_and_the_advice_to_go_without_them_holds(
     assert not [line for line in run["lint"] if line.startswith("collective matmuls")]
 
 
+@pytest.mark.slow
 def test_fit_finds_the_largest_batch_that_fits():
     """Against a chip given 48 MB of HBM, the search's batch fits and one more row per device does not."""
     slice_ = parse_target("tpu-v5p-8")
@@ -214,6 +220,7 @@ def test_fit_finds_the_largest_batch_that_fits():
     assert result.tokens_per_s > 0 and result.probes <= 10
 
 
+@pytest.mark.slow
 def test_what_fits_a_tpu_is_what_xla_tpu_allocates():
     """XLA:TPU's memory analysis overestimates: at 4096 rows per v5e chip it counts 17.1 GB, more
     than the chip's 16 GB, yet XLA:TPU compiles the step, and its buffer assignment's heap needs
@@ -237,6 +244,7 @@ def test_what_fits_a_tpu_is_what_xla_tpu_allocates():
     assert needed == pytest.approx(1.5 * heap, rel=0.03)
 
 
+@pytest.mark.slow
 def test_a_tpu_step_whose_heap_is_unknown_says_so(monkeypatch, tmp_path):
     """Where no buffer assignment can be read (libtpu started before shardax described a TPU, say),
     the plan falls back to the memory analysis and warns; a CPU step, which has no heap, does not."""
@@ -253,6 +261,7 @@ def test_a_tpu_step_whose_heap_is_unknown_says_so(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["tpu-v5p-8", "tpu-v4-8"])  # v4: one device per chip, as v5p
+@pytest.mark.slow
 def test_plan_command_for_a_target(target):
     result = shardax("plan", "--target", target, "--preset", "tiny", "--strategy", "fsdp",
                      "--batch-size", "16", "--json")

@@ -28,6 +28,7 @@ def test_every_strategy_trains_through_the_cli(strategy, mesh, small_corpus, tmp
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys):
     run = ["train", *QUICK, "--eval-every", "0", "--data", str(small_corpus), "--checkpoint-dir",
            str(tmp_path)]
@@ -42,6 +43,7 @@ def test_blocks_in_a_python_loop_through_the_cli(small_corpus, tmp_path, capsys)
             "shardax train --ema DECAY); drop --ema") in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_run_directory_holds_the_run_and_the_command_that_resumes_it(small_corpus, tmp_path, capsys,  # noqa: PLR0915
                                                                        monkeypatch):
     """No --run-dir: a new directory under runs/ named by time and strategy holds config.yaml, the
@@ -141,6 +143,7 @@ def test_bad_flags_are_one_line_errors(args, message):
     assert last.startswith("shardax train: error: ") and message in last, result.stderr
 
 
+@pytest.mark.slow
 def test_bad_data_is_a_clear_error(tmp_path):
     binary = tmp_path / "binary"
     binary.mkdir()
@@ -167,6 +170,7 @@ def test_binary_files_are_skipped_and_counted(small_corpus, tmp_path, capsys):
     assert "1 skipped" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_yaml_config_with_flags_winning(small_corpus, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     # PyYAML reads 1e-3 as a string: the setting's type decides

@@ -67,6 +67,7 @@ def test_two_processes_read_the_batches_of_one(bpe_shards, tmp_path):
 
 
 @pytest.mark.parametrize("tokenizer", [("bytes",), ("bpe", "--vocab-size", "300")], ids=["bytes", "bpe"])
+@pytest.mark.slow
 def test_train_tokenizes_raw_text_once_into_its_cache(small_corpus, tmp_path, monkeypatch, tokenizer):
     monkeypatch.setenv("SHARDAX_DATA_CACHE", str(tmp_path / "cache"))
     args = ("train", *QUICK, "--steps", 1, "--eval-every", 0, "--data", small_corpus, "--tokenizer",

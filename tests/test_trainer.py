@@ -136,6 +136,7 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["images"]
 
 
+@pytest.mark.slow
 def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
     """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step
     (its settings given as one ``FitSettings``)."""

@@ -58,6 +58,7 @@ def test_layers_are_stacked_for_scan_and_annotated():
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.slow
 def test_a_loop_of_blocks_computes_what_the_scan_does(remat):
     scanned = TransformerLM(tiny_transformer_config(remat=remat), rngs=nnx.Rngs(0))
     looped = TransformerLM(tiny_transformer_config(remat=remat, scan_layers=False), rngs=nnx.Rngs(1))
@@ -215,6 +216,7 @@ def fused_attention_stand_in(query, key, value, mask=None, is_causal=False, impl
 ORIGINAL_ATTENTION = jax.nn.dot_product_attention
 
 
+@pytest.mark.slow
 def test_dots_saveable_recomputes_no_matmul_and_no_custom_vjp_in_the_backward_pass():
     """Remat by name: the policy refuses only gathered weights and reduced-precision copies, so
     under ``dots_saveable`` no matmul (attention's included) and no custom VJP (a stand-in for
@@ -274,6 +276,7 @@ def reference_attention(q, k, v, segments=None):
 
 
 @pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.slow
 def test_attention_kernel_matches_attention_written_out(packed, monkeypatch):
     """Outputs and gradients of the model's attention (auto, which is XLA on CPU) equal the formula."""
     import shardax.models.transformer as transformer

@@ -117,6 +117,7 @@ def test_user_model_trains_like_plain_nnx_on_one_device(strategy, mesh_shape, mo
 
 
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.slow
 def test_a_model_with_flax_lora_layers_trains_its_adapters_alone(strategy, mesh_shape):
     """Flax's ``nnx.LoRALinear`` in a user's model: the adapters (``nnx.LoRAParam``) train as
     plain NNX trains them with ``wrt=nnx.LoRAParam``, the base kernels stay as they were and
@@ -191,6 +192,7 @@ def lora_convnet(rngs):
 
 
 @pytest.mark.parametrize("strategy, mesh_shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.slow
 def test_lora_by_layer_path_on_a_users_convnet_trains_its_adapters_as_one_device(strategy, mesh_shape,
                                                                                  tmp_path):
     """``Trainer(lora=LoRA(rank, alpha, r"conv\\d|head"))`` on a model shardax knows nothing of:
@@ -231,6 +233,7 @@ class ConvThenLinear(nnx.Module):
         return self.head(nnx.relu(self.conv(images)).mean(axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_adapters_of_any_model_are_saved_in_peft_layout_that_peft_reads(tmp_path):
     """``save_adapters`` writes a convolution's and a linear layer's adapters as PEFT names and
     lays them out; PyTorch's twin of the model with them loaded by peft computes what ours does."""

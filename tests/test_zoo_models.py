@@ -59,6 +59,7 @@ def build(name, strategy, mesh_shape, tx=None):
 
 
 @pytest.mark.parametrize("name, strategy, mesh_shape", CASES, ids=[f"{m}-{s}" for m, s, _ in CASES])
+@pytest.mark.slow
 def test_zoo_model_trains_like_plain_nnx_on_one_device(name, strategy, mesh_shape):
     expected, ref_model = reference(name)
     parallel = build(name, strategy, mesh_shape, TX)
@@ -216,6 +217,7 @@ def test_an_expert_axis_that_would_split_no_weight_is_refused_in_one_line(factor
     ("square", "tp", "data=4,model=2"), ("vae", "tp", "data=4,model=2"), ("unet", "tp", "data=4,model=2"),
     ("dit", "tp", "data=4,model=2"),
     ("convnext", "pp_tp", "stage=2,data=2,model=2")])
+@pytest.mark.slow
 def test_tp_splits_the_shapes_of_generative_models_in_megatron_pairs(name, strategy, mesh_shape):
     """A square hidden weight, a VAE's equal widths, a U-Net's skips (added and concatenated),
     GroupNorm and timestep embedding, a DiT's attention and adaLN modulation, ConvNeXt's depthwise
@@ -357,6 +359,7 @@ BLOCK_CASES = [("pp", "stage=2,data=4", "all-gather"), ("pp_tp", "stage=2,data=2
 
 @pytest.mark.parametrize("strategy, mesh_shape, variant", BLOCK_CASES,
                          ids=[f"{s}-{m}-{v}" for s, m, v in BLOCK_CASES])
+@pytest.mark.slow
 def test_a_model_built_from_the_blocks_trains_like_plain_nnx_under_pipelines_and_context(strategy, mesh_shape,
                                                                                          variant):
     llama = readme_blocks_model()
