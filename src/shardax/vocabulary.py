@@ -28,6 +28,9 @@ NONFINITE_MODES: tuple[str, ...] = get_args(NonFinite)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
+# the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 # mesh axis names the library shares, and the name of a stack's layer dimension
 DATA, MODEL, STAGE, CONTEXT, EXPERT, REPLICA = "data", "model", "stage", "context", "expert", "replica"
 LAYERS = "layers"

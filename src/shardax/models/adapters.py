@@ -29,14 +29,13 @@ import numpy as np
 from flax import nnx
 
 from shardax.errors import UsageError
+from shardax.vocabulary import LORA_TARGETS
 
 if TYPE_CHECKING:
     from shardax.models.transformer_config import TransformerConfig
 
 ADAPTABLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv)
 
-# the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 
 from shardax.blocks import REMAT_POLICIES
 from shardax.errors import UsageError
-from shardax.models.adapters import LORA_TARGETS
-from shardax.vocabulary import ATTENTION_KERNELS
+from shardax.vocabulary import ATTENTION_KERNELS, LORA_TARGETS
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
