@@ -386,7 +386,8 @@ def hf_load_rows(loading: dict | None) -> list[str]:
              f"parameters ({loading['files_bytes'] / 1e9:.2f} GB of bf16 safetensors) FSDP over 8 "
              f"CPU devices: host memory the loader adds beyond the loaded state, in largest tensors "
              f"({loading['largest_tensor_bytes'] / 1e6:.0f} MB as float32); load / raw read "
-             f"throughput | {loading['added_over_largest_tensor']:.2f} "
+             f"throughput (medians of {loading.get('repeats', 1)}, alternating) | "
+             f"{loading['added_over_largest_tensor']:.2f} "
              f"({loading['added_rss_bytes'] / 1e6:.0f} MB); {loading['load_gb_per_s']:.2f} / "
              f"{loading['raw_gb_per_s']:.2f} GB/s | <= 2 tensors |")]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ DTYPES = {"float32": ("F32", np.float32), "bfloat16": ("BF16", jnp.bfloat16), "f
 
 
 class SafeTensors:
-    """The tensors of a model directory by name, read a slice at a time (and the bytes read)."""
+    """The tensors of a model directory by name, each readable as a view onto its file (the bytes
+    that views' slices read are counted in ``bytes_read``)."""
 
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
@@ -37,11 +39,11 @@ class SafeTensors:
         else:
             raise UsageError(f"{path} holds neither model.safetensors nor model.safetensors.index.json; give "
                              "a Hugging Face model directory saved with safetensors")
-        self.files: dict[str, Any] = {}  # open handles (each maps its file; ``release`` lets them go)
         self.where: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.places: dict[str, tuple[int, Any]] = {}  # where each tensor's bytes begin in its file, its dtype
         for name in files:
-            try:
+            try:  # safetensors checks the file (its header, and that the data is all there)
                 handle = safe_open(str(path / name), framework="flax")
             except FileNotFoundError:
                 raise UsageError(f"{path / name} is missing (the index names it); download the whole "
@@ -52,36 +54,68 @@ class SafeTensors:
             for key in handle.keys():
                 self.where[key] = name
                 self.shapes[key] = tuple(handle.get_slice(key).get_shape())
+            del handle
+            self.places.update(_data_places(path / name))
         if weight_map is not None:
             absent = [key for key, name in weight_map.items() if self.where.get(key) != name]
             if absent:
                 raise UsageError(f"{path / weight_map[absent[0]]} lacks {absent[0]}, which the index places "
                                  "there; download the checkpoint again")
         self.bytes_read = 0
+        self._counting = threading.Lock()
+        self._mapped = threading.local()  # each thread's tensors mapped since its last ``release``
 
     def close(self) -> None:
         self.release()
 
     def release(self) -> None:
-        """Unmap the files: the pages a read touched stop counting in this process's memory."""
-        self.files = {}
+        """Let go of the calling thread's mapped tensors: the file pages they touched stop counting
+        in this process's memory once no slice of them is held."""
+        self._mapped.tensors = {}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
-    def read(self, name: str, rows: slice, columns: slice | None = None) -> np.ndarray:
-        """``tensor[rows, columns]`` (``columns`` None: a vector) in the file's dtype (bfloat16 as
-        ``ml_dtypes``' numpy type); whoever places it casts it."""
-        from safetensors import safe_open
+    def tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name`` in the file's dtype (bfloat16 as ``ml_dtypes``' numpy type), a read-only
+        view onto the file: nothing is read until a slice of it is used. It stays mapped for the
+        calling thread until ``release`` (the slices of several devices fault its pages in once)."""
+        mapped = getattr(self._mapped, "tensors", None)
+        if mapped is None:
+            mapped = self._mapped.tensors = {}
+        if name not in mapped:
+            start, dtype = self.places[name]
+            whole = np.memmap(self.path / self.where[name], dtype=dtype, mode="r", offset=start,
+                              shape=self.shapes[name])
+            mapped[name] = whole.view(np.ndarray)  # a plain array over the mapping (memmap slices slowly)
+        return mapped[name]
 
-        file = self.where[name]
-        if file not in self.files:
-            self.files[file] = safe_open(str(self.path / file), framework="flax")
-        part = self.files[file].get_slice(name)
-        block = part[rows] if columns is None else part[rows, columns]
-        array = np.asarray(block)
-        self.bytes_read += array.nbytes
-        return array
+    def count(self, block: np.ndarray) -> np.ndarray:
+        """``block`` (a slice of a ``tensor``), its bytes counted as read; returns it."""
+        with self._counting:
+            self.bytes_read += block.nbytes
+        return block
+
+
+# a safetensors dtype code: the numpy type a view of its bytes takes
+FILE_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+
+
+def _data_places(file: Path) -> dict[str, tuple[int, Any]]:
+    """Where each tensor's bytes begin in a safetensors ``file`` and its dtype (the format: an
+    8-byte little-endian header length, the JSON header, then the data)."""
+    with file.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    places = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in FILE_DTYPES:
+            raise UsageError(f"{file}: tensor {name} is of dtype {entry['dtype']}; shardax reads "
+                             f"{', '.join(FILE_DTYPES)} weights")
+        places[name] = (8 + length + entry["data_offsets"][0], FILE_DTYPES[entry["dtype"]])
+    return places
 
 
 def give_back_freed_memory() -> None:

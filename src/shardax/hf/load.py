@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -24,6 +27,8 @@ from shardax.model_state import trained_part
 from shardax.models.transformer import LoRA, TransformerConfig, TransformerLM
 from shardax.sharding.paths import path_to_str
 from shardax.step.state import TrainState
+
+READERS = min(4, os.cpu_count() or 1)  # threads reading a checkpoint's parameters
 
 
 @dataclasses.dataclass
@@ -89,46 +94,78 @@ def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig
     return config
 
 
-def _read_slice(tensors: SafeTensors, config: TransformerConfig, name: str, dtype: Any,
-                index: tuple[slice, ...]) -> np.ndarray:
-    """One device's slice of parameter ``name``, filled a layer at a time: besides the slice
-    itself, only one layer's part of it is ever held."""
-    source, layer, below = parameter_source(name, config)
-    out = np.empty(tuple(s.stop - s.start for s in index), dtype)
-    if source is not None:
-        out[...] = source.read(tensors, index)
-    elif layer is not None:
-        out[...] = layer_sources(config, layer)[below].read(tensors, index)
-    else:
-        for row, at in enumerate(range(config.n_layers)[index[0]]):
-            out[row] = layer_sources(config, at)[below].read(tensors, index[1:])
-    return out
+class _Staging:
+    """The host memory a checkpoint's slices are read into, ``limit`` bytes (or one slice, if
+    larger): in two halves while two slices fit, so that a slice is copied to its devices while
+    the next is read into the other half; a part is read into again only once its copies are done
+    (and its pages stay warm from one slice to the next)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.buffer = limit, np.empty(0, np.uint8)
+        self.copies: list[list[jax.Array]] = [[], []]
+        self.turn = 0
+
+    def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A part of the buffer as an array of ``shape``, once the copies out of it are done."""
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        halves = 2 * size <= self.limit
+        self.turn = 1 - self.turn if halves else 0
+        jax.block_until_ready(self.copies if not halves else self.copies[self.turn])
+        if self.buffer.size < max(size, self.limit):
+            self.buffer = np.empty(max(size, self.limit), np.uint8)
+        start = self.turn * (self.limit // 2) if halves else 0
+        return self.buffer[start:start + size].view(dtype).reshape(shape)
+
+    def copy(self, block: np.ndarray, devices: list[Any]) -> list[jax.Array]:
+        """``block`` (the last ``array``) copied to each of ``devices`` (not waited for)."""
+        self.copies[self.turn] = [_copied(block, device) for device in devices]
+        return self.copies[self.turn]
+
+    def done(self) -> None:
+        jax.block_until_ready(self.copies)
+        self.buffer = np.empty(0, np.uint8)
 
 
-def _fill(tensors: SafeTensors, config: TransformerConfig, keypath: Any, leaf: jax.ShapeDtypeStruct,
-          sharding: Any) -> jax.Array:
-    """The parameter at ``keypath`` in ``sharding``, this process's devices' slices read from the files."""
+def _copied(block: np.ndarray, device: Any) -> jax.Array:
+    """``block`` on ``device`` in memory of its own: a CPU device takes an aligned host array as
+    its buffer as it is (whatever ``may_alias`` says), and ``block`` is about to be read into again."""
+    placed = jax.device_put(block, device)
+    try:
+        aliased = placed.unsafe_buffer_pointer() == block.ctypes.data
+    except Exception:  # a platform that cannot say never shares the host's memory
+        aliased = False
+    return jnp.array(placed, copy=True) if aliased else placed
+
+
+def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTensors,
+          config: TransformerConfig, keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+    """The parameter at ``keypath`` in ``sharding``: each distinct slice this process's devices
+    hold is read into ``staging`` (by ``pool``'s threads, a layer of a stack each, or a slice
+    whole) and copied to the devices that hold it."""
     name = path_to_str(keypath)
+    source, layer, below = parameter_source(name, config)
+    if source is None and layer is not None:
+        source = layer_sources(config, layer)[below]
+    by_slice: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
+        index = normalize_index(index, leaf.shape)
+        by_slice.setdefault(tuple((s.start, s.stop) for s in index), [index]).append(device)
+    arrays = {}
+    for index, *devices in by_slice.values():
+        block = staging.array(tuple(s.stop - s.start for s in index), leaf.dtype)
 
-    def key(index: tuple[slice, ...]) -> tuple[tuple[int, int], ...]:
-        return tuple((s.start, s.stop) for s in normalize_index(index, leaf.shape))
-
-    # devices that hold the same slice read it once; a slice is let go once its last device has it
-    wanted = collections.Counter(key(index) for index in
-                                 sharding.addressable_devices_indices_map(leaf.shape).values())
-    blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        at = key(index)
-        if at not in blocks:
-            blocks[at] = _read_slice(tensors, config, name, leaf.dtype, normalize_index(index, leaf.shape))
+        def one_layer(stacked: int) -> None:  # layer ``stacked`` of a scanned stack
+            layer_sources(config, stacked)[below].read(tensors, index[1:], block[stacked - index[0].start])
             tensors.release()
-        wanted[at] -= 1
-        return blocks.pop(at) if wanted[at] <= 0 else blocks[at]
 
-    array = jax.make_array_from_callback(leaf.shape, sharding, block)
-    give_back_freed_memory()
-    return array
+        if source is not None:
+            source.read(tensors, index, block)
+            tensors.release()
+        else:
+            list(pool.map(one_layer, range(index[0].start, index[0].stop)))
+        arrays.update(zip(devices, staging.copy(block, devices)))
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, [arrays[device] for device in
+                                                                           sharding.addressable_devices])
 
 
 def _with_the_rest(parallel: ParallelModel, seed: int, loaded: dict[str, jax.Array]) -> TrainState:
@@ -155,11 +192,17 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
     config = _checkpoint_config(parallel, path)
     tensors = SafeTensors(path)
     check_tensor_names(tensors, config)
-    leaves = zip(jax.tree_util.tree_leaves_with_path(parallel.abstract_state.params),
-                 jax.tree.leaves(parallel.state_shardings.params))
-    loaded = {path_to_str(keypath): _fill(tensors, config, keypath, leaf, sharding)
-              for (keypath, leaf), sharding in leaves if not is_adapter(path_to_str(keypath))}
-    tensors.close()
+    leaves = [(keypath, leaf, sharding) for (keypath, leaf), sharding in
+              zip(jax.tree_util.tree_leaves_with_path(parallel.abstract_state.params),
+                  jax.tree.leaves(parallel.state_shardings.params)) if not is_adapter(path_to_str(keypath))]
+    # host memory for reading into: the largest tensor's bytes in the parameters' dtype
+    staging = _Staging(max(math.prod(shape) for shape in tensors.shapes.values()) *
+                       max(np.dtype(leaf.dtype).itemsize for _, leaf, _ in leaves))
+    with concurrent.futures.ThreadPoolExecutor(READERS) as pool:  # numpy lets the other threads run
+        arrays = [_fill(pool, staging, tensors, config, *entry) for entry in leaves]
+    staging.done()
+    give_back_freed_memory()
+    loaded = {path_to_str(keypath): array for (keypath, _, _), array in zip(leaves, arrays)}
     return _with_the_rest(parallel, seed, loaded), tensors.bytes_read
 
 
