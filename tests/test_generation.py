@@ -91,7 +91,7 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
     if name in RINGED:
         grown_whole = dataclasses.replace(layout, ring=None).bytes_per_device(model.config)
         assert stats.cache_bytes_per_device * 4 == grown_whole * 3
-    assert layout.batch == data and layout.spec == (("data",), None, "model" if "model" in mesh else None,
+    assert layout.batch == data and layout.spec == (("data",), "model" if "model" in mesh else None, None,
                                                     None)
     if name == "llama":  # 2 layers x keys and values x rows x 64 positions x 2 heads x 8 dims x 4 bytes,
         # split

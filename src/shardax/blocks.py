@@ -302,7 +302,7 @@ def init_cache(model: Any, batch: int, length: int, kv_heads: int, head_dim: int
                sharding: Callable[[tuple[int, ...]], Any] | None = None, *,
                windows: Sequence[int] | None = None, ring: int | None = None) -> None:
     """Give every ``Attention`` of ``model`` (in place) an empty key/value cache of ``length``
-    positions for ``batch`` rows: ``(batch, length, kv_heads, head_dim)``, with a leading
+    positions for ``batch`` rows: ``(batch, kv_heads, length, head_dim)``, with a leading
     layers dimension inside a scanned ``LayerStack`` (and a ``CacheLayer`` count there).
     ``windows`` (each layer's sliding window, 0 for none, for a stack of as many layers) and
     ``ring``: the windowed layers keep at most ``ring`` positions (see

@@ -115,7 +115,7 @@ class CacheLayout:
     """The cache ``generate`` makes: ``batch`` rows (the prompts, padded to a multiple of the
     data axes' size) of ``lengths[0]`` positions, grown to each of ``lengths`` in turn as the
     tokens fill it (``length``: the last), prompts run ``prompt_length`` at a time; each
-    layer's keys and values ``(batch, length, kv_heads, head_dim)`` split by ``spec`` on ``mesh``.
+    layer's keys and values ``(batch, kv_heads, length, head_dim)`` split by ``spec`` on ``mesh``.
     ``ring``: where windowed layers sit beside full ones, the windowed layers' cache stops
     growing at this many positions (a ring of the window); None: every layer grows alike."""
 
@@ -170,7 +170,7 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
         lengths.append(lengths[-1] * 2)
     lengths = [length for length in lengths if length >= prompt_length]
     return CacheLayout(mesh, batch, tuple(min(length, last) for length in lengths), prompt_length,
-                       (data_axes or None, None, heads_axis, None), ring if ring and ring < last else None)
+                       (data_axes or None, heads_axis, None, None), ring if ring and ring < last else None)
 
 
 _STEPS: dict[Any, Any] = {}
@@ -223,20 +223,20 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _grown(cache: Any, length: int, ring: int | None) -> Any:
-    """``cache`` with its keys and values padded to ``length`` positions (axis -3 of each), a
+    """``cache`` with its keys and values padded to ``length`` positions (axis -2 of each), a
     windowed layers' ring to at most ``ring``."""
     def pad(path: Any, leaf: jax.Array) -> jax.Array:
         if leaf.ndim < 4:
             return leaf
         wanted = min(length, ring) if ring and "ring_" in jax.tree_util.keystr(path) else length
-        return jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 3) + [(0, wanted - leaf.shape[-3]), (0, 0), (0, 0)])
+        return jnp.pad(leaf, [(0, 0)] * (leaf.ndim - 2) + [(0, wanted - leaf.shape[-2]), (0, 0)])
 
     return jax.tree_util.tree_map_with_path(pad, cache)
 
 
 def _with_room(cache: Any, layout: CacheLayout, tokens: int) -> Any:
     """``cache``, grown to the next of the layout's lengths when ``tokens`` positions would not fit."""
-    now = max(leaf.shape[-3] for leaf in jax.tree.leaves(cache) if leaf.ndim >= 4)
+    now = max(leaf.shape[-2] for leaf in jax.tree.leaves(cache) if leaf.ndim >= 4)
     wanted = layout.length_for(tokens)
     return cache if wanted <= now else _grown(cache, wanted, layout.ring)
 

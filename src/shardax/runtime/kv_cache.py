@@ -6,8 +6,10 @@ layer's window): a prompt, then one token at a time. Position p goes to slot p m
 cache's length, so a cache at least as long as a sliding window (and as a prompt written at
 once) serves any length as a ring.
 
-Arrays are ``(batch, length, kv_heads, head_dim)``, with a leading layers dimension inside a
-scanned ``LayerStack``, whose caches travel through the scan whole: ``CacheLayer`` counts which
+Arrays are ``(batch, kv_heads, length, head_dim)`` (each head's positions together, as the
+attention reads them: its scores and its weighted sum are one batched product over ``(batch,
+kv_heads)`` with nothing transposed first), with a leading layers dimension inside a scanned
+``LayerStack``, whose caches travel through the scan whole: ``CacheLayer`` counts which
 layer a call is at, and each layer writes its new tokens in place. A stack that mixes windowed
 and full layers (Gemma 2 and 3, Qwen2's ``max_window_layers``) keeps two caches: the full
 layers' (``cached_keys``), which grows with the text, and the windowed layers' ring
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.runtime.attention import dense_attention
+from shardax.runtime.attention import softcapped
 
 
 class CacheLayer(nnx.Cache):
@@ -37,20 +39,22 @@ class CacheLayer(nnx.Cache):
 def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shape: tuple[int, int, int, int],
              dtype: Any, *, layers: int = 0, windows: Sequence[int] | None = None,
              ring: int | None = None) -> None:
-    """Give ``block`` (an ``Attention``) an empty cache of ``shape`` ``(batch, length, kv_heads,
-    head_dim)``: one per layer of a scanned stack of ``layers`` (0: the block is one layer);
-    ``make(shape, dtype)`` makes each array, zeros where they belong.
+    """Give ``block`` (an ``Attention``) an empty cache for ``shape`` ``(batch, length, kv_heads,
+    head_dim)``, held as ``(batch, kv_heads, length, head_dim)``: one per layer of a scanned stack
+    of ``layers`` (0: the block is one layer); ``make(shape, dtype)`` makes each array, zeros
+    where they belong.
     With ``windows`` (each layer's sliding window, 0 for none; one entry for a lone layer) and
     ``ring``, windowed layers keep ``min(length, ring)`` positions apart from the others."""
     def zeros(shape: tuple[int, ...]) -> nnx.Cache:
         return nnx.Cache(make(shape, dtype))
 
     batch, length, kv_heads, head_dim = shape
+    shape = (batch, kv_heads, length, head_dim)
     ringed = tuple(w > 0 for w in windows) if windows is not None and ring is not None else ()
     if not layers:
         name, held = ("ring", min(length, ring)) if any(ringed) else ("cached", length)
-        setattr(block, f"{name}_keys", zeros((batch, held, kv_heads, head_dim)))
-        setattr(block, f"{name}_values", zeros((batch, held, kv_heads, head_dim)))
+        setattr(block, f"{name}_keys", zeros((batch, kv_heads, held, head_dim)))
+        setattr(block, f"{name}_values", zeros((batch, kv_heads, held, head_dim)))
         return
     block.cache_layer = CacheLayer(make((), jnp.int32))
     if not any(ringed) or all(ringed):
@@ -60,7 +64,7 @@ def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shap
     block.cache_groups = (ringed, tuple(sum(r == ringed[i] for r in ringed[:i]) for i in range(layers)))
     full, ringed_count = layers - sum(ringed), sum(ringed)
     block.cached_keys, block.cached_values = zeros((full, *shape)), zeros((full, *shape))
-    kept = (batch, min(length, ring), kv_heads, head_dim)
+    kept = (batch, kv_heads, min(length, ring), head_dim)
     block.ring_keys, block.ring_values = zeros((ringed_count, *kept)), zeros((ringed_count, *kept))
 
 
@@ -94,14 +98,24 @@ def attend(block: Any, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.
 
 def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
             window: Any) -> jax.Array:
+    """``q`` (B, T, N, H) attending to a cache's ``keys`` and ``values`` (B, K, length, H)."""
     # slot s holds the latest position p <= q with p = s (mod length): a ring once positions pass the length
+    length = keys.shape[2]
     ahead = positions[:, :, None]
-    held = ahead - (ahead - jnp.arange(keys.shape[1])) % keys.shape[1]  # (B, T, cache length)
+    held = ahead - (ahead - jnp.arange(length)) % length  # (B, T, cache length)
     visible = held >= 0
     if window is not None:
         visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
-    return dense_attention(q, keys.astype(q.dtype), values.astype(q.dtype), visible[:, None],
-                           scale=block.scale, softcap=block.softcap)
+    batch, tokens, heads, size = q.shape
+    grouped = q.reshape(batch, tokens, keys.shape[1], heads // keys.shape[1], size)
+    scale = size ** -0.5 if block.scale is None else block.scale
+    logits = jnp.einsum("btkgh,bksh->bkgts", grouped, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * scale
+    logits = softcapped(logits, block.softcap)
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, values.astype(q.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(batch, tokens, heads, size).astype(q.dtype)
 
 
 def _layer(cache: Any, layer: jax.Array) -> jax.Array:
@@ -111,11 +125,13 @@ def _layer(cache: Any, layer: jax.Array) -> jax.Array:
 
 def _write(cache: nnx.Cache, new: jax.Array, positions: jax.Array, layer: jax.Array | None = None,
            keep: jax.Array | None = None) -> jax.Array:
-    """Write ``new`` (B, T, K, H) into ``cache`` (at ``layer`` of its leading dimension, if given)
-    at its positions (B, T), in place, and return the cache; where ``keep`` is true, what the
-    cache holds there stays (the write of a layer whose tokens belong to the other group)."""
-    new, rows, slots = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None], positions % cache.shape[-3]
-    index = (rows, slots) if layer is None else (layer, rows, slots)
+    """Write ``new`` (B, T, K, H) into ``cache`` (B, K, length, H; at ``layer`` of its leading
+    dimension, if given) at its positions (B, T), in place, and return the cache; where ``keep``
+    is true, what the cache holds there stays (the write of a layer whose tokens belong to the
+    other group)."""
+    new, rows, slots = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None], positions % cache.shape[-2]
+    # rows and slots are indices apart, around the heads: what they pick is (B, T, K, H), as ``new`` is
+    index = (rows, slice(None), slots) if layer is None else (layer, rows, slice(None), slots)
     if keep is not None:
         new = jnp.where(keep, cache[...][index], new)
     cache[...] = cache[...].at[index].set(new, mode="promise_in_bounds")
