@@ -166,6 +166,29 @@ def _edit_config(folder, **changes):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _retype(file, name, dtype):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(file)
+    tensors[name] = tensors[name].astype(dtype)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("rows, columns, dtype", [(33, 257, "bfloat16"), (1, 1, "float32"),
+                                                  (700, 70, "bfloat16"), (64, 512, "float32")])
+def test_tiled_transpose_equals_numpys(rows, columns, dtype):
+    """The loader's transpose, tile by tile, cast on the way (bfloat16 files into float32
+    parameters), of a slice of a wider tensor (its rows strided, as a column slice of a file's
+    tensor is), on shapes that no tile divides."""
+    from shardax.hf.names import transpose_into
+
+    wide = np.random.default_rng(0).standard_normal((rows, columns + 5)).astype(jax.numpy.dtype(dtype))
+    block = wide[:, 3:3 + columns]
+    out = np.empty((columns, rows), np.float32)
+    transpose_into(out, block)
+    np.testing.assert_array_equal(out, block.T.astype(np.float32))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda f: (f / "model.safetensors").unlink(),
      "holds neither model.safetensors nor model.safetensors.index.json"),
@@ -183,8 +206,10 @@ def _edit_config(folder, **changes):
     (lambda f: _edit_config(f, attention_bias=True), "attention_bias=true is not supported"),
     (lambda f: _edit_config(f, num_local_experts=8),
      "num_local_experts=8 is not supported (of mixtures of experts only mixtral"),
+    (lambda f: _retype(f / "model.safetensors", "model.norm.weight", np.int32),
+     "tensor model.norm.weight is of dtype I32; shardax reads F64, F32, F16, BF16 weights"),
 ], ids=["no-weights", "corrupt", "no-config", "shape", "unknown-tensor", "missing-tensor", "model-type",
-        "rope-scaling", "activation", "output-bias", "experts"])
+        "rope-scaling", "activation", "output-bias", "experts", "integer-weights"])
 def test_bad_checkpoints_are_one_line(damage, message, checkpoints, tmp_path):
     folder = _copy(checkpoints["llama3"][0], tmp_path)
     damage(folder)
