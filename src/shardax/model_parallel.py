@@ -61,10 +61,10 @@ class ParallelModel:
       layout: per-parameter specs and the shardings of every tree.
       abstract_state: the ``TrainState`` as shapes and dtypes (no memory).
       state_shardings: a ``TrainState`` of ``NamedSharding``: where each leaf lives.
-      trainable: an NNX filter of the parameters the optimizer updates (None: every one);
-        the others stay as they are, have no optimizer state and no gradient is computed for them.
       settings: how each step is computed (``StepSettings``: gradient accumulation, a pipeline's
         schedule, context attention), resolved once; ``with_settings`` gives another.
+      trainable: an NNX filter of the parameters the optimizer updates (None: every one);
+        the others stay as they are, have no optimizer state and no gradient is computed for them.
     """
 
     factory: ModelFactory
@@ -73,8 +73,8 @@ class ParallelModel:
     layout: Layout
     abstract_state: TrainState
     state_shardings: TrainState
+    settings: StepSettings
     trainable: Any = None
-    settings: StepSettings | None = None
 
     @classmethod
     def create(cls, factory: ModelFactory, tx: optax.GradientTransformation, settings: StepSettings, *,
@@ -319,7 +319,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
         rest=layout.replicated(abstract.rest),
         skipped=NamedSharding(mesh, PartitionSpec()),
     )
-    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, trainable, settings)
+    return ParallelModel(factory, tx, graphdef, layout, abstract, shardings, settings, trainable)
 
 
 def reshard(tree: Any, target: Any) -> Any:
