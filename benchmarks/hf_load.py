@@ -13,9 +13,9 @@ high-water mark, ``VmHWM``, which counts the file pages a read maps too).
 Throughput: the checkpoint's bytes over the load's wall time (the call, its compiles included),
 against reading the same files raw into one reused buffer; the page cache is warm for both, and
 the two alternate ``REPEATS`` times (medians reported). A load on CPU also has to fault in its
-float32 state as new memory, which a raw read into one buffer never does: each load process also
-times that alone (a fresh array of the state's bytes written once, in a separate process), so
-the figure can be read against it. Writes ``benchmarks/results/hf_load.json``.
+float32 state as new memory, which a raw read into one buffer never does: after each load, a
+separate process times that alone (fresh arrays of the state's shards' sizes, each written
+once), so the figure can be read against it. Writes ``benchmarks/results/hf_load.json``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=
              positions="rotary", norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=2048)
 REPEATS = 3
 FRESH_MEMORY = """
-import sys, time
+import json, sys, time
 import numpy as np
+sizes = json.loads(sys.argv[1])
 began = time.perf_counter()
-np.ones(int(sys.argv[1]), np.uint8)
+kept = [np.ones(size, np.uint8) for size in sizes]
 print(time.perf_counter() - began)
 """
 MEASURE = """
@@ -64,7 +65,9 @@ seconds = time.perf_counter() - began
 peak = int(next(line for line in open(f"/proc/{os.getpid()}/status")
                 if line.startswith("VmHWM")).split()[1]) * 1024
 state = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state.params))
-print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state,
+shards = [shard.data.nbytes for leaf in jax.tree.leaves(loaded.state.params)
+          for shard in leaf.addressable_shards]
+print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state, "shard_bytes": shards,
                   "largest_tensor_bytes": largest, "load_s": seconds, "bytes_read": loaded.bytes_read}))
 """
 
@@ -113,7 +116,7 @@ def main() -> None:
         for _ in range(REPEATS):  # alternating, so that the machine's drift falls on both
             raws.append(raw_read(folder)[0])
             loads.append(json.loads(python(MEASURE, str(folder))))
-            fresh.append(float(python(FRESH_MEMORY, str(loads[-1]["state_bytes"]))))
+            fresh.append(float(python(FRESH_MEMORY, json.dumps(loads[-1].pop("shard_bytes")))))
     raw_s = statistics.median(raws)
     measured = sorted(loads, key=lambda run: run["load_s"])[len(loads) // 2]  # the median load
     added = max(run["peak_rss"] - run["baseline_rss"] - run["state_bytes"] for run in loads)

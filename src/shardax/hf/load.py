@@ -107,13 +107,13 @@ class _Staging:
 
     def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A part of the buffer as an array of ``shape``, once the copies out of it are done."""
-        size = math.prod(shape) * np.dtype(dtype).itemsize
-        halves = 2 * size <= self.limit
+        size, half = math.prod(shape) * np.dtype(dtype).itemsize, self.limit // 2 // 64 * 64
+        halves = size <= half
         self.turn = 1 - self.turn if halves else 0
         jax.block_until_ready(self.copies if not halves else self.copies[self.turn])
         if self.buffer.size < max(size, self.limit):
             self.buffer = np.empty(max(size, self.limit), np.uint8)
-        start = self.turn * (self.limit // 2) if halves else 0
+        start = self.turn * half if halves else 0
         return self.buffer[start:start + size].view(dtype).reshape(shape)
 
     def copy(self, block: np.ndarray, devices: list[Any]) -> list[jax.Array]:
