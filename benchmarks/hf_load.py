@@ -4,18 +4,22 @@
 
 Makes a Llama-style checkpoint locally (random weights, bfloat16 safetensors in 1 GB files, as
 the Hub ships them; nothing is downloaded), then, in a fresh process each time, loads it FSDP over
-8 simulated CPU devices with ``shardax.hf.load``. On CPU the devices' memory is the host's, so the
-loaded state itself is in the process's resident memory; what the loader adds on top is the
-peak resident memory minus the baseline (before loading) minus the state's bytes, reported
-against the largest tensor's size (goal: at most 2 tensors; the peak is the process's own
+8 simulated CPU devices with ``shardax.hf.load``, its weights as float32 (what training keeps) and
+as bfloat16 (``param_dtype="bfloat16"``: as they are in the files, what a frozen model keeps). On
+CPU the devices' memory is the host's, so the loaded state itself is in the process's resident
+memory; what the loader adds on top is the peak resident memory minus the baseline (before
+loading, once the devices' runtime has started) minus the state's bytes, reported against the
+largest tensor's size in the loaded dtype (goal: at most 2 tensors; the peak is the process's own
 high-water mark, ``VmHWM``, which counts the file pages a read maps too).
 
 Throughput: the checkpoint's bytes over the load's wall time (the call, its compiles included),
-against reading the same files raw into one reused buffer; the page cache is warm for both, and
-the two alternate ``REPEATS`` times (medians reported). A load on CPU also has to fault in its
-float32 state as new memory, which a raw read into one buffer never does: after each load, a
-separate process times that alone (fresh arrays of the state's shards' sizes, each written
-once), so the figure can be read against it. Writes ``benchmarks/results/hf_load.json``.
+against reading the same files raw into one reused 64 MB buffer. Both are timed from a warm page
+cache and, where this process may empty the page cache (``/proc/sys/vm/drop_caches``, as root), from
+a cold one, which is reading at the disk's pace; raw reads and loads alternate ``REPEATS`` times
+(medians reported). A load on CPU also has to fault in its state as new memory, which a raw read
+into one buffer never does: after each load, a separate process times that alone (fresh arrays of
+the state's shards' sizes, each written once), so the figure can be read against it. Writes
+``benchmarks/results/hf_load.json``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ RESULTS = Path(__file__).parent / "results"
 MODEL = dict(vocab_size=32000, d_model=2048, n_heads=16, n_kv_heads=4, n_layers=20, d_ff=5632,
              positions="rotary", norm="rms", mlp="swiglu", tie_embeddings=False, seq_len=2048)
 REPEATS = 3
+DTYPES = ("float32", "bfloat16")  # the loaded weights' dtype
 FRESH_MEMORY = """
 import json, sys, time
 import numpy as np
@@ -54,11 +59,16 @@ def rss():
 
 folder = sys.argv[1]
 tensors = hf.SafeTensors(__import__("pathlib").Path(folder))
-largest = max(int(np.prod(tensors.shape(n))) for n in tensors.where) * 4  # held as float32
+dtype = sys.argv[2]
+largest = max(int(np.prod(tensors.shape(n))) for n in tensors.where) * jax.numpy.dtype(dtype).itemsize
 tensors.close()
+before_runtime = rss()
+# the devices' runtime started first (116 MB here) and a first computation run (50 MB): any JAX
+# program holds that, a load or not; the loader's own memory is counted from there
+jax.block_until_ready([jax.jit(lambda x: x + 1)(jax.device_put(np.zeros(4), d)) for d in jax.devices()])
 baseline = rss()
 began = time.perf_counter()
-loaded = hf.load(folder, "data=8", "fsdp")
+loaded = hf.load(folder, "data=8", "fsdp", param_dtype=dtype)
 jax.block_until_ready(loaded.state.params)
 seconds = time.perf_counter() - began
 # the high-water mark of this process's own memory (ru_maxrss would carry the parent's over exec)
@@ -67,8 +77,9 @@ peak = int(next(line for line in open(f"/proc/{os.getpid()}/status")
 state = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state.params))
 shards = [shard.data.nbytes for leaf in jax.tree.leaves(loaded.state.params)
           for shard in leaf.addressable_shards]
-print(json.dumps({"baseline_rss": baseline, "peak_rss": peak, "state_bytes": state, "shard_bytes": shards,
-                  "largest_tensor_bytes": largest, "load_s": seconds, "bytes_read": loaded.bytes_read}))
+print(json.dumps({"runtime_rss": baseline - before_runtime, "baseline_rss": baseline, "peak_rss": peak,
+                  "state_bytes": state, "shard_bytes": shards, "largest_tensor_bytes": largest,
+                  "load_s": seconds, "bytes_read": loaded.bytes_read}))
 """
 
 
@@ -93,11 +104,11 @@ def make(folder: Path) -> int:
 
 
 def raw_read(folder: Path) -> tuple[float, int]:
-    began, total = time.perf_counter(), 0
+    began, total, buffer = time.perf_counter(), 0, bytearray(64 << 20)
     for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as file:
-            while chunk := file.read(64 << 20):
-                total += len(chunk)
+        with path.open("rb", buffering=0) as file:
+            while read := file.readinto(buffer):
+                total += read
     return time.perf_counter() - began, total
 
 
@@ -106,27 +117,58 @@ def python(code: str, *args: str) -> str:
                           check=True).stdout.strip().splitlines()[-1]
 
 
+def emptied_page_cache() -> bool:
+    """Whether the page cache could be emptied (as root, on Linux), so that the next read is cold."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def summary(raws: list[float], loads: list[dict], files: int) -> dict:
+    raw_s = statistics.median(raws)
+    measured = sorted(loads, key=lambda run: run["load_s"])[len(loads) // 2]  # the median load
+    return {"raw_read_s": raw_s, "raw_read_runs_s": raws, "load_runs_s": [run["load_s"] for run in loads],
+            "raw_gb_per_s": files / raw_s / 1e9, "load_gb_per_s": files / measured["load_s"] / 1e9,
+            "load_over_raw": raw_s / measured["load_s"], **measured}
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("SHARDAX_BENCH_DIR")) as scratch:
         folder = Path(scratch) / "llama-1b"
         parameters = make(folder)
         files = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-        raw_read(folder)  # warm the page cache
-        raws, loads, fresh = [], [], []
-        for _ in range(REPEATS):  # alternating, so that the machine's drift falls on both
-            raws.append(raw_read(folder)[0])
-            loads.append(json.loads(python(MEASURE, str(folder))))
-            fresh.append(float(python(FRESH_MEMORY, json.dumps(loads[-1].pop("shard_bytes")))))
-    raw_s = statistics.median(raws)
-    measured = sorted(loads, key=lambda run: run["load_s"])[len(loads) // 2]  # the median load
-    added = max(run["peak_rss"] - run["baseline_rss"] - run["state_bytes"] for run in loads)
+        caches = ["warm", "cold"] if emptied_page_cache() else ["warm"]
+        raws: dict[str, list[float]] = {cache: [] for cache in caches}
+        loads: dict[tuple[str, str], list[dict]] = {(c, d): [] for c in caches for d in DTYPES}
+        fresh: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
+        for _ in range(REPEATS):  # alternating, so that the machine's drift falls on all of them
+            for cache in caches:
+                for what in ("raw", *DTYPES):
+                    if cache == "cold":
+                        emptied_page_cache()
+                    else:
+                        raw_read(folder)  # warm the page cache
+                    if what == "raw":
+                        raws[cache].append(raw_read(folder)[0])
+                        continue
+                    run = json.loads(python(MEASURE, str(folder), what))
+                    shards = run.pop("shard_bytes")
+                    loads[cache, what].append(run)
+                    if cache == "warm":
+                        fresh[what].append(float(python(FRESH_MEMORY, json.dumps(shards))))
     result = {"parameters": parameters, "model": MODEL, "files_bytes": files, "repeats": REPEATS,
-              "raw_read_s": raw_s, "raw_read_runs_s": raws, "load_runs_s": [run["load_s"] for run in loads],
-              "raw_gb_per_s": files / raw_s / 1e9, "load_gb_per_s": files / measured["load_s"] / 1e9,
-              "load_over_raw": raw_s / measured["load_s"],
-              "fresh_state_memory_s": statistics.median(fresh), "fresh_state_memory_runs_s": fresh,
-              "added_rss_bytes": added, "added_over_largest_tensor": added / measured["largest_tensor_bytes"],
-              **measured}
+              "caches": caches}
+    for cache, dtype in loads:
+        runs = loads[cache, dtype]
+        added = max(run["peak_rss"] - run["baseline_rss"] - run["state_bytes"] for run in runs)
+        result[f"{cache}_{dtype}"] = {
+            **summary(raws[cache], runs, files), "added_rss_bytes": added,
+            "added_over_largest_tensor": added / runs[0]["largest_tensor_bytes"],
+            **({"fresh_state_memory_s": statistics.median(fresh[dtype]), "fresh_state_memory_runs_s":
+                fresh[dtype]} if cache == "warm" else {})}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "hf_load.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

@@ -261,6 +261,33 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_p
     for ours, theirs in zip(jax.tree.leaves(loaded.state.params), jax.tree.leaves(rounded.state.params)):
         np.testing.assert_array_equal(np.asarray(ours).astype(jax.numpy.bfloat16).astype(np.float32),
                                       np.asarray(theirs))
+    # kept as stored (param_dtype="bfloat16", what a LoRA run from it keeps): each frozen weight is
+    # the file's bits in half the bytes on each device, and logits and a LoRA step are float32's
+    import optax
+
+    from shardax import LoRA
+
+    lora = LoRA(2, targets="o,up")
+    assert (hf.stored_dtype(half), hf.stored_dtype(folder)) == ("bfloat16", "float32")
+    assert hf.factory(half, lora).config.param_dtype == "bfloat16"
+    wide, narrow = (hf.load(half, "data=4,model=2", "fsdp_tp", tx=optax.adam(1e-2), lora=lora,
+                            param_dtype=dtype) for dtype in ("float32", "bfloat16"))
+    for (path, ours), theirs in zip(jax.tree_util.tree_leaves_with_path(wide.state.params),
+                                    jax.tree.leaves(narrow.state.params)):
+        adapter = hf.is_adapter(path_to_str(path))
+        assert theirs.dtype == (np.float32 if adapter else jax.numpy.bfloat16)
+        assert theirs.sharding == ours.sharding
+        assert [s.data.nbytes * (1 if adapter else 2) for s in theirs.addressable_shards] == [
+            s.data.nbytes for s in ours.addressable_shards]
+        np.testing.assert_array_equal(np.asarray(theirs).astype(np.float32), np.asarray(ours))
+    np.testing.assert_array_equal(logits_of(narrow), logits_of(wide))
+    stepped = [run.parallel.train_step(next_token_loss)(run.state,
+                                                        run.parallel.place_batch({"tokens": TOKENS}))
+               for run in (wide, narrow)]
+    assert float(stepped[0][1]["loss"]) == float(stepped[1][1]["loss"])
+    for ours, theirs in zip(jax.tree.leaves(stepped[0][0].params), jax.tree.leaves(stepped[1][0].params)):
+        np.testing.assert_allclose(np.asarray(theirs).astype(np.float32), np.asarray(ours), rtol=1e-6,
+                                   atol=1e-7)
 
 
 def test_saving_where_it_cannot_is_one_line(checkpoints, tmp_path):

@@ -110,6 +110,8 @@ def test_bad_model_settings():
         tiny_transformer_config(d_model=30)
     with pytest.raises(ValueError, match="remat='some'; use one of none, full"):
         tiny_transformer_config(remat="some")
+    with pytest.raises(ValueError, match="param_dtype='float16'; use one of float32, bfloat16"):
+        tiny_transformer_config(param_dtype="float16")
 
 
 def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():

@@ -105,7 +105,9 @@ def _model_and_tokenizer(args: argparse.Namespace):
         if not (Path(args.hf) / "tokenizer.json").is_file():
             raise UsageError(f"--hf {args.hf} has no tokenizer.json; generation needs the model's tokenizer")
         tokenizer = Path(args.hf) / "tokenizer.json"
-        return hf.load(args.hf, "data=-1", "fsdp").model(), load_tokenizer(tokenizer), tokenizer
+        # the weights as they are stored: generation never changes them
+        model = hf.load(args.hf, "data=-1", "fsdp", param_dtype=hf.stored_dtype(Path(args.hf))).model()
+        return model, load_tokenizer(tokenizer), tokenizer
     from shardax.cli.export import restore_run, tokenizer_of
 
     _, run, _, parallel, state = restore_run(args.checkpoint, args.step, ema=args.ema)

@@ -3,11 +3,13 @@
 ``load(path, mesh=..., strategy=...)`` reads ``config.json`` (``model_type`` llama, mistral,
 qwen2 or qwen3), builds the matching ``TransformerLM`` laid out by ``parallelize`` and fills
 each parameter device by device: a device's slice is read from the safetensors files
-(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) with
-safetensors' lazy slicing, so a process reads only the rows and columns its own devices hold
-and never the whole model. Hugging Face stores a linear layer's weight as ``[out, in]``;
-shardax keeps ``[in, heads, head_dim]`` and friends, so each slice is read as the block of
-the transposed weight that covers it.
+(``model.safetensors``, or the shards a ``model.safetensors.index.json`` names) by its rows, so
+a process reads only the rows and columns its own devices hold and never the whole model. The
+weights are float32 unless ``param_dtype="bfloat16"`` keeps a bfloat16 checkpoint's as they are
+(``stored_dtype`` says which a checkpoint holds; generation and LoRA's frozen base keep them so).
+Hugging Face stores a linear layer's weight as ``[out, in]``; shardax keeps ``[in, heads,
+head_dim]`` and friends, so each slice is read as the block of the transposed weight that
+covers it.
 
 What shardax's model does not compute (sliding windows, other RoPE scalings, biases on the
 output projection, mixtures of experts, another activation) is refused in one line naming
@@ -22,10 +24,11 @@ The package: ``names`` (``config.json`` and where each parameter comes from), ``
 """
 
 from shardax.hf.families import FAMILY, config_json, read_config
-from shardax.hf.files import DTYPES, SafeTensors
+from shardax.hf.files import DTYPES, SafeTensors, stored_dtype
 from shardax.hf.load import Loaded, Pretrained, factory, initial_state, load
 from shardax.hf.names import hf_names, is_adapter
 from shardax.hf.save import save, save_adapters
 
 __all__ = ["DTYPES", "FAMILY", "Loaded", "Pretrained", "SafeTensors", "config_json", "factory", "hf_names",
-           "initial_state", "is_adapter", "load", "read_config", "save", "save_adapters"]
+           "initial_state", "is_adapter", "load", "read_config", "save", "save_adapters",
+           "stored_dtype"]

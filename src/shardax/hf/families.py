@@ -168,18 +168,21 @@ def _gemma(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_config(path: str | Path, *, seq_len: int | None = None, compute_dtype: str = "float32",
-                remat: str = "none", scan_layers: bool = True, attention: str = "auto", lora_rank: int = 0,
-                lora_alpha: float | None = None, lora_targets: tuple[str, ...] = LORA_TARGETS,
+                param_dtype: str = "float32", remat: str = "none", scan_layers: bool = True,
+                attention: str = "auto", lora_rank: int = 0, lora_alpha: float | None = None,
+                lora_targets: tuple[str, ...] = LORA_TARGETS,
                 capacity_factor: float | None = None) -> TransformerConfig:
     """The ``TransformerConfig`` of the checkpoint in ``path`` (its ``config.json``).
 
     ``seq_len``: the longest sequence to run (default: ``max_position_embeddings``). ``lora_*``:
-    LoRA adapters to fine-tune it with (see ``TransformerConfig``). ``capacity_factor``: a
+    LoRA adapters to fine-tune it with (see ``TransformerConfig``). ``param_dtype``: the weights'
+    dtype (``bfloat16`` keeps a bfloat16 checkpoint's as they are). ``capacity_factor``: a
     mixture of experts' routing (None: dropless)."""
     path = Path(path)
-    return config_of(path, read_raw(path), seq_len=seq_len, compute_dtype=compute_dtype, remat=remat,
-                     scan_layers=scan_layers, attention=attention, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                     lora_targets=tuple(lora_targets), capacity_factor=capacity_factor)
+    return config_of(path, read_raw(path), seq_len=seq_len, compute_dtype=compute_dtype,
+                     param_dtype=param_dtype, remat=remat, scan_layers=scan_layers, attention=attention,
+                     lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=tuple(lora_targets),
+                     capacity_factor=capacity_factor)
 
 
 def config_of(path: Path, raw: dict[str, Any], seq_len: int | None = None,
@@ -282,9 +285,9 @@ def config_json(config: TransformerConfig, base: dict[str, Any] | None = None) -
 
 def _check_saved_as_it_is(config: TransformerConfig, kind: str, raw: dict[str, Any]) -> None:
     """Refuse a model that ``raw`` would load as another (a feature no family of that name has)."""
-    options = {name: getattr(config, name) for name in ("compute_dtype", "remat", "scan_layers", "attention",
-                                                        "lora_rank", "lora_alpha", "lora_targets",
-                                                        "capacity_factor", "router_z_loss")}
+    options = {name: getattr(config, name) for name in (
+        "compute_dtype", "param_dtype", "remat", "scan_layers", "attention", "lora_rank", "lora_alpha",
+        "lora_targets", "capacity_factor", "router_z_loss")}
     again = config_of(Path("."), raw, seq_len=config.seq_len, **options)
     # the same model however it is spelled: head size and key/value heads given or implied; an
     # all-experts model's dense width, which it never uses

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from shardax.errors import UsageError
 from shardax.hf.families import read_config
-from shardax.hf.files import SafeTensors, give_back_freed_memory
+from shardax.hf.files import SafeTensors, give_back_freed_memory, stored_dtype
 from shardax.hf.names import check_tensor_names, is_adapter, layer_sources, normalize_index, parameter_source
 from shardax.hf.save import save
 from shardax.model_parallel import ParallelModel, parallelize
@@ -68,7 +68,10 @@ class Pretrained:
 
 def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Pretrained:
     """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s
-    options), with ``lora``'s adapters if given; its ``initial_state`` loads the weights."""
+    options), with ``lora``'s adapters if given (the frozen weights then stay in the checkpoint's
+    dtype unless ``param_dtype`` says otherwise); its ``initial_state`` loads the weights."""
+    if lora is not None:
+        options = {"param_dtype": stored_dtype(Path(path)), **options}
     config = read_config(path, **options)
     return Pretrained(Path(path), config if lora is None else lora.applied(config))
 
@@ -82,6 +85,7 @@ def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig
         raise UsageError(f"init_from={str(path)!r} needs the model to be a TransformerLM "
                          f"(shardax.hf.factory(path) makes the checkpoint's); got {type(model).__name__}")
     expected = read_config(path, seq_len=config.seq_len, compute_dtype=config.compute_dtype,
+                           param_dtype=config.param_dtype,
                            remat=config.remat, scan_layers=config.scan_layers, attention=config.attention,
                            lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
                            lora_targets=config.lora_targets, capacity_factor=config.capacity_factor)
@@ -154,13 +158,17 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
     for index, *devices in by_slice.values():
         block = staging.array(tuple(s.stop - s.start for s in index), leaf.dtype)
 
+        def whole() -> None:
+            source.read(tensors, index, block)
+            tensors.release()
+
         def one_layer(stacked: int) -> None:  # layer ``stacked`` of a scanned stack
             layer_sources(config, stacked)[below].read(tensors, index[1:], block[stacked - index[0].start])
             tensors.release()
 
+        # read by the pool's threads only, whose transpose buffers end with them
         if source is not None:
-            source.read(tensors, index, block)
-            tensors.release()
+            pool.submit(whole).result()
         else:
             list(pool.map(one_layer, range(index[0].start, index[0].stop)))
         arrays.update(zip(devices, staging.copy(block, devices)))
@@ -208,16 +216,19 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
 
 def load(path: str | Path, mesh: Mesh | str | None = None, strategy: Any = "dp", *,
          tx: optax.GradientTransformation | None = None, seq_len: int | None = None,
-         compute_dtype: str = "float32", remat: str = "none", scan_layers: bool = True,
-         lora: LoRA | None = None, seed: int = 0, capacity_factor: float | None = None) -> Loaded:
+         compute_dtype: str = "float32", param_dtype: str = "float32", remat: str = "none",
+         scan_layers: bool = True, lora: LoRA | None = None, seed: int = 0,
+         capacity_factor: float | None = None) -> Loaded:
     """The Hugging Face checkpoint in ``path`` laid out on ``mesh`` by ``strategy``, each device's
     slice of each weight read straight from the files (``mesh``: a ``Mesh``, a shape such as
     ``"data=4,model=2"``, default every device on ``data`` plus what the strategy needs). ``tx`` (default:
     none) sets up the optimizer state for training on; ``lora`` adds adapters (from ``seed``), which alone
-    train; ``capacity_factor`` routes a mixture of experts with that capacity (None: dropless)."""
+    train; ``param_dtype="bfloat16"`` keeps a bfloat16 checkpoint's weights as they are in the files
+    (half the memory of float32, and the same results where they stay frozen); ``capacity_factor``
+    routes a mixture of experts with that capacity (None: dropless)."""
     path = Path(path)
-    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, remat=remat,
-                         scan_layers=scan_layers, capacity_factor=capacity_factor)
+    config = read_config(path, seq_len=seq_len, compute_dtype=compute_dtype, param_dtype=param_dtype,
+                         remat=remat, scan_layers=scan_layers, capacity_factor=capacity_factor)
     config = config if lora is None else lora.applied(config)
     SafeTensors(path).close()  # a missing or damaged file is said before anything is laid out
     parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx or optax.identity(), mesh,

@@ -166,10 +166,13 @@ def model_config(preset: str, init_from: str | None, overrides: dict[str, Any], 
     """The model ``shardax train`` builds, and ``shardax plan`` plans: ``preset``'s, or the Hugging
     Face checkpoint's in ``init_from`` (its ``config.json`` only; sequences as long as the preset's
     unless ``overrides`` say ``seq_len``), with LoRA adapters of ``lora_rank`` on ``lora_targets``
-    (default: the model's own) where a rank is given."""
+    (default: the model's own) where a rank is given; the frozen weights of a LoRA run then stay
+    in the checkpoint's dtype (bfloat16 halves them and changes no result)."""
     if init_from is not None:
-        from shardax.hf import read_config
+        from shardax.hf import read_config, stored_dtype
 
+        if lora_rank:
+            overrides = {"param_dtype": stored_dtype(Path(init_from)), **overrides}
         model = read_config(init_from, **{"seq_len": get_preset(preset).model["seq_len"], **overrides})
     else:
         model = get_preset(preset).config(**overrides)

@@ -61,7 +61,8 @@ class LayerNorm(nnx.Module):
         self.bias = annotated_param(nnx.initializers.zeros, key, (features,), ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale), for_compute(self.bias))
+        normed = layer_norm(x.astype(jnp.float32), for_compute(self.scale, jnp.float32),
+                            for_compute(self.bias, jnp.float32))
         return normed.astype(x.dtype)
 
 
@@ -104,7 +105,7 @@ class RMSNorm(nnx.Module):
         self.scale = annotated_param(start, jax.random.key(0), (features,), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = for_compute(self.scale)
+        scale = for_compute(self.scale, jnp.float32)
         scale = 1.0 + scale if self.plus_one else scale
         return rms_norm(x.astype(jnp.float32), scale, self.eps).astype(x.dtype)
 

@@ -8,7 +8,8 @@ attention, RoPE with its base and Llama 3's scaling, q/k/v biases (Qwen2), query
 a ``LayerStack`` (stacked and scanned, so parameters carry a leading ``layers`` axis and compile
 time does not grow with depth; ``scan_layers=False`` keeps one module per block in a Python
 loop) of blocks that attend through ``Attention``, what pipeline and context parallelism act on.
-Parameters stay float32; ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
+Parameters are float32 unless ``param_dtype`` says ``bfloat16`` (the residual stream and the
+norms stay float32 either way); ``compute_dtype`` sets the matmul precision (``bfloat16`` for mixed
 precision); ``remat`` chooses what the backward pass recomputes. Norms, GELU and RoPE: ``ops``.
 
 LoRA (``lora_rank`` > 0): each targeted projection ``W`` gains adapters ``A`` (its inputs x
@@ -193,6 +194,13 @@ class Block(nnx.Module):
             self.mlp_out_bias, dtype)
 
 
+def _kept_in(model: nnx.Module, dtype: Any) -> None:
+    """Every weight of ``model`` but LoRA's adapters (which train) cast to ``dtype``."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param) and not isinstance(node, nnx.LoRAParam):
+            node.set_value(node.get_value().astype(dtype))
+
+
 class TransformerLM(nnx.Module):
     """tokens (B, T) int -> logits (B, T, vocab) float32."""
 
@@ -224,6 +232,8 @@ class TransformerLM(nnx.Module):
                 self.blocks.layers.window[...] = windows
             for layer, window in zip([] if config.scan_layers else self.blocks.layers, windows):
                 layer.window[...] = window
+        if config.param_dtype != "float32":
+            _kept_in(self, COMPUTE_DTYPES[config.param_dtype])
 
     def __call__(self, tokens: jax.Array, segments: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -235,7 +245,7 @@ class TransformerLM(nnx.Module):
         if length > config.seq_len and config.positions == "learned":
             raise UsageError(f"sequence of {length} tokens is longer than seq_len={config.seq_len}")
         embedding = for_compute(self.embedding)
-        x = jnp.take(embedding, tokens, axis=0)  # (B, T, D) float32
+        x = jnp.take(embedding, tokens, axis=0).astype(jnp.float32)  # (B, T, D)
         if config.scale_embeddings:
             x = x * np.float32(math.sqrt(config.d_model))
         if config.positions == "learned":

@@ -46,6 +46,11 @@ class TransformerConfig:
     tie_embeddings: bool = True
     remat: str = "none"  # a key of REMAT_POLICIES
     compute_dtype: str = "float32"  # "float32" or "bfloat16"
+    # The weights' own dtype ("float32" or "bfloat16"; LoRA's adapters stay float32). bfloat16
+    # halves their memory and changes nothing for weights that never change, as a checkpoint's
+    # bfloat16 weights frozen under LoRA or generated from; trained in bfloat16, an update smaller
+    # than 1/256 of its weight is lost.
+    param_dtype: str = "float32"
     # False: one module per block in a Python loop, as most hand-written models do. Compile time
     # grows with depth, and FSDP gathers every layer's weights up front instead of one layer at a
     # time; in exchange shallow models skip the scan's stacking buffers (faster on CPU).
@@ -115,6 +120,8 @@ class TransformerConfig:
             raise UsageError(f"remat={self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise UsageError(f"compute_dtype={self.compute_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
+        if self.param_dtype not in COMPUTE_DTYPES:
+            raise UsageError(f"param_dtype={self.param_dtype!r}; use one of {', '.join(COMPUTE_DTYPES)}")
         if self.attention not in ATTENTION:
             raise UsageError(f"attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
         self._check_lora()
