@@ -380,16 +380,23 @@ def fault_battery_rows(battery: dict | None) -> list[str]:
 
 
 def hf_load_rows(loading: dict | None) -> list[str]:
-    if not loading:
+    if not loading or "warm_float32" not in loading:
         return []
+
+    def held_as(dtype: str) -> str:
+        warm = loading[f"warm_{dtype}"]
+        speeds = "; ".join(f"{cache} {run['load_gb_per_s']:.2f} / {run['raw_gb_per_s']:.2f} GB/s"
+                           for cache in loading["caches"] for run in [loading[f"{cache}_{dtype}"]])
+        return (f"as {dtype}: {warm['added_over_largest_tensor']:.2f} "
+                f"({warm['added_rss_bytes'] / 1e6:.0f} MB); {speeds}")
+
     return [(f"| 17. loading a Hugging Face checkpoint of {loading['parameters'] / 1e9:.2f}B "
              f"parameters ({loading['files_bytes'] / 1e9:.2f} GB of bf16 safetensors) FSDP over 8 "
              f"CPU devices: host memory the loader adds beyond the loaded state, in largest tensors "
-             f"({loading['largest_tensor_bytes'] / 1e6:.0f} MB as float32); load / raw read "
-             f"throughput (medians of {loading.get('repeats', 1)}, alternating) | "
-             f"{loading['added_over_largest_tensor']:.2f} "
-             f"({loading['added_rss_bytes'] / 1e6:.0f} MB); {loading['load_gb_per_s']:.2f} / "
-             f"{loading['raw_gb_per_s']:.2f} GB/s | <= 2 tensors |")]
+             f"of the loaded dtype; load / raw read throughput from a "
+             f"{' and a '.join(loading['caches'])} page cache (medians of {loading['repeats']}, "
+             f"alternating) | {held_as('float32')}; {held_as('bfloat16')} | <= 2 tensors; "
+             f"load >= 1/2 of raw |")]
 
 
 def lora_rows(lora: dict | None) -> list[str]:

@@ -47,7 +47,7 @@ def _add_model_flags(group: Any) -> None:
     add("--ema", type=float, metavar="DECAY",
         help="keep an exponential moving average of the weights with this decay (e.g. 0.999), laid out like "
              "the optimizer state and checkpointed; shardax export --ema and generate --ema use it")
-    add("--precision", choices=PRECISIONS, help="compute dtype; parameters stay float32")
+    add("--precision", choices=PRECISIONS, help="compute dtype; trained parameters stay float32")
     add("--remat", choices=REMAT_POLICIES,
         help="what the backward pass recomputes instead of storing")
     add("--attention", choices=ATTENTION_KERNELS,

@@ -33,7 +33,7 @@ class ModelSettings:
     seq_len: int | None = None
     """Tokens per training sequence (bytes with the byte tokenizer)."""
     precision: str = "float32"
-    """The compute dtype: float32 or bfloat16 (parameters stay float32)."""
+    """The compute dtype: float32 or bfloat16 (the trained parameters stay float32)."""
     remat: str | None = None
     """What the backward pass recomputes: none, full, dots_saveable, ..."""
     attention: str = "auto"
