@@ -131,9 +131,10 @@ def test_each_family_reads_its_features_from_config_json(made):
 
 @pytest.mark.parametrize("family", ["mixtral", "gemma2"])
 @pytest.mark.slow
-def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
+def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made, tmp_path):
     """``shardax plan --init-from`` (config.json only) plans what ``hf.load`` builds, full and with
-    LoRA adapters (their optimizer state a small part of the full one's)."""
+    LoRA adapters (their optimizer state a small part of the full one's; from a bfloat16 copy of
+    the checkpoint, the frozen base held as stored, in half the bytes)."""
     from cli_helpers import shardax
 
     from shardax.analysis.plan import plan_strategy
@@ -154,6 +155,11 @@ def test_plan_init_from_plans_the_model_the_checkpoint_loads_as(family, made):
             assert planned["predicted"]["optimizer"] < 0.2 * full["predicted"]["optimizer"]
             assert planned["predicted"]["gradients"] < 0.2 * full["predicted"]["gradients"]
         full = planned
+    half = hf.load(folder, "data=8", "fsdp").save(tmp_path / "bf16", dtype="bfloat16")
+    (stored,) = json.loads(shardax("plan", "--init-from", half, *flags[2:], "--lora-rank", 4,
+                                   "--json").stdout)
+    assert 0.45 < stored["predicted"]["params"] / full["predicted"]["params"] < 0.55
+    assert stored["predicted"]["optimizer"] == full["predicted"]["optimizer"]
     table = shardax("plan", *flags, "--lora-rank", 4).stdout
     assert f"shardax plan: {folder} (config.json) (" in table and "LoRA rank 4 on q,k,v,o" in table
 

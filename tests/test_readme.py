@@ -140,7 +140,8 @@ def test_a_model_of_ones_own_built_from_the_blocks_trains_under_pp_tp_and_contex
 @pytest.mark.slow
 def test_fine_tuning_a_hugging_face_model(tmp_path):
     out = run(snippet("Fine-tune a Hugging Face model"), cwd=tmp_path)
-    assert out.splitlines()[-1].startswith("loaded 2 layers, read ")
+    assert out.splitlines()[-2].startswith("loaded 2 layers, read ")
+    assert out.splitlines()[-1] == "as stored: bfloat16, held as bfloat16"
     assert (sorted(p.name for p in (tmp_path / "tiny-llama-again").iterdir())
             == ["config.json", "model.safetensors"])
 
