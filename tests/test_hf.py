@@ -320,20 +320,28 @@ def test_the_trainer_fine_tunes_from_a_checkpoint(lora, checkpoints, tmp_path):
     folder, expected = checkpoints["qwen3"]
     batches = [{"tokens": TOKENS}] * 6
 
-    def trainer():
+    def trainer(init_from=folder):
         return Trainer(None, optax.adam(3e-3 if lora is None else 2e-2), next_token_loss, strategy="fsdp_tp",
-                       mesh="data=4,model=2", init_from=folder, lora=lora and LoRA(4, targets=lora))
+                       mesh="data=4,model=2", init_from=init_from, lora=lora and LoRA(4, targets=lora))
+
+    def resumes_bit_for_bit(straight, init_from, checkpoints):
+        trainer(init_from).fit(batches, steps=3, log_every=1, checkpoint_dir=checkpoints)
+        resumed = trainer(init_from)
+        resumed.fit(batches, steps=6, log_every=1, checkpoint_dir=checkpoints, resume=True)
+        for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
 
     straight = trainer().fit(batches, steps=6, log_every=1)
     losses = [record["loss"] for record in straight.history]
     np.testing.assert_allclose(losses[0], hf_loss(expected), rtol=1e-5)
     assert losses[-1] < losses[0] - 0.1
-    trainer().fit(batches, steps=3, log_every=1, checkpoint_dir=tmp_path / "ckpt")
-    resumed = trainer()
-    resumed.fit(batches, steps=6, log_every=1, checkpoint_dir=tmp_path / "ckpt", resume=True)
-    for ours, theirs in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state)):
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    resumes_bit_for_bit(straight, folder, tmp_path / "ckpt")
     if lora is not None:
+        # from a bfloat16 copy the frozen base stays bfloat16, and the run resumes as exactly
+        half = hf.load(folder, "data=8", "dp").save(tmp_path / "bf16", dtype="bfloat16")
+        kept = trainer(half).fit(batches, steps=6, log_every=1)
+        assert {str(leaf.dtype) for leaf in jax.tree.leaves(kept.state.params)} == {"bfloat16", "float32"}
+        resumes_bit_for_bit(kept, half, tmp_path / "ckpt-bf16")
         # another model's layers are adapted by path (shardax.models.adapters); these names match none of its
         adapted = Trainer(lambda rngs: nnx.Linear(4, 4, rngs=rngs), optax.adam(1e-3), next_token_loss,
                           lora=LoRA(4))

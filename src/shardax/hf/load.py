@@ -65,6 +65,12 @@ class Pretrained:
     def initial_state(self, parallel: ParallelModel, seed: int = 0) -> TrainState:
         return initial_state(parallel, self.path, seed)[0]
 
+    def lora_factory(self, lora: LoRA) -> Pretrained:
+        """``Trainer(lora=...)``'s hook: this checkpoint with ``lora``'s adapters, its frozen
+        weights kept in the dtype they are stored in."""
+        kept = dataclasses.replace(self.config, param_dtype=stored_dtype(self.path))
+        return Pretrained(self.path, lora.applied(kept))
+
 
 def factory(path: str | Path, lora: LoRA | None = None, **options: Any) -> Pretrained:
     """``rngs -> TransformerLM`` of the checkpoint in ``path``'s config (``read_config``'s

@@ -179,7 +179,8 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
         lines.insert(1 if init_from else 0,
                      f"LoRA: rank {model.lora_rank}, alpha {model.lora_alpha or model.lora_rank:g} "
                      f"on {','.join(model.lora_targets)}: {adapter_count(model):,} adapter parameters train, "
-                     f"the model's {parameter_count(model):,} stay frozen")
+                     f"the model's {parameter_count(model):,} stay frozen"
+                     + (f" in {model.param_dtype}, as stored" if model.param_dtype != "float32" else ""))
     return lines
 
 

@@ -36,7 +36,9 @@ def model_factory(model: ModelFactory | None, weights: Any, lora: LoRA | None) -
 def _with_lora(factory: ModelFactory, lora: LoRA) -> ModelFactory:
     """``factory``'s model with ``lora``'s adapters: the model's own ``lora_factory`` where it
     has one (``TransformerLM``: its projections by their Hugging Face names), else on its layers
-    by path (``shardax.models.adapters``)."""
+    by path (``shardax.models.adapters``); a checkpoint's factory (``shardax.hf.factory``) its own."""
+    if callable(getattr(factory, "lora_factory", None)):
+        return factory.lora_factory(lora)
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
     if callable(getattr(model, "lora_factory", None)):
