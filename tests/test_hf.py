@@ -281,6 +281,11 @@ def test_save_round_trips_bit_exact_and_transformers_reads_it(checkpoints, tmp_p
             s.data.nbytes for s in ours.addressable_shards]
         np.testing.assert_array_equal(np.asarray(theirs).astype(np.float32), np.asarray(ours))
     np.testing.assert_array_equal(logits_of(narrow), logits_of(wide))
+    import shardax  # decoding from the cache too (what `shardax generate --hf` does with such a checkpoint)
+
+    prompts = [list(TOKENS[0, :5]), list(TOKENS[1, :2])]
+    assert shardax.generate(narrow.model(), prompts, max_new_tokens=6) == shardax.generate(
+        wide.model(), prompts, max_new_tokens=6)
     stepped = [run.parallel.train_step(next_token_loss)(run.state,
                                                         run.parallel.place_batch({"tokens": TOKENS}))
                for run in (wide, narrow)]
