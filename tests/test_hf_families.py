@@ -300,15 +300,23 @@ def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line
 
 def test_router_losses_are_transformers_aux_loss(made, tmp_path):
     """With output_router_logits, transformers adds router_aux_loss_coef times its load-balancing
-    loss to the loss: shardax reads the weight from config.json and computes the same loss and
-    the same balance term (under ep, the experts split over two devices)."""
+    loss to the loss: shardax reads the weight from config.json and computes the same balance term
+    over the tokens it routes (every one but each row's last) and so the same loss (under ep, the
+    experts split over two devices). The batch is one where no token's second and third experts are
+    within 1e-3 of each other: a nearer tie lets rounding pick another expert and move the term by
+    1e-4."""
     folder = _edited(made["mixtral"][0], tmp_path, output_router_logits=True, router_aux_loss_coef=0.5)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    tokens = np.random.default_rng(7).integers(0, 96, (8, 17))
     with torch.no_grad():
-        out = model(torch.tensor(TOKENS), labels=torch.tensor(TOKENS))
+        out = model(torch.tensor(tokens[:, :-1]))
+    ranked = [np.sort(torch.softmax(logits, -1).numpy(), -1) for logits in out.router_logits]
+    assert min((probs[:, -2] - probs[:, -3]).min() for probs in ranked) > 1e-3, "a near tie: another batch"
+    log_probs = torch.log_softmax(out.logits, -1).numpy()
+    cross_entropy = -np.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1).mean()
     loaded = hf.load(folder, "data=4,expert=2", "ep")
     assert loaded.config.router_aux_loss == 0.5
     metrics = loaded.parallel.eval_step(next_token_loss)(loaded.state,
-                                                         loaded.parallel.place_batch({"tokens": TOKENS}))
+                                                         loaded.parallel.place_batch({"tokens": tokens}))
     np.testing.assert_allclose(float(metrics["router_balance"]), float(out.aux_loss), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["loss"]), float(out.loss), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["loss"]), cross_entropy + 0.5 * float(out.aux_loss), rtol=1e-5)
