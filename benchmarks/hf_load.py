@@ -17,9 +17,9 @@ against reading the same files raw into one reused 64 MB buffer. Both are timed 
 cache and, where this process may empty the page cache (``/proc/sys/vm/drop_caches``, as root), from
 a cold one, which is reading at the disk's pace; raw reads and loads alternate ``REPEATS`` times
 (medians reported). A load on CPU also has to fault in its state as new memory, which a raw read
-into one buffer never does: after each load, a separate process times that alone (fresh arrays of
-the state's shards' sizes, each written once), so the figure can be read against it. Writes
-``benchmarks/results/hf_load.json``.
+into one buffer never does: after each load, a separate process times that alone (new memory of
+the state's shards' sizes as the loader takes it, each written once), so the figure can be read
+against it. Writes ``benchmarks/results/hf_load.json``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ REPEATS = 3
 DTYPES = ("float32", "bfloat16")  # the loaded weights' dtype
 FRESH_MEMORY = """
 import json, sys, time
-import numpy as np
+from shardax.hf.files import new_memory
 sizes = json.loads(sys.argv[1])
 began = time.perf_counter()
-kept = [np.ones(size, np.uint8) for size in sizes]
+kept = [new_memory(size) for size in sizes]
+for block in kept:
+    block[:] = 1
 print(time.perf_counter() - began)
 """
 MEASURE = """

@@ -136,12 +136,29 @@ def test_every_strategy_loads_the_same_model(strategy, mesh, checkpoints):
         assert sorted(changed) == [f"blocks/layers/lora_{t}_b" for t in ("o", "q", "up")]
 
 
-def test_each_device_slice_is_read_once_and_replicas_share_it(checkpoints):
+def test_each_device_slice_is_read_once_and_replicas_share_it(checkpoints, monkeypatch):
+    """Each slice is read once whatever the layout; each device holds memory of its own (a CPU
+    device keeps the host memory its slice was arranged in, and the replicas copy it), and the
+    path for devices that copy every slice from reused host memory (accelerators) puts the same
+    values on each device."""
+    import sys
+
     folder, _ = checkpoints["llama3"]
     total = sum(np.prod(shape) * 4 for shape in (hf.SafeTensors(folder).shape(n) for n in hf.hf_names(
         hf.read_config(folder))))
-    for strategy, mesh in [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]:
-        assert hf.load(folder, mesh, strategy).bytes_read == total  # float32 files: bytes read = bytes held
+    layouts = [("dp", "data=8"), ("fsdp", "data=8"), ("tp", "data=4,model=2")]
+    kept = [hf.load(folder, mesh, strategy) for strategy, mesh in layouts]
+    monkeypatch.setattr(sys.modules["shardax.hf.load"], "_kept", lambda devices: False)
+    for loaded, (strategy, mesh) in zip(kept, layouts):
+        assert loaded.bytes_read == total  # float32 files: bytes read = bytes held
+        shards = [shard for leaf in jax.tree.leaves(loaded.state.params) for shard in leaf.addressable_shards]
+        assert len({shard.data.unsafe_buffer_pointer() for shard in shards}) == len(shards)
+        copied = hf.load(folder, mesh, strategy)
+        assert copied.bytes_read == total
+        for got, expected in zip(jax.tree.leaves(copied.state.params), jax.tree.leaves(loaded.state.params)):
+            assert got.sharding == expected.sharding
+            for shard, same in zip(got.addressable_shards, expected.addressable_shards):
+                np.testing.assert_array_equal(shard.data, same.data)
 
 
 def test_config_maps_each_family_feature(checkpoints):

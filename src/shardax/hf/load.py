@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from shardax.errors import UsageError
 from shardax.hf.families import read_config
-from shardax.hf.files import SafeTensors, give_back_freed_memory, stored_dtype
+from shardax.hf.files import SafeTensors, give_back_freed_memory, new_memory, stored_dtype
 from shardax.hf.names import check_tensor_names, is_adapter, layer_sources, normalize_index, parameter_source
 from shardax.hf.save import save
 from shardax.model_parallel import ParallelModel, parallelize
@@ -105,19 +105,25 @@ def _checkpoint_config(parallel: ParallelModel, path: Path) -> TransformerConfig
 
 
 class _Staging:
-    """The host memory a checkpoint's slices are read into, ``limit`` bytes (or one slice, if
-    larger): in two halves while two slices fit, so that a slice is copied to its devices while
-    the next is read into the other half; a part is read into again only once its copies are done
-    (and its pages stay warm from one slice to the next)."""
+    """The host memory a checkpoint's slices are arranged in before their devices take them. A CPU
+    device takes an aligned host array as its buffer as it is: a slice that CPU devices hold is
+    arranged in new memory, which the first of them keeps (nothing copied; the others copy it).
+    Other devices copy from the host: their slices share ``limit`` bytes (or one slice, if larger),
+    in two halves while two slices fit, so that a slice is copied to its devices while the next is
+    arranged in the other half; a part is written again only once its copies are done (and its
+    pages stay warm from one slice to the next)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.buffer = limit, np.empty(0, np.uint8)
         self.copies: list[list[jax.Array]] = [[], []]
-        self.turn = 0
+        self.turn, self.kept = 0, False
 
-    def array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A part of the buffer as an array of ``shape``, once the copies out of it are done."""
+    def array(self, shape: tuple[int, ...], dtype: Any, devices: list[Any]) -> np.ndarray:
+        """Host memory for a slice of ``shape`` that ``devices`` will hold (see the class)."""
         size, half = math.prod(shape) * np.dtype(dtype).itemsize, self.limit // 2 // 64 * 64
+        self.kept = _kept(devices)
+        if self.kept:
+            return new_memory(size).view(dtype).reshape(shape)
         halves = size <= half
         self.turn = 1 - self.turn if halves else 0
         jax.block_until_ready(self.copies if not halves else self.copies[self.turn])
@@ -127,7 +133,9 @@ class _Staging:
         return self.buffer[start:start + size].view(dtype).reshape(shape)
 
     def copy(self, block: np.ndarray, devices: list[Any]) -> list[jax.Array]:
-        """``block`` (the last ``array``) copied to each of ``devices`` (not waited for)."""
+        """``block`` (the last ``array``) on each of ``devices`` (not waited for)."""
+        if _kept(devices):  # the first device takes the block's memory as it is; no two share it
+            return [jax.device_put(block, devices[0]), *(_copied(block, device) for device in devices[1:])]
         self.copies[self.turn] = [_copied(block, device) for device in devices]
         return self.copies[self.turn]
 
@@ -136,9 +144,15 @@ class _Staging:
         self.buffer = np.empty(0, np.uint8)
 
 
+def _kept(devices: list[Any]) -> bool:
+    """Whether ``devices`` keep the host memory a slice is arranged in (CPU devices do)."""
+    return all(device.platform == "cpu" for device in devices)
+
+
 def _copied(block: np.ndarray, device: Any) -> jax.Array:
     """``block`` on ``device`` in memory of its own: a CPU device takes an aligned host array as
-    its buffer as it is (whatever ``may_alias`` says), and ``block`` is about to be read into again."""
+    its buffer as it is (whatever ``may_alias`` says), and ``block`` is written again or held by
+    another device."""
     placed = jax.device_put(block, device)
     try:
         aliased = placed.unsafe_buffer_pointer() == block.ctypes.data
@@ -151,7 +165,7 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
           config: TransformerConfig, keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
     """The parameter at ``keypath`` in ``sharding``: each distinct slice this process's devices
     hold is read into ``staging`` (by ``pool``'s threads, a layer of a stack each, or a slice
-    whole) and copied to the devices that hold it."""
+    whole) and put on the devices that hold it."""
     name = path_to_str(keypath)
     source, layer, below = parameter_source(name, config)
     if source is None and layer is not None:
@@ -162,7 +176,7 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
         by_slice.setdefault(tuple((s.start, s.stop) for s in index), [index]).append(device)
     arrays = {}
     for index, *devices in by_slice.values():
-        block = staging.array(tuple(s.stop - s.start for s in index), leaf.dtype)
+        block = staging.array(tuple(s.stop - s.start for s in index), leaf.dtype, devices)
 
         def whole() -> None:
             source.read(tensors, index, block)
@@ -172,7 +186,8 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
             layer_sources(config, stacked)[below].read(tensors, index[1:], block[stacked - index[0].start])
             tensors.release()
 
-        # read by the pool's threads only, whose transpose buffers end with them
+        # read by the pool's threads only, whose transpose buffers end with them (the slices one at
+        # a time: two threads reading a tensor's columns would each map its pages)
         if source is not None:
             pool.submit(whole).result()
         else:
@@ -183,17 +198,26 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
 
 
 def _with_the_rest(parallel: ParallelModel, seed: int, loaded: dict[str, jax.Array]) -> TrainState:
-    """The whole state in its shards around the ``loaded`` parameters: the step, the adapters, the
-    optimizer's state over the trained weights and the model's other variables (the random
-    weights init would make for the loaded ones are never computed)."""
-    def start(loaded: dict[str, jax.Array]) -> TrainState:
+    """The whole state in its shards around the ``loaded`` parameters, which it holds as they are:
+    the step, the adapters, the optimizer's state over the trained weights and the model's other
+    variables (the random weights init would make for the loaded ones are never computed)."""
+    def start(loaded: dict[str, jax.Array]) -> tuple[TrainState, Any]:
         fresh = parallel.init(seed)
         params = jax.tree_util.tree_map_with_path(
             lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf), fresh.params)
-        return dataclasses.replace(fresh, params=params, opt_state=parallel.tx.init(
-            trained_part(params, parallel.trainable)))
+        made = jax.tree_util.tree_map_with_path(  # the parameters not loaded (adapters)
+            lambda keypath, leaf: None if path_to_str(keypath) in loaded else leaf, fresh.params)
+        return dataclasses.replace(fresh, params=None, opt_state=parallel.tx.init(
+            trained_part(params, parallel.trainable))), made
 
-    return jax.jit(start, out_shardings=parallel.state_shardings, donate_argnums=0)(loaded)
+    shardings = dataclasses.replace(parallel.state_shardings, params=None)
+    made_shardings = jax.tree_util.tree_map_with_path(
+        lambda keypath, sharding: None if path_to_str(keypath) in loaded else sharding,
+        parallel.state_shardings.params)
+    state, made = jax.jit(start, out_shardings=(shardings, made_shardings))(loaded)
+    params = jax.tree_util.tree_map_with_path(
+        lambda keypath, leaf: loaded.get(path_to_str(keypath), leaf), made, is_leaf=lambda leaf: leaf is None)
+    return dataclasses.replace(state, params=params)
 
 
 def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> tuple[TrainState, int]:
