@@ -36,11 +36,23 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if softcap is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation=implementation)
+    return grouped_attention(q, k, v, mask[:, 0], scale, softcap)
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                      softcap: float | None = None, *, heads_first: bool = False) -> jax.Array:
+    """Attention written out in XLA ops: ``q`` (B, T, N, H), a group of N / K of its heads to each
+    of the K heads of ``k`` and ``v`` (B, S, K, H; or B, K, S, H when ``heads_first``, a cache's
+    layout, whose heads' keys a product reads in place), where ``mask`` (B, T, S) allows. Scores
+    are ``q . k * scale``, soft-capped when ``softcap`` is given; ``k`` and ``v`` are read in
+    ``q``'s dtype."""
     batch, length, heads, size = q.shape
-    groups = heads // k.shape[2]
-    grouped = q.reshape(batch, length, k.shape[2], groups, size)
-    logits = jnp.einsum("btkgh,bskh->bkgts", grouped, k, preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(mask[:, :, None], softcapped(logits, softcap), -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", weights, v, preferred_element_type=jnp.float32)
+    key_heads = k.shape[1 if heads_first else 2]
+    keys = "bksh" if heads_first else "bskh"
+    grouped = q.reshape(batch, length, key_heads, heads // key_heads, size)
+    logits = jnp.einsum(f"btkgh,{keys}->bkgts", grouped, k.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, None, None], softcapped(logits, softcap), -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out = jnp.einsum(f"bkgts,{keys}->btkgh", weights, v.astype(q.dtype), preferred_element_type=jnp.float32)
     return out.reshape(batch, length, heads, size).astype(q.dtype)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.runtime.attention import softcapped
+from shardax.runtime.attention import grouped_attention
 
 
 class CacheLayer(nnx.Cache):
@@ -106,16 +106,8 @@ def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positi
     visible = held >= 0
     if window is not None:
         visible &= (jnp.asarray(window) <= 0) | (ahead - held < window)
-    batch, tokens, heads, size = q.shape
-    grouped = q.reshape(batch, tokens, keys.shape[1], heads // keys.shape[1], size)
-    scale = size ** -0.5 if block.scale is None else block.scale
-    logits = jnp.einsum("btkgh,bksh->bkgts", grouped, keys.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * scale
-    logits = softcapped(logits, block.softcap)
-    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, values.astype(q.dtype), preferred_element_type=jnp.float32)
-    return out.reshape(batch, tokens, heads, size).astype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if block.scale is None else block.scale
+    return grouped_attention(q, keys, values, visible, scale, block.softcap, heads_first=True)
 
 
 def _layer(cache: Any, layer: jax.Array) -> jax.Array:
