@@ -114,6 +114,36 @@ def test_bad_model_settings():
         tiny_transformer_config(param_dtype="float16")
 
 
+def test_training_16_bit_weights_is_warned_of_and_a_frozen_16_bit_base_is_not():
+    """An optimizer's update well below a bfloat16 weight's spacing rounds to nothing: a step
+    builder that trains such weights says so; LoRA adapters over a bfloat16 base, and a frozen
+    bfloat16 part beside a trained one, train as well as in float32 and are not warned of."""
+    import warnings
+
+    import optax
+
+    from shardax import Part, Trainer, parallelize
+
+    def lm(**changes):
+        config = tiny_transformer_config(param_dtype="bfloat16", **changes)
+        return lambda rngs: TransformerLM(config, rngs=rngs)
+
+    full = parallelize(lm(), optax.adam(1e-3), "data=8", "fsdp")
+    warned = (r"^\d+ trained parameters are bfloat16 \(the first: blocks/.*\): updates much smaller than a "
+              r"weight round away .* keep trained weights float32")
+    with pytest.warns(UserWarning, match=warned):
+        full.train_step(next_token_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adapted = lm(lora_rank=2, lora_targets=("q", "o"))
+        parallelize(adapted, optax.adam(1e-3), "data=8", "fsdp").train_step(next_token_loss)
+        parts = {"policy": Part(adapted, optax.adam(1e-3)), "reference": Part(lm())}
+        Trainer(parts=parts, step=lambda parts, batch: {}, strategy="fsdp").train_step()
+    with pytest.warns(UserWarning, match=r"trained parameters of part 'policy' are bfloat16"):
+        Trainer(parts={"policy": Part(lm(), optax.adam(1e-3))}, step=lambda parts, batch: {},
+                strategy="fsdp").train_step()
+
+
 def test_layer_norm_gradient_matches_autodiff_and_keeps_only_its_input():
     from shardax.models.ops import layer_norm
 

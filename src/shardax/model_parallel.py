@@ -34,6 +34,7 @@ from shardax.model_state import (
     routing_grouped_convs,
     trainable_filter,
     trained_part,
+    warn_if_updates_round_away,
 )
 from shardax.models.moe import ExpertLayout, MixtureOfExperts
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, ContextLayout
@@ -124,6 +125,7 @@ class ParallelModel:
         with a ``context`` axis, sequences are split over it and attention gathers the rest by
         ``settings.context_attention``: ``all-gather`` or ``ring`` (``shardax.runtime.context``)."""
         params = self.abstract_state.params
+        warn_if_updates_round_away(params, self.trainable)
         graphdef = self.configured(self.schedule(), self.context_attention())
         step = build_train_step(
             graphdef, self.tx, loss_fn,

@@ -9,10 +9,12 @@ program, and the refusals of a model that a strategy cannot lay out.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -22,6 +24,7 @@ from shardax.errors import UsageError
 from shardax.sharding.derive import Derived, derive_split
 from shardax.sharding.grouped_conv import route_grouped_convs
 from shardax.sharding.layout import Layout
+from shardax.sharding.paths import leaves_with_paths
 from shardax.sharding.rules import logical_axes_of, unannotated
 from shardax.step.loss import LossFn, split_loss
 from shardax.step.state import TrainState
@@ -32,6 +35,22 @@ ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 def trained_part(params: Any, trainable: Any) -> Any:
     """The parameters the optimizer updates (all of them when ``trainable`` is None)."""
     return params if trainable is None else nnx.split_state(params, trainable, ...)[0]
+
+
+def warn_if_updates_round_away(params: Any, trainable: Any, part: str = "") -> None:
+    """Warn where trained parameters are held in a 16-bit float: an optimizer's update smaller than
+    about 1/256 of a bfloat16 weight (1/2048 of a float16 one) rounds to nothing, so training
+    slows or stalls with no error. Frozen ones (LoRA's base) are as good in 16 bits."""
+    trained = leaves_with_paths(trained_part(params, trainable))
+    narrow = [(path, jnp.dtype(leaf.dtype).name) for path, leaf in trained
+              if jnp.dtype(leaf.dtype) in (jnp.bfloat16, jnp.float16)]
+    if narrow:
+        path, dtype = narrow[0]
+        warnings.warn(f"{len(narrow)} trained parameters{f' of {part}' if part else ''} are {dtype} "
+                      f"(the first: {path}): updates much smaller than a weight round away and training "
+                      "stalls with no error; keep trained weights float32 (param_dtype='float32'; "
+                      "compute_dtype='bfloat16' still computes in bfloat16) or freeze them and train "
+                      "LoRA adapters", UserWarning, stacklevel=3)
 
 
 def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.model_parallel import ParallelModel
-from shardax.model_state import ModelFactory, build_state, trained_part
+from shardax.model_state import ModelFactory, build_state, trained_part, warn_if_updates_round_away
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_split_axes
 from shardax.sharding.layout import Layout
@@ -238,6 +238,9 @@ class ParallelParts:
     def train_step(self, step_fn: StepFn, *, nonfinite: str = "stop",
                    donate: bool = True) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """The compiled ``(state, batch) -> (state, metrics)`` of the user's ``step_fn(parts, batch)``."""
+        for name, model in self.models.items():
+            if self.parts[name].optimizer is not None:  # a frozen part is as good in 16 bits
+                warn_if_updates_round_away(model.abstract_state.params, model.trainable, f"part {name!r}")
         step = build_parts_step(self.plans(), step_fn, nonfinite=nonfinite, layer_layout=self._under_mesh,
                                 select_update=self.mesh.devices.flat[0].platform == "tpu")
         return jax.jit(step, in_shardings=(self.state_shardings, self.layout.batch()),

@@ -116,13 +116,12 @@ class _Staging:
     def __init__(self, limit: int) -> None:
         self.limit, self.buffer = limit, np.empty(0, np.uint8)
         self.copies: list[list[jax.Array]] = [[], []]
-        self.turn, self.kept = 0, False
+        self.turn = 0
 
     def array(self, shape: tuple[int, ...], dtype: Any, devices: list[Any]) -> np.ndarray:
         """Host memory for a slice of ``shape`` that ``devices`` will hold (see the class)."""
         size, half = math.prod(shape) * np.dtype(dtype).itemsize, self.limit // 2 // 64 * 64
-        self.kept = _kept(devices)
-        if self.kept:
+        if _kept(devices):
             return new_memory(size).view(dtype).reshape(shape)
         halves = size <= half
         self.turn = 1 - self.turn if halves else 0
