@@ -1,6 +1,7 @@
-"""Run every benchmark and write benchmarks/results/README.md (the table docs/benchmarks.md shows).
+"""Run every benchmark and write its table (benchmarks/results/README.md, docs/benchmarks.md's end).
 
     python benchmarks/run_all.py [--skip-slow]
+    python benchmarks/run_all.py --table-only   # the table again from the JSON results, nothing run
 
 Each benchmark runs in its own process (8 simulated CPU devices; MFU on the GPU when one is
 there) and writes its JSON result;
@@ -17,6 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
+DOCS = HERE.parent / "docs" / "benchmarks.md"
+TABLE_HEADING = "## The table\n\n"
 
 
 # benchmark 20's row of shardax 0.1's default run, measured from that checkout (--source its src/)
@@ -647,12 +650,27 @@ def table() -> str:
             + "\n".join(lines) + "\n")
 
 
+def write_table() -> str:
+    """Build the table from the JSON results and write it to the results' README and as the
+    documentation page's last section (everything after its heading replaced)."""
+    text = table()
+    (RESULTS / "README.md").write_text(text)
+    page = DOCS.read_text()
+    DOCS.write_text(page[:page.index(TABLE_HEADING) + len(TABLE_HEADING)] + text)
+    return text
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-slow", action="store_true",
                         help="skip the largest-model search, the plan-accuracy cases, the 512 MB data "
                              "benchmark and the nnx.vmap compiles (minutes)")
+    parser.add_argument("--table-only", action="store_true",
+                        help="run nothing: write the table from the JSON results already there")
     options = parser.parse_args()
+    if options.table_only:
+        print(write_table())
+        sys.exit()
     names = ["overhead", "memory_and_communication", "compile_time", "pipeline_bubble"] + (
         [] if options.skip_slow else ["largest_model", "plan_accuracy", "plan_held_out", "pipeline_held_out",
                                       "longest_sequence"])
@@ -687,6 +705,4 @@ if __name__ == "__main__":
         run(["benchmarks/mfu.py"])
         run(["benchmarks/gpu_checks.py"])
         run(["benchmarks/ema.py", "--accelerator"])
-    text = table()
-    (RESULTS / "README.md").write_text(text)
-    print(text)
+    print(write_table())

@@ -226,3 +226,18 @@ def test_the_layout_picture_is_drawn_from_the_arrays(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "layouts.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_benchmarks_page_shows_the_table_the_results_make():
+    """docs/benchmarks.md's last section and benchmarks/results/README.md are the table built from
+    the JSON results as they are now (``python benchmarks/run_all.py --table-only`` writes both)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    table = run_all.table()
+    assert (ROOT / "benchmarks" / "results" / "README.md").read_text() == table
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert page.endswith(run_all.TABLE_HEADING + table), (
+        "docs/benchmarks.md's table is not the results' table: run python benchmarks/run_all.py --table-only")
