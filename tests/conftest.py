@@ -93,3 +93,15 @@ def pytest_collection_modifyitems(config, items):
             continue
         if callspec is not None and any(index != 0 for index in callspec.indices.values()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """Each of the Llama family's architectures (``hf_checkpoints.ARCHITECTURES``) as
+    ``transformers`` saves it (random weights, norms and biases moved off their initial values),
+    with its logits on ``TOKENS[:, :-1]``: for test_hf.py and test_hf_fine_tuning.py."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from hf_checkpoints import ARCHITECTURES, TOKENS, make_checkpoints
+
+    return make_checkpoints(ARCHITECTURES, tmp_path_factory, TOKENS)
