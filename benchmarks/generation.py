@@ -2,9 +2,10 @@
 
     python benchmarks/generation.py
 
-Four models of the ``small`` preset's shape (6 layers of width 384, rotary positions, a
+Five models of the ``small`` preset's shape (6 layers of width 384, rotary positions, a
 context of 2,304; random weights, float32, greedy): its own 6 key/value heads, 2 (grouped-query
-attention as Llama 3 and Mistral have), 6 with a sliding window of 256 on every layer (whose
+attention as Llama 3 and Mistral have), 6 computing in bfloat16 (its cache bfloat16, held as
+the floats' bits), 6 with a sliding window of 256 on every layer (whose
 cache is a ring of 256 positions) and 6 with that window on every other layer (Gemma 2's way:
 the windowed layers' ring beside the full layers' growing cache). One prompt of 16 tokens on
 one CPU device: parts 1 and 2 run in a process of their own with one CPU device (the host's
@@ -60,7 +61,8 @@ RECOMPUTED = (128, 512)
 WINDOW = 128  # the recomputing baseline's shape bucket
 TAIL = 64  # decode steps whose median is a length's per-token time
 REPEATS = 2  # runs of each length, the lengths in turn
-MODELS = {"6 kv heads": {}, "2 kv heads": {"n_kv_heads": 2}, "window 256": {"sliding_window": 256},
+MODELS = {"6 kv heads": {}, "2 kv heads": {"n_kv_heads": 2},
+          "6 kv heads, bfloat16": {"compute_dtype": "bfloat16"}, "window 256": {"sliding_window": 256},
           "window 256, alternate layers": {"sliding_window": 256, "sliding_layers": (0, 2, 4)}}
 FORWARD = jax.jit(lambda model, tokens: model(tokens))
 

@@ -98,6 +98,29 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
         assert layout.bytes_per_device(model.config) == 2 * 2 * data * 64 * 2 * 8 * 4 // 8
 
 
+@pytest.mark.parametrize("name, strategy, mesh", [("gemma2", "fsdp_tp", "data=4,model=2"),
+                                                  ("qwen2-loop", "tp", "data=4,model=2")])
+def test_a_16_bit_cache_decodes_as_the_same_values_held_in_float32(name, strategy, mesh):
+    """A bfloat16 model's cache (held as the floats' bits: shardax.runtime.kv_cache.BITS) decodes
+    the tokens that a float32 cache of the same keys and values does, in half the bytes, through a
+    scanned stack with a ring beside the full layers and through a Python loop of layers; a
+    float32 model's cache held in bfloat16 (``cache_dtype``) takes half the bytes too."""
+    config = dataclasses.replace(CONFIGS[name], compute_dtype="bfloat16")
+    parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), optax.identity(),
+                           DeviceMeshManager().create_device_mesh(mesh), strategy)
+    model = parallel.merge(parallel.init(3))
+    held = shardax.generate(model, PROMPTS, max_new_tokens=NEW)
+    wide = shardax.generate(model, PROMPTS, max_new_tokens=NEW, cache_dtype="float32")
+    assert held == wide
+    layout = cache_layout(model, len(PROMPTS), max(map(len, PROMPTS)), NEW)
+    assert layout.dtype == "bfloat16" and held.stats.cache_bytes_per_device == layout.bytes_per_device(config)
+    assert 2 * held.stats.cache_bytes_per_device == wide.stats.cache_bytes_per_device
+    narrow = shardax.generate(model_on(name, strategy, mesh), PROMPTS, max_new_tokens=NEW,
+                              cache_dtype="bfloat16")
+    assert 2 * narrow.stats.cache_bytes_per_device == wide.stats.cache_bytes_per_device
+    assert all(len(row) == NEW for row in narrow)
+
+
 def test_stop_tokens_and_bad_requests():
     model = model_on("llama", "dp", "data=8")
     greedy = shardax.generate(model, PROMPTS, max_new_tokens=NEW)
@@ -120,3 +143,8 @@ def test_stop_tokens_and_bad_requests():
         shardax.generate(object(), PROMPTS)
     with pytest.raises(UsageError, match="temperature >= 0, top_k >= 0 and 0 < top_p <= 1"):
         shardax.generate(model, PROMPTS, top_p=0)
+    for wrong in ("int8", "float8"):
+        with pytest.raises(UsageError, match=f"cache_dtype='{wrong}' is not a dtype the key/value "
+                                             "cache holds; use one of float32, bfloat16, float16 "
+                                             "\\(None: the model's compute dtype, float32\\)"):
+            shardax.generate(model, PROMPTS, cache_dtype=wrong)

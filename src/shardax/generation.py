@@ -44,6 +44,7 @@ from shardax.models.transformer import TransformerLM
 from shardax.vocabulary import MODEL
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this; the cache grows from it by doubling
+CACHE_DTYPES = ("float32", "bfloat16", "float16")  # what the keys and values may be held as
 
 
 def _round_up(value: int, step: int) -> int:
@@ -62,8 +63,22 @@ def _mesh_of(model: nnx.Module) -> Mesh | None:
     return None
 
 
+def cache_dtype_name(model: TransformerLM, cache_dtype: Any) -> str:
+    """The name of the dtype the cache holds keys and values in: ``cache_dtype``, or the model's
+    compute dtype where it is None; refused unless a float the cache may hold."""
+    try:
+        name = jnp.dtype(model.config.dtype if cache_dtype is None else cache_dtype).name
+    except TypeError:
+        name = None
+    if name not in CACHE_DTYPES:
+        raise UsageError(f"cache_dtype={cache_dtype!r} is not a dtype the key/value cache holds; use one of "
+                         f"{', '.join(CACHE_DTYPES)} (None: the model's compute dtype, "
+                         f"{jnp.dtype(model.config.dtype).name})")
+    return name
+
+
 def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0) -> None:
+                  top_k: int = 0, top_p: float = 1.0, cache_dtype: Any = None) -> None:
     """What ``generate`` refuses, refused before anything is computed (or printed)."""
     if not isinstance(model, TransformerLM):
         raise UsageError("generate() decodes shardax's TransformerLM (its own, or a Hugging Face "
@@ -82,6 +97,7 @@ def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: 
         raise UsageError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
                          f"{temperature}, {top_k} and {top_p} (temperature 0 is greedy, top_k 0 and top_p 1 "
                          "keep every token)")
+    cache_dtype_name(model, cache_dtype)
     longest = max(len(prompt) for prompt in prompts)
     if longest + max_new_tokens > model.config.seq_len:
         raise UsageError(f"a prompt of {longest} tokens and {max_new_tokens} new ones need "
@@ -117,7 +133,8 @@ class CacheLayout:
     tokens fill it (``length``: the last), prompts run ``prompt_length`` at a time; each
     layer's keys and values ``(batch, kv_heads, length, head_dim)`` split by ``spec`` on ``mesh``.
     ``ring``: where windowed layers sit beside full ones, the windowed layers' cache stops
-    growing at this many positions (a ring of the window); None: every layer grows alike."""
+    growing at this many positions (a ring of the window); None: every layer grows alike.
+    ``dtype``: the keys' and values' (None: the model's compute dtype)."""
 
     mesh: Mesh | None
     batch: int
@@ -125,6 +142,7 @@ class CacheLayout:
     prompt_length: int
     spec: tuple[Any, ...]
     ring: int | None = None
+    dtype: str | None = None
 
     @property
     def length(self) -> int:
@@ -140,16 +158,19 @@ class CacheLayout:
         length = self.length if length is None else length
         held = sum(min(length, self.ring) if self.ring and window else length
                    for window in config.layer_windows)
-        whole = 2 * held * self.batch * config.kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+        size = jnp.dtype(self.dtype or config.dtype).itemsize
+        whole = 2 * held * self.batch * config.kv_heads * config.head_dim * size
         axes = [axis for entry in self.spec if entry
                 for axis in ((entry,) if isinstance(entry, str) else entry)]
         split = 1 if self.mesh is None else math.prod(self.mesh.shape[axis] for axis in axes)
         return whole // split
 
 
-def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: int) -> CacheLayout:
+def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: int,
+                 cache_dtype: Any = None) -> CacheLayout:
     """How ``generate`` lays out the cache for ``rows`` prompts of at most ``longest`` tokens: rows
-    over the mesh's data axes, key/value heads over ``model`` where they divide."""
+    over the mesh's data axes, key/value heads over ``model`` where they divide, held as
+    ``cache_dtype`` (None: the model's compute dtype)."""
     config, mesh = model.config, _mesh_of(model)
     data_axes: tuple[str, ...] = ()
     heads_axis = None
@@ -170,7 +191,8 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
         lengths.append(lengths[-1] * 2)
     lengths = [length for length in lengths if length >= prompt_length]
     return CacheLayout(mesh, batch, tuple(min(length, last) for length in lengths), prompt_length,
-                       (data_axes or None, heads_axis, None, None), ring if ring and ring < last else None)
+                       (data_axes or None, heads_axis, None, None), ring if ring and ring < last else None,
+                       cache_dtype_name(model, cache_dtype))
 
 
 _STEPS: dict[Any, Any] = {}
@@ -210,7 +232,7 @@ def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, A
     placed = None if mesh is None else (
         lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)
                                     if len(shape) >= 4 else PartitionSpec()))
-    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, config.dtype, placed,
+    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, layout.dtype, placed,
                windows=config.layer_windows, ring=layout.ring)
     graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
     del work
@@ -320,7 +342,7 @@ def _stop_sequences(stop: int | Sequence[int | Sequence[int]] | None) -> list[tu
 def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop: int | Sequence[int | Sequence[int]] | None = None, vocab: int | None = None,
-             on_token: Callable[[int, list[int]], None] | None = None) -> Generated:
+             on_token: Callable[[int, list[int]], None] | None = None, cache_dtype: Any = None) -> Generated:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens; returns the
     new tokens of each, ending at (and including) a ``stop`` (a token id, or ids in a row: a chat
     template's end of turn) where one comes, with ``.stats`` (time to the first token, tokens/s).
@@ -328,11 +350,13 @@ def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_
     ``temperature`` 0 is greedy; otherwise tokens are drawn (``top_k``, ``top_p`` cut the
     distribution) from ``seed``. ``on_token(step, tokens)`` is called after each step with
     every row's new token (for printing as they come). ``vocab``: draw only ids below it (a
-    tokenizer smaller than the model's embedding). The model is not changed."""
+    tokenizer smaller than the model's embedding). ``cache_dtype``: what the key/value cache holds
+    keys and values as (default: the model's compute dtype; ``"bfloat16"`` under a float32 model
+    halves the cache, its products still float32). The model is not changed."""
     started = time.perf_counter()
-    check_request(model, prompts, max_new_tokens, temperature, top_k, top_p)
+    check_request(model, prompts, max_new_tokens, temperature, top_k, top_p, cache_dtype)
     rows = len(prompts)
-    layout = cache_layout(model, rows, max(len(prompt) for prompt in prompts), max_new_tokens)
+    layout = cache_layout(model, rows, max(len(prompt) for prompt in prompts), max_new_tokens, cache_dtype)
     graphdef, cache, weights = _decoder(model, layout)
     cache_shardings = None if layout.mesh is None else jax.tree.map(lambda leaf: leaf.sharding, cache)
     place = _placer(layout)

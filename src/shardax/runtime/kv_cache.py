@@ -28,6 +28,12 @@ from flax import nnx
 from shardax.errors import UsageError
 from shardax.runtime.attention import grouped_attention
 
+# A cache of 16-bit floats is held as their bits (unsigned integers of the same size) and read as
+# the floats: a token's write is then a plain in-place copy on every compiler, where XLA:CPU
+# carries out a bfloat16 write as the layer stack's whole cache widened to float32 and narrowed
+# back, every layer, every token (benchmark 19). The bits are the same, and so are the bytes.
+BITS = {"bfloat16": jnp.uint16, "float16": jnp.uint16}
+
 
 class CacheLayer(nnx.Cache):
     """Which layer of a scanned stack an ``Attention`` is at while decoding: its cache holds
@@ -45,8 +51,12 @@ def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shap
     where they belong.
     With ``windows`` (each layer's sliding window, 0 for none; one entry for a lone layer) and
     ``ring``, windowed layers keep ``min(length, ring)`` positions apart from the others."""
+    bits = BITS.get(jnp.dtype(dtype).name)
+    if bits is not None:  # a 16-bit float cache holds its bits (see BITS); reads see the float
+        block.cache_dtype = jnp.dtype(dtype).name
+
     def zeros(shape: tuple[int, ...]) -> nnx.Cache:
-        return nnx.Cache(make(shape, dtype))
+        return nnx.Cache(make(shape, bits or dtype))
 
     batch, length, kv_heads, head_dim = shape
     shape = (batch, kv_heads, length, head_dim)
@@ -73,23 +83,27 @@ def attend(block: Any, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.
     """``block``'s attention of ``q`` to its cache, once ``k`` and ``v`` are written into it."""
     if positions is None:
         raise UsageError("attention from a key/value cache needs each token's position (positions=...)")
-    look = lambda keys, values: _attend(block, q, keys, values, positions, window)  # noqa: E731
+    floats = getattr(block, "cache_dtype", None)
+    look = lambda keys, values: _attend(block, q, _floats(block, keys), _floats(block, values),  # noqa: E731
+                                        positions, window)
     if not hasattr(block, "cache_layer"):  # one layer's own cache: full, or a ring
         name = "ring" if hasattr(block, "ring_keys") else "cached"
         keys, values = getattr(block, f"{name}_keys"), getattr(block, f"{name}_values")
-        return look(_write(keys, k, positions), _write(values, v, positions))
+        return look(_write(keys, k, positions, floats=floats), _write(values, v, positions, floats=floats))
     layer = block.cache_layer[...]
     block.cache_layer[...] += 1
     if not hasattr(block, "ring_keys"):
-        _write(block.cached_keys, k, positions, layer)
-        _write(block.cached_values, v, positions, layer)
+        _write(block.cached_keys, k, positions, layer, floats=floats)
+        _write(block.cached_values, v, positions, layer, floats=floats)
         return look(_layer(block.cached_keys, layer), _layer(block.cached_values, layer))
     ringed, slots = (jnp.asarray(table) for table in block.cache_groups)
     in_ring, slot = ringed[layer], slots[layer]
     for cache, new in ((block.cached_keys, k), (block.cached_values, v)):  # the other group keeps its tokens
-        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=in_ring)
+        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=in_ring,
+               floats=floats)
     for cache, new in ((block.ring_keys, k), (block.ring_values, v)):
-        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=~in_ring)
+        _write(cache, new, positions, jnp.minimum(slot, cache.shape[0] - 1), keep=~in_ring,
+               floats=floats)
     full = (block.cached_keys[...], block.cached_values[...])
     kept = (block.ring_keys[...], block.ring_values[...])
     return jax.lax.cond(in_ring, lambda: look(_layer(kept[0], slot), _layer(kept[1], slot)),
@@ -110,18 +124,32 @@ def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positi
     return grouped_attention(q, keys, values, visible, scale, block.softcap, heads_first=True)
 
 
+def _floats(block: Any, held: jax.Array) -> jax.Array:
+    """A cache's keys or values as the floats they are (a 16-bit cache holds bits: see BITS)."""
+    dtype = getattr(block, "cache_dtype", None)
+    return held if dtype is None else jax.lax.bitcast_convert_type(held, jnp.dtype(dtype))
+
+
 def _layer(cache: Any, layer: jax.Array) -> jax.Array:
     value = cache[...] if isinstance(cache, nnx.Variable) else cache
     return jax.lax.dynamic_index_in_dim(value, layer, 0, keepdims=False)
 
 
+def _held(cache: nnx.Cache, new: jax.Array, floats: str | None) -> jax.Array:
+    """``new`` as ``cache`` holds it: in its dtype, or as the bits of ``floats`` (see BITS)."""
+    if floats is None:
+        return new.astype(cache.dtype)
+    return jax.lax.bitcast_convert_type(new.astype(floats), cache.dtype)
+
+
 def _write(cache: nnx.Cache, new: jax.Array, positions: jax.Array, layer: jax.Array | None = None,
-           keep: jax.Array | None = None) -> jax.Array:
+           keep: jax.Array | None = None, floats: str | None = None) -> jax.Array:
     """Write ``new`` (B, T, K, H) into ``cache`` (B, K, length, H; at ``layer`` of its leading
     dimension, if given) at its positions (B, T), in place, and return the cache; where ``keep``
     is true, what the cache holds there stays (the write of a layer whose tokens belong to the
-    other group)."""
-    new, rows, slots = new.astype(cache.dtype), jnp.arange(new.shape[0])[:, None], positions % cache.shape[-2]
+    other group). ``floats``: the 16-bit float whose bits the cache holds (see BITS)."""
+    new, slots = _held(cache, new, floats), positions % cache.shape[-2]
+    rows = jnp.arange(new.shape[0])[:, None]
     # rows and slots are indices apart, around the heads: what they pick is (B, T, K, H), as ``new`` is
     index = (rows, slice(None), slots) if layer is None else (layer, rows, slice(None), slots)
     if keep is not None:
