@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from small_models import tiny_transformer_config
 
 import shardax
 from shardax import DeviceMeshManager, parallelize
+from shardax.blocks import init_cache
 from shardax.errors import UsageError
 from shardax.generation import cache_layout
 from shardax.models.transformer import TransformerLM
@@ -119,6 +121,16 @@ def test_a_16_bit_cache_decodes_as_the_same_values_held_in_float32(name, strateg
                               cache_dtype="bfloat16")
     assert 2 * narrow.stats.cache_bytes_per_device == wide.stats.cache_bytes_per_device
     assert all(len(row) == NEW for row in narrow)
+    # a model given a bfloat16 cache, then a float32 one in its place (init_cache is public), reads
+    # the float32 one as floats: the prompt's logits are a fresh float32 cache's
+    alone, tokens = TransformerLM(CONFIGS[name], rngs=nnx.Rngs(0)), jnp.asarray([PROMPTS[0]])
+    alone.eval()
+    logits = []
+    for dtypes in ((jnp.float32,), (jnp.bfloat16, jnp.float32)):
+        for dtype in dtypes:
+            init_cache(alone, 1, 32, CONFIGS[name].kv_heads, CONFIGS[name].head_dim, dtype)
+        logits.append(alone(tokens, positions=jnp.arange(tokens.shape[1])[None]))
+    np.testing.assert_array_equal(logits[0], logits[1])
 
 
 def test_stop_tokens_and_bad_requests():

@@ -51,9 +51,8 @@ def allocate(block: Any, make: Callable[[tuple[int, ...], Any], jax.Array], shap
     where they belong.
     With ``windows`` (each layer's sliding window, 0 for none; one entry for a lone layer) and
     ``ring``, windowed layers keep ``min(length, ring)`` positions apart from the others."""
-    bits = BITS.get(jnp.dtype(dtype).name)
-    if bits is not None:  # a 16-bit float cache holds its bits (see BITS); reads see the float
-        block.cache_dtype = jnp.dtype(dtype).name
+    block.cache_dtype = jnp.dtype(dtype).name  # what reads see (a new cache's, whatever one held before)
+    bits = BITS.get(block.cache_dtype)  # a 16-bit float cache holds its bits (see BITS)
 
     def zeros(shape: tuple[int, ...]) -> nnx.Cache:
         return nnx.Cache(make(shape, bits or dtype))
@@ -126,8 +125,8 @@ def _attend(block: Any, q: jax.Array, keys: jax.Array, values: jax.Array, positi
 
 def _floats(block: Any, held: jax.Array) -> jax.Array:
     """A cache's keys or values as the floats they are (a 16-bit cache holds bits: see BITS)."""
-    dtype = getattr(block, "cache_dtype", None)
-    return held if dtype is None else jax.lax.bitcast_convert_type(held, jnp.dtype(dtype))
+    dtype = jnp.dtype(getattr(block, "cache_dtype", held.dtype))
+    return held if held.dtype == dtype else jax.lax.bitcast_convert_type(held, dtype)
 
 
 def _layer(cache: Any, layer: jax.Array) -> jax.Array:
@@ -137,7 +136,7 @@ def _layer(cache: Any, layer: jax.Array) -> jax.Array:
 
 def _held(cache: nnx.Cache, new: jax.Array, floats: str | None) -> jax.Array:
     """``new`` as ``cache`` holds it: in its dtype, or as the bits of ``floats`` (see BITS)."""
-    if floats is None:
+    if floats is None or jnp.dtype(floats) == cache.dtype:
         return new.astype(cache.dtype)
     return jax.lax.bitcast_convert_type(new.astype(floats), cache.dtype)
 
