@@ -135,7 +135,8 @@ def _layer(cache: Any, layer: jax.Array) -> jax.Array:
 
 
 def _held(cache: nnx.Cache, new: jax.Array, floats: str | None) -> jax.Array:
-    """``new`` as ``cache`` holds it: in its dtype, or as the bits of ``floats`` (see BITS)."""
+    """``new`` as ``cache`` holds it: in its dtype, or as the bits of ``floats`` where the cache
+    holds a 16-bit float's bits (see BITS)."""
     if floats is None or jnp.dtype(floats) == cache.dtype:
         return new.astype(cache.dtype)
     return jax.lax.bitcast_convert_type(new.astype(floats), cache.dtype)
@@ -146,7 +147,8 @@ def _write(cache: nnx.Cache, new: jax.Array, positions: jax.Array, layer: jax.Ar
     """Write ``new`` (B, T, K, H) into ``cache`` (B, K, length, H; at ``layer`` of its leading
     dimension, if given) at its positions (B, T), in place, and return the cache; where ``keep``
     is true, what the cache holds there stays (the write of a layer whose tokens belong to the
-    other group). ``floats``: the 16-bit float whose bits the cache holds (see BITS)."""
+    other group). ``floats``: the float the cache's values are (its own dtype, or a 16-bit float
+    whose bits it holds: see BITS)."""
     new, slots = _held(cache, new, floats), positions % cache.shape[-2]
     rows = jnp.arange(new.shape[0])[:, None]
     # rows and slots are indices apart, around the heads: what they pick is (B, T, K, H), as ``new`` is
