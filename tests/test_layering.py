@@ -4,7 +4,8 @@
     distributed, launch, cpu_devices
     sharding                      rules, strategies, layouts, placement, report
     runtime                       what runs inside a step: the pipeline, context attention
-    layers, blocks, models, data  what users and we train (blocks: LayerStack, Attention), the LM's data
+    layers, blocks, adapters,     what users and we train (blocks: LayerStack, Attention; any model's LoRA
+    models, data                  adapters), shardax's own LM, the LM's data
     step                          the compiled train/eval step of any model under any layout
     model_parallel, model_state,  parallelize(), reshard(), a model's state; named parts of a run;
     parts, compat                 artifex's data-parallel API
@@ -23,7 +24,7 @@ LAYERS = [
     {"errors", "vocabulary", "mesh", "distributed", "launch", "cpu_devices"},
     {"sharding"},
     {"runtime"},
-    {"layers", "blocks", "models", "data"},
+    {"layers", "blocks", "adapters", "models", "data"},
     {"step"},
     {"model_parallel", "model_state", "parts", "compat"},
     {"hf", "generation"},

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # each public name and the module it lives in
 _EXPORTS = {
+    "LoRA": "shardax.adapters",
     "simulate_cpu_devices": "shardax.cpu_devices",
     "ClusterSpec": "shardax.distributed",
     "detect_cluster": "shardax.distributed",
@@ -27,7 +28,6 @@ _EXPORTS = {
     "Part": "shardax.parts",
     "parallelize": "shardax.model_parallel",
     "reshard": "shardax.model_parallel",
-    "LoRA": "shardax.models.adapters",
     "dpo_loss": "shardax.models.preference",
     "dpo_step": "shardax.models.preference",
     "TransformerConfig": "shardax.models.transformer_config",
@@ -80,6 +80,7 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from shardax.adapters import LoRA as LoRA
     from shardax.cpu_devices import simulate_cpu_devices as simulate_cpu_devices
     from shardax.distributed import (
         ClusterSpec as ClusterSpec,
@@ -104,7 +105,6 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
         parallelize as parallelize,
         reshard as reshard,
     )
-    from shardax.models.adapters import LoRA as LoRA
     from shardax.models.preference import dpo_loss as dpo_loss, dpo_step as dpo_step
     from shardax.models.transformer import TransformerLM as TransformerLM
     from shardax.models.transformer_config import TransformerConfig as TransformerConfig

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardax.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
 from shardax.blocks import Attention, LayerSetting, LayerStack, attention_kernel, blocks_of, sequence_split
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
-from shardax.models.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
 from shardax.models.moe import MixtureOfExperts, router_losses
 from shardax.models.transformer_config import ATTENTION, COMPUTE_DTYPES, MLPS, NORMS, TransformerConfig  # noqa: F401 (here too)
 from shardax.runtime import context

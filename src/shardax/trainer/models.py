@@ -6,10 +6,9 @@ from typing import Any
 
 from flax import nnx
 
+from shardax.adapters import LoRA, add_lora
 from shardax.errors import UsageError
 from shardax.model_parallel import ModelFactory
-from shardax.models.adapters import add_lora
-from shardax.models.transformer import LoRA
 
 
 def first_weights(init_from: Any) -> Any:

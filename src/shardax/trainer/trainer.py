@@ -27,11 +27,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from shardax.adapters import LoRA
 from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import ModelFactory, ParallelModel
-from shardax.models.transformer import LoRA
 from shardax.parts import ParallelParts, Part
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
