@@ -188,14 +188,16 @@ def test_bad_train_input(args, message, workspace, capsys):
     ("latin1.txt", ["--tokenizer", "{root}/shards_bpe/index.json"], "is not a Hugging Face tokenizer.json"),
 ])
 @pytest.mark.every_case
-def test_bad_prepare_input(name, extra, message, workspace, capsys):
+def test_bad_prepare_input(name, extra, message, workspace, tmp_path, capsys):
+    """Each case prepares into a new folder of its own: what one case left cannot fail another."""
     before = snapshot(workspace)
     extra = [arg.replace("{root}", str(workspace)) for arg in extra]
-    assert exit_code(["prepare", str(workspace / "bad" / name), "--out", str(workspace / "new"), *extra]) == 2
+    out = tmp_path / "new"
+    assert exit_code(["prepare", str(workspace / "bad" / name), "--out", str(out), *extra]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     message = message.replace("{root}", str(workspace))
     assert len(lines) == 1 and lines[0].startswith("shardax prepare: error: ") and message in lines[0], lines
-    assert snapshot(workspace) == before
+    assert snapshot(workspace) == before and list(tmp_path.iterdir()) == []  # no output, no staging folder
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,7 +2,9 @@
 documents, attention never crosses a document, the order is a function of (data, seed, step)."""
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import jax
@@ -273,6 +275,34 @@ def test_bad_inputs_stop_prepare_with_one_line_and_write_nothing(make, message, 
     assert not (tmp_path / "out").exists()
 
 
+def _as_it_is(folder: Path) -> dict[Path, tuple[bytes | None, int]]:
+    """Every path under ``folder`` with its bytes (files) and modification time."""
+    return {p: (p.read_bytes() if p.is_file() else None, p.lstat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("out", ["missing/folders/out", "prepared", "killed"])
+def test_a_refused_prepare_leaves_the_output_folder_as_it_was(out, corpus, tmp_path):
+    """A bad input found while tokenizing: a new output (and the folders above it) is not created, a
+    prepared one and the .building/ a killed prepare left keep every file and time, however often it
+    is refused."""
+    root, _ = corpus
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "latin1.txt").write_bytes("café".encode("latin-1"))
+    work = tmp_path / "work"
+    work.mkdir()
+    if out == "prepared":
+        prepare([root], work / out, show_progress=False)
+    if out == "killed":
+        (work / out / ".building").mkdir(parents=True)
+        (work / out / ".building" / "train-00000.tokens").write_bytes(b"half")
+    before = _as_it_is(work)
+    for _ in range(2):  # the second refusal finds what the first left
+        with pytest.raises(UsageError, match="latin1.txt is not UTF-8 text"):
+            prepare([root, tmp_path / "bad"], work / out, show_progress=False)
+        assert _as_it_is(work) == before
+
+
 def test_prepare_refuses_to_replace_shards_of_another_tokenizer(corpus, tmp_path):
     root, _ = corpus
     done = prepare([root], tmp_path / "shards", show_progress=False)
@@ -293,8 +323,12 @@ def test_a_killed_prepare_is_built_again_and_an_edited_index_is_one_line(corpus,
     left = tmp_path / "killed"
     (left / ".building").mkdir(parents=True)  # what a prepare killed mid-way leaves
     (left / ".building" / "train-00000.bin").write_bytes(b"half")
+    abandoned = tmp_path / ".killed.building-0badc0de"  # where this version builds, a minute ago
+    abandoned.mkdir()
+    os.utime(abandoned, (time.time() - 120, time.time() - 120))
     done = prepare([root], left, show_progress=False)
     assert not (left / ".building").exists() and PreparedData(done.root).train is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["killed"]
     shard = left / f"{done.index['splits']['train']['shards'][0]['name']}.tokens"
     original = shard.read_bytes()
     shard.write_bytes(bytes(reversed(original)))  # same size, other bytes

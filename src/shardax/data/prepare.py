@@ -15,9 +15,10 @@ Layout of a prepared directory::
 Every document starts with the end-of-document token, so a stream of them reads
 ``<eod> doc <eod> doc ...``: the token that ends one document begins the next, and a window cut
 anywhere in the stream knows where documents start. Units of input (about 16 MB each) are
-tokenized in parallel, one shard per unit and split, in input order. A directory is written
-under ``.building/`` and moved into place at the end, so a failed run writes nothing. Running
-again on unchanged inputs with the same settings does nothing.
+tokenized in parallel, one shard per unit and split, in input order. The shards are written in a
+private folder beside the output (``.OUT.building-*``, hidden) and moved into place at the end, so a
+refused or failed run leaves the output folder as it was (a new one, and the folders above it, are
+not created). Running again on unchanged inputs with the same settings does nothing.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from shardax.data.index import (
     shard_digest,
     shard_files,
 )
+from shardax.data.staging import clear_abandoned, staging
 from shardax.data.tokenizer import (
     END_OF_DOCUMENT,
     ByteTokenizer,
@@ -346,12 +348,7 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     units = plan_units(files, None if chat else field)
     chosen = _choose_tokenizer(request, units, field, validation_fraction)
     dtype = "uint16" if chosen.vocab_size <= 2**16 else "uint32"
-    created = not root.exists()
-    root.mkdir(parents=True, exist_ok=True)
-    folder = root / ".building"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    try:
+    with staging(root) as folder:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
                             workers or os.cpu_count() or 1, show_progress, chat,
                             extra.get("kind", "documents"))
@@ -366,9 +363,20 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
                 shard["mask_blake2b"] = shard_digest(folder / f"{shard['name']}.mask")
         _write_tokenizer(folder, chosen, chat)
         index = make_index(settings, listing, skipped, chosen, dtype, splits, chat, extra.get("kind"))
-        publish(root, folder, old, index)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        if created and not (root / INDEX).exists():
-            shutil.rmtree(root, ignore_errors=True)
+        _put_in_place(root, folder, old, index)
+    clear_abandoned(root)
     return Prepared(root, index, True, reason)
+
+
+def _put_in_place(root: Path, folder: Path, old: dict[str, Any] | None, index: dict[str, Any]) -> None:
+    """``folder``'s shards become ``root``'s: a new ``root`` appears whole, by renaming ``folder``;
+    an existing one has its shards replaced and its index written last."""
+    if old is None:
+        (folder / INDEX).write_text(json.dumps(index, indent=1))
+        try:
+            folder.rename(root)  # (onto an empty folder too)
+            return
+        except OSError:  # root holds what a prepare killed mid-way left: cleared below
+            (folder / INDEX).unlink()
+    shutil.rmtree(root / ".building", ignore_errors=True)  # where earlier versions built: a killed one's
+    publish(root, folder, old, index)
