@@ -117,3 +117,75 @@ def test_plan_counts_the_all_to_alls_and_the_experts_bytes_per_device(strategy, 
     assert (whole == 2 * (4 * 32 * 2 * 24 + 4 * 24 * 32) * 4  # 2 layers' gate_up, down
             and held * shards == whole)
     assert any(note.startswith("experts: ") and f"{held / whole:.3g} of them" in note for note in plan.lint)
+
+
+class DenseMixture(nnx.Module):
+    """A user's mixture of experts that follows ``shardax.experts.ExpertMixture``: every token
+    through every expert, weighted by a softmax router. Told a layout with its experts split, each
+    device runs its own experts in ``shard_map`` and the devices of the expert axis sum their shares."""
+
+    routes_per_device = True
+    laid_out: list = []  # the layouts its calls were traced under
+
+    def __init__(self, rngs, width=8, hidden=16, experts=4):
+        normal = nnx.initializers.normal(width ** -0.5)
+        per_expert = nnx.with_partitioning(normal, ("expert", None, None))  # the experts' leading dimension
+        self.router = nnx.Param(normal(rngs.params(), (width, experts)))
+        self.up = nnx.Param(per_expert(rngs.params(), (experts, width, hidden)))
+        self.down = nnx.Param(per_expert(rngs.params(), (experts, hidden, width)))
+        self.expert_layout = None
+
+    @staticmethod
+    def experts(x, gates, up, down):  # (B, T, D), (B, T, E) -> (B, T, D), these experts only
+        hidden = jax.nn.gelu(jnp.einsum("btd,edf->btef", x, up))
+        return jnp.einsum("bte,bted->btd", gates, jnp.einsum("btef,efd->bted", hidden, down))
+
+    def __call__(self, x):
+        gates = jax.nn.softmax(x @ self.router[...], axis=-1)
+        layout = self.expert_layout
+        DenseMixture.laid_out.append(layout)
+        if layout is None or layout.axis is None:
+            return self.experts(x, gates, self.up[...], self.down[...])
+        P = jax.sharding.PartitionSpec
+
+        def mine(x, gates, up, down):
+            return jax.lax.psum(self.experts(x, gates, up, down), layout.axis)
+
+        specs = (P(), P(None, None, layout.axis), P(layout.axis), P(layout.axis))  # each device its experts
+        return jax.shard_map(mine, mesh=layout.mesh, in_specs=specs, out_specs=P())(
+            x, gates, self.up[...], self.down[...])
+
+
+def test_a_users_mixture_that_follows_the_protocol_is_told_the_layout_and_trains_as_one_device():
+    """parallelize finds any ExpertMixture (here not shardax's MixtureOfExperts) and sets its layout
+    on the step's copy of the model: under ep its experts split over ``expert`` (E / X a device) and
+    the step takes one device's first step; without an expert axis a mixture that routes per device
+    is still told the mesh (no axis), and outside a step it is told nothing."""
+    from shardax.experts import ExpertLayout, ExpertMixture
+
+    batch = {"x": np.random.default_rng(1).normal(size=(8, 4, 8)).astype(np.float32),
+             "y": np.random.default_rng(2).normal(size=(8, 4, 8)).astype(np.float32)}
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    with nnx.use_eager_sharding(False):  # one device: the names are metadata
+        alone = DenseMixture(nnx.Rngs(0))
+    assert isinstance(alone, ExpertMixture) and alone.expert_layout is None
+    loss, grads = nnx.value_and_grad(loss_fn)(alone, batch)
+    parallel = parallelize(lambda rngs: DenseMixture(rngs), optax.sgd(1.0), "data=4,expert=2", "ep")
+    state = parallel.init(0)
+    before = {name: np.asarray(state.params[name][...]) for name in ("router", "up", "down")}
+    DenseMixture.laid_out.clear()
+    new, metrics = parallel.train_step(loss_fn)(state, parallel.place_batch(batch))
+    assert DenseMixture.laid_out and all(isinstance(layout, ExpertLayout) and layout.axis == "expert"
+                                         and layout.shards == 2 for layout in DenseMixture.laid_out)
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+    for name, was in before.items():  # SGD with rate 1: moved by minus one device's gradient
+        np.testing.assert_allclose(was - np.asarray(new.params[name][...]), np.asarray(grads[name][...]),
+                                   rtol=0, atol=1e-6)
+    assert {shard.data.shape[0] for shard in new.params["up"][...].addressable_shards} == {2}
+    dp = parallelize(lambda rngs: DenseMixture(rngs), optax.sgd(1.0), "data=8", "dp")
+    told = nnx.merge(dp.configured(), dp.abstract_state.params, dp.abstract_state.rest).expert_layout
+    assert told.axis is None and told.batch_axes == ("data",)
+    assert parallel.merge(new).expert_layout is None

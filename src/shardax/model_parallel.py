@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.blocks import Attention, LayerStack, StackPlan, blocks_of, split_sequences
 from shardax.cpu_devices import warn_if_starved
 from shardax.errors import UsageError
+from shardax.experts import ExpertLayout, ExpertMixture
 from shardax.model_state import (
     ModelFactory,
     all_annotated,
@@ -36,7 +37,6 @@ from shardax.model_state import (
     trained_part,
     warn_if_updates_round_away,
 )
-from shardax.models.moe import ExpertLayout, MixtureOfExperts
 from shardax.runtime.context import AXIS as CONTEXT_AXIS, ContextLayout
 from shardax.runtime.pipeline import PipelineRun, Schedule
 from shardax.sharding.axis_names import AxisNames, named_mesh, named_strategy, parse_axis_names
@@ -208,11 +208,10 @@ class ParallelModel:
         split_sequences(model, sequence)
         axis = dict(self.strategy.param_rules).get("expert")
         axis = axis if axis and self.mesh.shape.get(axis, 1) > 1 else None
-        for _, moe in blocks_of(model, MixtureOfExperts):
-            # dropless routing runs per device (capacity: as a whole)
-            local = moe.config.capacity_factor is None and schedule is None
-            moe.split = (ExpertLayout(self.mesh, axis, self.strategy.batch_axes, sequence and sequence.axis)
-                         if local or axis else None)
+        for _, mixture in blocks_of(model, ExpertMixture):  # shardax.experts: routes its own tokens
+            local = mixture.routes_per_device and schedule is None
+            mixture.expert_layout = (ExpertLayout(self.mesh, axis, self.strategy.batch_axes,
+                                                  sequence and sequence.axis) if local or axis else None)
         for path, stack in blocks_of(model, LayerStack):
             prefix = f"{path}/layers/"
             specs = tuple((leaf.path[len(prefix):],

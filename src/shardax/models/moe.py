@@ -16,15 +16,14 @@ router z-loss (ST-MoE's mean squared log-sum-exp of the router logits).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from shardax.errors import UsageError
+from shardax.experts import ExpertLayout
 from shardax.layers import annotated_param
 from shardax.models import ops
 from shardax.sharding.compute import for_compute
@@ -41,7 +40,8 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
 
 
 class MixtureOfExperts(nnx.Module):
-    """(B, T, D) -> (B, T, D): each token through its ``top_k`` experts, weighted by the router."""
+    """(B, T, D) -> (B, T, D): each token through its ``top_k`` experts, weighted by the router.
+    An ``ExpertMixture`` (``shardax.experts``): ``parallelize`` tells it how the step splits it."""
 
     def __init__(self, config: Any, rngs: nnx.Rngs) -> None:
         d, f, e = config.d_model, config.ff_width, config.n_experts
@@ -55,7 +55,12 @@ class MixtureOfExperts(nnx.Module):
             self.shared_gate_up = _param(rngs, (d, 2, s), ("embed", None, "mlp"), d)
             self.shared_down = _param(rngs, (s, d), ("mlp", "embed"), s)
             self.shared_gate = _param(rngs, (d, 1), ("embed", None), d)
-        self.split: ExpertLayout | None = None  # set by parallelize under an expert axis
+        self.expert_layout: ExpertLayout | None = None  # set by parallelize (shardax.experts.ExpertMixture)
+
+    @property
+    def routes_per_device(self) -> bool:
+        """Dropless routing runs per device; a capacity per expert is the whole batch's."""
+        return self.config.capacity_factor is None
 
     def route(self, y: jax.Array, router: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Each token's experts (N, k), their weights (N, k) and the router's logits (N, E)."""
@@ -80,7 +85,7 @@ class MixtureOfExperts(nnx.Module):
 
     def _routed(self, y: jax.Array) -> jax.Array:
         config = self.config
-        if self.split is not None:
+        if self.expert_layout is not None:
             out, self.router_stats[...] = _across_devices(self, y)
             return out
         batch, length, width = y.shape
@@ -160,45 +165,13 @@ def router_losses(stats: jax.Array) -> tuple[jax.Array, jax.Array]:
     return experts * jnp.sum(stats[:experts] * stats[experts:2 * experts]), stats[-1]
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertLayout:
-    """How the step being traced splits a mixture of experts (set by ``parallelize``): the experts
-    over ``axis`` of ``mesh`` (each device a group of them; None: every device holds them all),
-    the tokens' rows over ``batch_axes`` (``axis`` among them) and their sequence over
-    ``sequence_axis`` (a context axis) or whole. Each device routes its own tokens."""
-
-    mesh: Mesh
-    axis: str | None
-    batch_axes: tuple[str, ...]
-    sequence_axis: str | None = None
-
-    @property
-    def shards(self) -> int:
-        return self.mesh.shape[self.axis] if self.axis else 1
-
-    @property
-    def token_axes(self) -> tuple[str, ...]:
-        """Every mesh axis the tokens are split over."""
-        return tuple(a for a in (*self.batch_axes, self.sequence_axis) if a and self.mesh.shape.get(a, 1) > 1)
-
-    def check(self, experts: int, capacity_factor: float | None) -> None:
-        if self.shards == 1:
-            return
-        if experts % self.shards:
-            raise UsageError(f"{experts} experts do not split over {self.axis}={self.shards} devices; use an "
-                             f"{self.axis} axis that divides {experts}")
-        if capacity_factor is not None:
-            raise UsageError(f"capacity_factor={capacity_factor} with the experts split over {self.axis!r}: "
-                             "routing across devices here is dropless; drop capacity_factor")
-
-
 def _across_devices(moe: "MixtureOfExperts", y: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``moe`` on ``y`` (B, T, D) laid out by ``moe.split``: each device routes its own tokens (not
+    """``moe`` on ``y`` (B, T, D) laid out by ``moe.expert_layout``: each device routes its own tokens (not
     the whole batch's, as the compiler would make of a sort over tokens split over devices).
     With the experts split over an axis it sends each copy to the device of its expert (an
     all-to-all), computes its experts' rows in grouped matmuls and sends the results back (a
     second all-to-all). Returns the output and the router statistics over every token."""
-    layout, config = moe.split, moe.config
+    layout, config = moe.expert_layout, moe.config
     layout.check(config.n_experts, config.capacity_factor)
     rows = tuple(a for a in layout.batch_axes if layout.mesh.shape.get(a, 1) > 1)
     tokens_spec = PartitionSpec(rows or None, layout.sequence_axis, None)
