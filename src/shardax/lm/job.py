@@ -281,6 +281,8 @@ def run(config: TrainConfig) -> TrainResult:
         raise
     except Stopped as stop:  # before fit took over the signals
         raise Stopped(stop.signal_name, "before training began: this run wrote nothing") from None
+    finally:
+        where.release()  # a new run directory the run was refused (or stopped) before writing in goes
     try:
         return _close(fit, trainer, data, run, config, where)
     except Stopped as stop:  # the run is complete: what is left is its sample and summary

@@ -8,13 +8,16 @@
 
 The directory is named by the time the run started and its strategy, under ``runs/`` in the
 working directory (or under ``$SHARDAX_RUNS_DIR``), unless ``--run-dir`` names one. ``--checkpoint-dir`` and
-``--metrics`` still put those elsewhere. With several processes, process 0 picks the name and the others take
-it. ``--resume --run-dir DIR`` continues the run with the settings of its ``config.yaml``
+``--metrics`` still put those elsewhere. The name is claimed by creating the directory (``-2``, ``-3``... when
+another run has it), so runs started at the same moment (a sweep from a shell loop) each get their own; a run
+refused before it writes removes it again. With several processes, process 0 claims it and the others take
+the name. ``--resume --run-dir DIR`` continues the run with the settings of its ``config.yaml``
 (flags given then win; what defines the run comes from its checkpoint, see ``lm/config.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -37,6 +40,14 @@ class RunDirectory:
     path: Path
     checkpoint_dir: Path
     metrics: Path
+    claimed: tuple[Path, ...] = ()  # folders this process made to claim a new run's name, innermost first
+
+    def release(self) -> None:
+        """Remove the folders claimed for this run where they are still empty (a run refused before it
+        wrote anything leaves nothing)."""
+        for folder in self.claimed:
+            with contextlib.suppress(OSError):  # not empty: the run, or another one, wrote in it
+                folder.rmdir()
 
     @property
     def config(self) -> Path:
@@ -66,13 +77,15 @@ class RunDirectory:
 def run_directory(run_dir: str | None, strategy: str, checkpoint_dir: str | None, metrics: str | None,
                   resume: bool) -> RunDirectory:
     """Where this run writes: ``run_dir``, or a new directory under ``runs/`` named by the time and
-    ``strategy`` (the same name on every process). Nothing is created here."""
+    ``strategy`` (the same name on every process), claimed here by process 0 creating it empty (see
+    ``RunDirectory.release``). Nothing else is created here."""
+    claimed: tuple[Path, ...] = ()
     if run_dir is None:
         if resume and checkpoint_dir is None:
             latest = latest_run()
             hint = f" (the latest is {latest})" if latest is not None else ""
             raise UsageError(f"--resume continues a saved run: name it with --run-dir DIR{hint}")
-        path = _new_name(strategy)
+        path, claimed = _new_name(strategy)
     else:
         path = Path(run_dir)
         if path.exists() and not path.is_dir():
@@ -82,7 +95,7 @@ def run_directory(run_dir: str | None, strategy: str, checkpoint_dir: str | None
             raise UsageError(f"--run-dir {run_dir} holds no checkpoints to resume (no {path / CHECKPOINTS}); "
                              "give the directory of a run that saved one, or drop --resume to start it")
     return RunDirectory(path, Path(checkpoint_dir) if checkpoint_dir else path / CHECKPOINTS,
-                        Path(metrics) if metrics else path / METRICS)
+                        Path(metrics) if metrics else path / METRICS, claimed)
 
 
 def runs_root() -> Path:
@@ -96,22 +109,44 @@ def latest_run() -> Path | None:
     return runs[-1] if runs else None
 
 
-def _new_name(strategy: str) -> Path:
-    """``runs/<date>_<time>_<strategy>``, with ``-2``, ``-3``... for runs started in the same second.
-    Process 0 chooses; with several processes the others receive its choice."""
+def _new_name(strategy: str) -> tuple[Path, tuple[Path, ...]]:
+    """``runs/<date>_<time>_<strategy>``, with ``-2``, ``-3``... for runs started in the same second;
+    with the folders created to claim it. Process 0 claims it; the others receive its choice."""
     import jax
     import numpy as np
 
-    stamp, suffix = int(time.time()), 1
+    stamp, suffix, claimed = int(time.time()), 1, ()
     if jax.process_index() == 0:
-        while _named(stamp, strategy, suffix).exists():
-            suffix += 1
+        suffix, claimed = _claim(stamp, strategy)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         stamp, suffix = (int(v)
                          for v in multihost_utils.broadcast_one_to_all(np.array([stamp, suffix], np.int64)))
-    return _named(stamp, strategy, suffix)
+    return _named(stamp, strategy, suffix), claimed
+
+
+def _claim(stamp: int, strategy: str) -> tuple[int, tuple[Path, ...]]:
+    """The first suffix whose directory this process creates (``mkdir`` is atomic: of runs claiming
+    one name at once, one gets it and the others try the next), with the folders it made."""
+    root = runs_root().absolute()
+    missing = tuple(folder for folder in (root, *root.parents) if not folder.exists())
+    suffix, attempts = 1, 0
+    while True:
+        path = _named(stamp, strategy, suffix)
+        try:
+            path.mkdir(parents=True)
+            return suffix, (path, *missing)
+        except FileExistsError:
+            if not path.parent.is_dir():  # runs/ is a file, or a link to nowhere
+                raise UsageError(f"{path.parent} is not a directory to hold run directories; give --run-dir "
+                                 "DIR, or set SHARDAX_RUNS_DIR") from None
+            suffix += 1
+        except OSError as error:  # (runs/ removed meanwhile by a refused run: tried again)
+            attempts += 1
+            if not isinstance(error, FileNotFoundError) or attempts > 100:
+                raise UsageError(f"the run directory {path} cannot be created ({error.strerror}); give "
+                                 "--run-dir DIR, or set SHARDAX_RUNS_DIR") from None
 
 
 def _named(stamp: int, strategy: str, suffix: int) -> Path:
