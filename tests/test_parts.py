@@ -33,6 +33,7 @@ from user_models import (
 
 from shardax import Part, Trainer, ema_params, report
 from shardax.errors import UsageError
+from shardax.parts import part_seed
 
 pytestmark = pytest.mark.xdist_group("test_parts")
 
@@ -65,14 +66,14 @@ _REFERENCE = {}
 
 
 def reference(procedure):
-    """Plain NNX on one device, each part built with the seed shardax gives it (0, 1, ... in order)."""
+    """Plain NNX on one device, each part built with the seed shardax gives it (from its name)."""
     if procedure not in _REFERENCE:
         make, step, _, batches = PROCEDURES[procedure]
         parts = make()
         _REFERENCE[procedure] = plain_parts_run(
             {name: part.model for name, part in parts.items()},
             {name: part.optimizer for name, part in parts.items() if part.optimizer is not None},
-            step, batches(STEPS), seeds={name: i for i, name in enumerate(parts)})
+            step, batches(STEPS), seeds={name: part_seed(0, name) for name in parts})
     return _REFERENCE[procedure]
 
 
@@ -171,6 +172,18 @@ def _wrong_grads(parts, batch):
     return {}
 
 
+def _reshaped_grads(parts, batch):
+    grads = nnx.grad(lambda d: d(batch["image"]).mean())(parts["discriminator"])
+    parts.update("discriminator", jax.tree.map(lambda g: g.T if g.ndim == 2 else g, grads))
+    return {}
+
+
+def _bfloat16_grads(parts, batch):
+    grads = nnx.grad(lambda d: d(batch["image"]).mean())(parts["discriminator"])
+    parts.update("discriminator", jax.tree.map(lambda g: g.astype(jax.numpy.bfloat16), grads))
+    return {}
+
+
 def _never_updates_the_generator(parts, batch):
     grads = nnx.grad(lambda d: d(batch["image"]).mean())(parts["discriminator"])
     parts.update("discriminator", grads)
@@ -201,6 +214,12 @@ GAN_BATCH = next(gan_batches(1))
     (lambda: Trainer(parts=gan_parts(), step=_wrong_grads, example_batch=GAN_BATCH),
      ("parts.update('generator', grads): grads hold 8 arrays that are not the gradients of part 'generator' "
       "(7 trained parameters)")),
+    (lambda: Trainer(parts=gan_parts(), step=_reshaped_grads, example_batch=GAN_BATCH),
+     "parts.update('discriminator', grads): the gradient of down/kernel is float32[16, 32] where the "
+     "parameter is float32[32, 16]"),
+    (lambda: Trainer(parts=gan_parts(), step=_bfloat16_grads, example_batch=GAN_BATCH),
+     "parts.update('discriminator', grads): the gradient of down/bias is bfloat16[16] where the "
+     "parameter is float32[16]; pass nnx.grad(loss)(parts['discriminator']) unchanged"),
     (lambda: Trainer(parts=gan_parts(), step=_never_updates_the_generator, example_batch=GAN_BATCH),
      "part 'generator' has an optimizer but the step never called parts.update('generator', grads)"),
     (lambda: Trainer(parts=distill_parts(), step=_updates_the_teacher, example_batch=next(vector_batches(1))),
@@ -218,6 +237,47 @@ def test_bad_input_to_a_run_of_parts_is_one_line(call, message):
     with pytest.raises(UsageError) as error:
         call()
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_drawing_samples_never_changes_the_run_and_a_run_that_samples_resumes_exactly(tmp_path):
+    """``draw`` calls the generator's own sampling method, which draws from its RNG stream: on a
+    copy, so the run (its RNG streams, statistics, weights) is the run without samples, and a run
+    that samples resumes exactly. Its grids go under the run directory."""
+    batches = list(gan_batches(4))
+
+    def draw(models, step):
+        return {"fake": (models["generator"].sample(6).reshape(6, 2, 4) + 1) / 2}
+
+    def gan():
+        return Trainer(parts=gan_parts(), step=gan_step, strategy="fsdp")
+
+    plain = gan().fit(batches, steps=4, summary=False)
+    sampled = gan().fit(batches, steps=4, samples=draw, sample_every=1, run_dir=tmp_path / "a", summary=False)
+    jax.tree.map(np.testing.assert_array_equal, on_host(sampled.state), on_host(plain.state))
+    assert sorted(p.name for p in (tmp_path / "a" / "samples").iterdir()) == [
+        f"fake_step_{step:06d}.png" for step in (1, 2, 3, 4)]
+    gan().fit(batches, steps=2, samples=draw, sample_every=1, run_dir=tmp_path / "b", summary=False)
+    resumed = gan().fit(batches, steps=4, samples=draw, sample_every=1, run_dir=tmp_path / "b", resume=True,
+                        summary=False)
+    assert resumed.start_step == 2
+    jax.tree.map(np.testing.assert_array_equal, on_host(resumed.state), on_host(plain.state))
+
+
+def test_a_module_given_as_init_from_stays_usable_and_unchanged():
+    """The run's state is donated to every step; a teacher handed over as ``init_from`` (here one a
+    first run trained, already laid out as this run lays it out) is copied into it, so the
+    caller's module still computes, with the weights it had."""
+    first = Trainer(parts={"teacher": Part(Teacher, sgd()), "student": Part(Student)},
+                    step=lambda parts, batch: distill_step(parts, batch, learner="teacher"), strategy="dp")
+    first.fit(list(vector_batches(2)), steps=2, summary=False)
+    teacher = first.part("teacher")
+    before = on_host(nnx.state(teacher))
+    parts = {"teacher": Part(Teacher, init_from=teacher), "student": Part(Student, sgd())}
+    trainer = Trainer(parts=parts, step=distill_step, strategy="dp")
+    trainer.fit(list(vector_batches(3)), steps=3, summary=False)
+    inputs = next(vector_batches(1))["inputs"]
+    np.testing.assert_array_equal(np.asarray(teacher(inputs)), np.asarray(trainer.part("teacher")(inputs)))
+    jax.tree.map(np.testing.assert_array_equal, on_host(nnx.state(teacher)), before)
 
 
 @pytest.mark.parametrize("on_nonfinite", ["skip", "stop"])

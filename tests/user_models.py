@@ -34,19 +34,24 @@ class ConvNet(nnx.Module):
 
 class DropoutMLP(nnx.Module):
     """12 -> 40 -> 5 with Dropout between, counting the examples it has trained on, and noise
-    added to its inputs in training from an RNG stream of its own (``noise``)."""
+    added to its inputs in training from an RNG stream of its own (``noise``). Its inputs are
+    paired through a constant index table kept as a plain ``jnp`` array attribute, as window
+    attention keeps its relative position index."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(12, 40, rngs=rngs)
+        self.hidden = nnx.Linear(24, 40, rngs=rngs)
         self.dropout = nnx.Dropout(0.3, rngs=rngs)
         self.out = nnx.Linear(40, 5, rngs=rngs)
         self.seen = SeenExamples(jnp.zeros((), jnp.int32))
         self.noise = nnx.Rngs(noise=rngs.params())
+        features = jnp.arange(12)
+        self.pairs = jnp.stack([features, (features + 5) % 12], axis=-1).reshape(-1)  # (24,) int32
 
     def __call__(self, x):
         if not self.dropout.deterministic:  # training
             self.seen[...] += x.shape[0]
             x = x + 0.1 * jax.random.normal(self.noise.noise(), x.shape)
+        x = x[:, self.pairs] * jnp.where(self.pairs % 2 == 0, 1.0, -0.5)  # (B, 24)
         return self.out(self.dropout(nnx.relu(self.hidden(x))))
 
 
@@ -274,17 +279,22 @@ def on_host(tree):
 
 class Generator(nnx.Module):
     """A GAN generator in the DCGAN style, as an MLP: noise 4 -> 24, BatchNorm, ReLU, a square
-    24 -> 24, ReLU, -> 8, tanh."""
+    24 -> 24, ReLU, -> 8, tanh; ``sample(count)`` draws its own noise from a stream of its own,
+    as generators' sampling methods do."""
 
     def __init__(self, rngs: nnx.Rngs):
         self.project = nnx.Linear(4, 24, use_bias=False, rngs=rngs)  # BatchNorm has the bias
         self.norm = nnx.BatchNorm(24, momentum=0.8, rngs=rngs)
         self.hidden = nnx.Linear(24, 24, rngs=rngs)
         self.out = nnx.Linear(24, 8, rngs=rngs)
+        self.latent = nnx.Rngs(latent=rngs.params())
 
     def __call__(self, noise):
         h = nnx.relu(self.norm(self.project(noise)))
         return jnp.tanh(self.out(nnx.relu(self.hidden(h))))
+
+    def sample(self, count):
+        return self(jax.random.normal(self.latent.latent(), (count, 4)))
 
 
 class Discriminator(nnx.Module):
@@ -359,15 +369,17 @@ class Student(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))
 
 
-def distill_step(parts, batch, temperature=2.0):
-    """Knowledge distillation: the student matches the frozen teacher's softened distribution."""
-    target = jax.nn.softmax(parts["teacher"](batch["inputs"]) / temperature)
+def distill_step(parts, batch, temperature=2.0, learner="student"):
+    """Knowledge distillation: the student matches the frozen teacher's softened distribution
+    (``learner="teacher"``: the other way round, the teacher trained)."""
+    source = "teacher" if learner == "student" else "student"
+    target = jax.nn.softmax(parts[source](batch["inputs"]) / temperature)
 
-    def loss(student):
-        return jnp.mean(optax.softmax_cross_entropy(student(batch["inputs"]) / temperature, target))
+    def loss(model):
+        return jnp.mean(optax.softmax_cross_entropy(model(batch["inputs"]) / temperature, target))
 
-    value, grads = nnx.value_and_grad(loss)(parts["student"])
-    parts.update("student", grads)
+    value, grads = nnx.value_and_grad(loss)(parts[learner])
+    parts.update(learner, grads)
     return {"loss": value}
 
 

@@ -32,6 +32,7 @@ from shardax.model_state import (
     build_state,
     check_pipeline_axis,
     derive_unannotated,
+    holding_arrays,
     routing_grouped_convs,
     trainable_filter,
     trained_part,
@@ -234,8 +235,9 @@ class ParallelModel:
             yield
 
     def merge(self, state: TrainState) -> nnx.Module:
-        """An ``nnx.Module`` holding ``state``'s parameters (sharded as they are)."""
-        return nnx.merge(self.graphdef, state.params, state.rest)
+        """An ``nnx.Module`` holding ``state``'s arrays (sharded as they are) in Variables of its own:
+        what it changes (RNG counters, batch statistics) never reaches ``state``."""
+        return nnx.merge(self.graphdef, state.params, state.rest, copy=True)
 
     def ema_state(self, state: TrainState) -> TrainState:
         """``state`` with the trained parameters replaced by the moving average that
@@ -297,6 +299,7 @@ def _lay_out(factory: ModelFactory, tx: optax.GradientTransformation, settings: 
     mesh, strategy = named_mesh(settings.mesh, mapping), named_strategy(settings.strategy, mapping)
     warn_if_starved(mesh)
     tensor, expert = strategy.tensor_axis(mesh), strategy.expert_axis(mesh)
+    factory = holding_arrays(factory)  # built inside a trace: a plain array attribute stays one
     if tensor is not None:
         # the batch repeats over the tensor axis: XLA's grouped-conv gradient needs routing
         factory = routing_grouped_convs(factory)

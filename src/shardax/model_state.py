@@ -8,9 +8,10 @@ program, and the refusals of a model that a strategy cannot lay out.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -53,20 +54,60 @@ def warn_if_updates_round_away(params: Any, trainable: Any, part: str = "") -> N
                       "LoRA adapters", UserWarning, stacklevel=3)
 
 
+@contextlib.contextmanager
+def _building(mesh: Mesh) -> Iterator[None]:
+    """Where a model is built: Flax places nothing itself, the mesh's axes are all Auto."""
+    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto
+                                                 for name in mesh.axis_names})
+    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
+        yield
+
+
 def build_state(factory: ModelFactory, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
                 trainable: Any = None) -> TrainState:
     # Flax would otherwise place annotated variables itself, eagerly, with its own rules. Under
     # the mesh, so that a model's own sharding constraints resolve while it is built; with every
     # axis Auto, since under Explicit axes JAX types each initialiser's random draw as replicated
     # and every device would draw the whole model (jax.make_mesh's default is Explicit).
-    auto = mesh.abstract_mesh.update_axis_types({name: jax.sharding.AxisType.Auto
-                                                 for name in mesh.axis_names})
-    with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(auto):
+    with _building(mesh):
         model = factory(nnx.Rngs(seed))
     _, params, rest = nnx.split(model, nnx.Param, ...)
     zero = jax.numpy.zeros((), jax.numpy.int32)
     return TrainState(step=zero, params=params, opt_state=tx.init(trained_part(params, trainable)), rest=rest,
                       skipped=zero)
+
+
+def _plain_arrays(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
+    """Each (path, module, attribute) of ``model``'s graph holding a bare ``jax.Array`` (a tracer
+    inside a trace), in the graph's order."""
+    found = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module):
+            where = "/".join(map(str, path)) or type(model).__name__
+            found.extend((where, node, name) for name, value in vars(node).items()
+                         if isinstance(value, jax.Array) and not name.startswith("_"))
+    return found
+
+
+def holding_arrays(factory: ModelFactory) -> ModelFactory:
+    """``factory`` whose models hold their plain ``jax.Array`` attributes (a window attention's
+    relative position index, a sinusoidal table) as plain NNX holds them.
+
+    Built eagerly, as in plain NNX, such an array is data: a leaf of the model's state. shardax
+    builds models inside a trace (straight into shards), where Flax takes the tracer for a static
+    attribute, which would leak out of the trace at the first step; marked as data here, it is a
+    leaf of the state as in plain NNX (laid out as the other variables are, checkpointed, never
+    given a gradient), and the model reads the same array."""
+
+    @functools.wraps(factory)
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        model = factory(rngs)
+        for _, node, name in _plain_arrays(model):
+            if not node._pytree__nodes.get(name, False):  # static: only a tracer is taken so
+                setattr(node, name, nnx.data(getattr(node, name)))
+        return model
+
+    return build
 
 
 def routing_grouped_convs(factory: ModelFactory) -> ModelFactory:

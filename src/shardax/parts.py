@@ -16,6 +16,7 @@ distillation's teacher, DPO's reference model. The step over the parts is the us
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,10 +52,11 @@ class Part:
         this call on the trainer's ``example_batch`` (as the one-model Trainer reads its loss).
       trainable: an NNX filter of the parameters its optimizer updates (default: every one, or
         its ``nnx.LoRAParam`` adapters alone when it holds some).
-      seed: its initialisation; default the trainer's seed plus the part's position in ``parts``.
+      seed: its initialisation; default one drawn from the trainer's seed and the part's name
+        (``part_seed``), so that adding, removing or reordering other parts leaves it as it was.
       init_from: weights to start from instead of ``seed``'s: a trained ``nnx.Module`` of the
         same structure (a teacher, a reference model), or its ``nnx.state``; each device takes
-        its own slices of them.
+        its own slices of a copy of them (the module given stays usable).
     """
 
     model: ModelFactory
@@ -63,6 +65,12 @@ class Part:
     trainable: Any = None
     seed: int | None = None
     init_from: Any = None
+
+
+def part_seed(seed: int, name: str) -> int:
+    """The seed of part ``name`` in a run seeded ``seed``: from the name (CRC-32, the same in every
+    process and Python), not the part's position, so other parts never change it."""
+    return (seed + zlib.crc32(name.encode())) % 2**31
 
 
 def check_parts(parts: Any) -> dict[str, Part]:
@@ -177,8 +185,8 @@ class ParallelParts:
         return self.first.layout
 
     def seeds(self, seed: int) -> dict[str, int]:
-        return {name: seed + i if part.seed is None else part.seed
-                for i, (name, part) in enumerate(self.parts.items())}
+        return {name: part_seed(seed, name) if part.seed is None else part.seed
+                for name, part in self.parts.items()}
 
     def init(self, seed: int = 0) -> TrainState:
         """Every part initialised straight into its shards (in one program)."""
@@ -216,10 +224,13 @@ class ParallelParts:
                                  f"than {type(model._abstract_model()).__name__}'s ({len(shapes)} arrays, "
                                  f"{len(jax.tree.leaves(template))} expected); give a module built by the "
                                  "part's own model factory, or its nnx.state")
-        params = jax.device_put(_like(params, state.params[name]), model.state_shardings.params)
+        # copies (may_alias=False): the run's state is donated to each step, and the caller's module
+        # must outlive it
+        params = jax.device_put(_like(params, state.params[name]), model.state_shardings.params,
+                                may_alias=False)
         state = state.replace(params={**state.params, name: params})
         if rest is not None and jax.tree.leaves(rest):
-            rest = jax.device_put(_like(rest, state.rest[name]), model.state_shardings.rest)
+            rest = jax.device_put(_like(rest, state.rest[name]), model.state_shardings.rest, may_alias=False)
             state = state.replace(rest={**state.rest, name: rest})
         return state
 
@@ -272,8 +283,9 @@ class ParallelParts:
         return state.replace(params=params)
 
     def part(self, state: TrainState, name: str) -> nnx.Module:
-        """Part ``name`` as an ``nnx.Module`` holding ``state``'s arrays (sharded as they are)."""
+        """Part ``name`` as an ``nnx.Module`` holding ``state``'s arrays (sharded as they are) in
+        Variables of its own: what it changes (RNG counters, statistics) never reaches ``state``."""
         if name not in self.models:
             raise UsageError(f"no part named {name!r}; the parts are {', '.join(map(repr, self.models))}")
-        return nnx.merge(self.models[name].graphdef, state.params[name], state.rest[name])
+        return nnx.merge(self.models[name].graphdef, state.params[name], state.rest[name], copy=True)
 

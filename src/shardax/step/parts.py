@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from shardax.errors import UsageError
+from shardax.sharding.paths import leaves_with_paths
 from shardax.step.state import TrainState
 from shardax.step.train import in_compute_layout, keep_where
 
@@ -122,14 +123,22 @@ class Parts:
     def _matching(name: str, grads: Any, params: Any, plan: PartPlan) -> Any:
         """``grads`` of the trained parameters; refused in one line unless they match the part."""
         structure, trained = jax.tree.structure(grads), plan.trained(params)
-        if structure == jax.tree.structure(trained):
-            return grads
-        if structure == jax.tree.structure(params):  # every parameter's gradient: the trained ones
-            return plan.trained(grads)
-        count, expected = len(jax.tree.leaves(grads)), len(jax.tree.leaves(trained))
-        raise UsageError(f"parts.update({name!r}, grads): grads hold {count} arrays that are not the "
-                         f"gradients of part {name!r} ({expected} trained parameters); pass "
-                         f"nnx.grad(loss)(parts[{name!r}]), the gradient with respect to that part")
+        if structure == jax.tree.structure(params) and structure != jax.tree.structure(trained):
+            grads = plan.trained(grads)  # every parameter's gradient: the trained ones
+        elif structure != jax.tree.structure(trained):
+            count, expected = len(jax.tree.leaves(grads)), len(jax.tree.leaves(trained))
+            raise UsageError(f"parts.update({name!r}, grads): grads hold {count} arrays that are not the "
+                             f"gradients of part {name!r} ({expected} trained parameters); pass "
+                             f"nnx.grad(loss)(parts[{name!r}]), the gradient with respect to that part")
+        for (path, grad), param in zip(leaves_with_paths(grads), jax.tree.leaves(trained), strict=True):
+            given, expected = jax.ShapeDtypeStruct(jnp.shape(grad), jnp.result_type(grad)), param
+            if given.shape != expected.shape or given.dtype != expected.dtype:
+                raise UsageError(
+                    f"parts.update({name!r}, grads): the gradient of {path} is "
+                    f"{given.dtype.name}{list(given.shape)} where the parameter is "
+                    f"{jnp.dtype(expected.dtype).name}{list(expected.shape)}; pass "
+                    f"nnx.grad(loss)(parts[{name!r}]) unchanged (cast or reshape nothing)")
+        return grads
 
     def final(self, state: TrainState) -> TrainState:
         """The new state: each part's parameters and variables as the step left them."""
