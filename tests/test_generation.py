@@ -16,7 +16,8 @@ from small_models import tiny_transformer_config
 
 import shardax
 from shardax import DeviceMeshManager, parallelize
-from shardax.blocks import init_cache
+from shardax.blocks import Attention, init_cache
+from shardax.decoding import DecodeSpec
 from shardax.errors import UsageError
 from shardax.generation import cache_layout
 from shardax.models.transformer import TransformerLM
@@ -53,10 +54,10 @@ def model_on(name, strategy, mesh):
     return parallel.merge(parallel.init(3))
 
 
-def full_forward_greedy(model, prompt, new):
+def full_forward_greedy(model, prompt, new, window=None):
     """The argmax of the whole model over the growing sequence, no cache: one compiled forward
-    over a fixed window, read at the last real token."""
-    window = model.config.seq_len
+    over a fixed window (default: the model's ``seq_len``), read at the last real token."""
+    window = window or model.config.seq_len
     forward = jax.jit(lambda model, tokens: model(tokens))
     tokens = list(prompt)
     for _ in range(new):
@@ -151,7 +152,7 @@ def test_stop_tokens_and_bad_requests():
         shardax.generate(model, PROMPTS, max_new_tokens=60)
     with pytest.raises(UsageError, match="prompt 1 holds token id 64, outside the model's vocabulary of 64"):
         shardax.generate(model, [[1], [64]])
-    with pytest.raises(UsageError, match="decodes shardax's TransformerLM"):
+    with pytest.raises(UsageError, match="decodes a model that implements shardax.decoding.CachedDecoder"):
         shardax.generate(object(), PROMPTS)
     with pytest.raises(UsageError, match="temperature >= 0, top_k >= 0 and 0 < top_p <= 1"):
         shardax.generate(model, PROMPTS, top_p=0)
@@ -160,3 +161,60 @@ def test_stop_tokens_and_bad_requests():
                                              "cache holds; use one of float32, bfloat16, float16 "
                                              "\\(None: the model's compute dtype, float32\\)"):
             shardax.generate(model, PROMPTS, cache_dtype=wrong)
+
+
+class TinyDecoder(nnx.Module):
+    """A user's language model of one attention layer, built from shardax's public blocks, that
+    implements ``shardax.decoding.CachedDecoder``: learned positions, ``shardax.blocks.Attention``
+    (which reads and writes the cache ``shardax.blocks.init_cache`` gives it), a tied head."""
+
+    VOCAB, LENGTH, HEADS, HEAD = 32, 48, 2, 4
+
+    def __init__(self, rngs):
+        width = self.HEADS * self.HEAD
+        self.embed = nnx.Embed(self.VOCAB, width, rngs=rngs)
+        self.position = nnx.Embed(self.LENGTH, width, rngs=rngs)
+        self.qkv = nnx.LinearGeneral(width, (3, self.HEADS, self.HEAD), rngs=rngs)
+        self.attention = Attention()
+        self.out = nnx.LinearGeneral((self.HEADS, self.HEAD), width, axis=(-2, -1), rngs=rngs)
+
+    def decode_spec(self):
+        return DecodeSpec(self.VOCAB, self.LENGTH, self.HEADS, self.HEAD, "float32", layer_windows=(0,))
+
+    def init_cache(self, batch, length, dtype, sharding=None, *, ring=None):
+        init_cache(self, batch, length, self.HEADS, self.HEAD, dtype, sharding, ring=ring)
+
+    def __call__(self, tokens, positions=None):
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self.embed(tokens) + self.position(positions)
+        q, k, v = jnp.moveaxis(self.qkv(x), 2, 0)  # each (B, T, heads, head)
+        x = x + self.out(self.attention(q, k, v, positions=positions))
+        return self.embed.attend(x)
+
+
+@pytest.mark.parametrize("mesh", [None, "data=8"])
+def test_a_users_model_that_implements_the_protocol_generates(mesh):
+    """generate() decodes any CachedDecoder, not only shardax's TransformerLM: a user's model of
+    shardax's blocks, alone and placed on a mesh, gives the full forward's argmax token for token;
+    a model that lacks the protocol is refused in one line naming what it lacks."""
+    if mesh is None:
+        model = TinyDecoder(nnx.Rngs(0))
+    else:
+        parallel = parallelize(TinyDecoder, optax.identity(), mesh, "dp")
+        model = parallel.merge(parallel.init(0))
+    prompts = [[p % TinyDecoder.VOCAB for p in prompt] for prompt in PROMPTS]
+    greedy = shardax.generate(model, prompts, max_new_tokens=20)
+    assert greedy == [full_forward_greedy(model, prompt, 20, TinyDecoder.LENGTH) for prompt in prompts]
+    assert greedy.stats.cache_bytes_per_device == cache_layout(model, 3, 19, 20).bytes_per_device(
+        model.decode_spec())
+
+    class Plain(nnx.Module):  # a model, but not a CachedDecoder
+        def __call__(self, tokens, positions=None):
+            return jax.nn.one_hot(tokens, 8)
+
+    with pytest.raises(UsageError) as error:
+        shardax.generate(Plain(), [[1, 2]])
+    assert str(error.value) == ("generate() decodes a model that implements shardax.decoding.CachedDecoder "
+                                "(decode_spec() and init_cache(), as shardax's TransformerLM does); "
+                                "this Plain has no decode_spec() and has no init_cache()")

@@ -5,7 +5,8 @@
     sharding                      rules, strategies, layouts, placement, report
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, adapters,     what users and we train (blocks: LayerStack, Attention; any model's LoRA
-    experts, models, data         adapters; what a mixture of experts exposes), shardax's own LM, the LM's data
+    experts, decoding,            adapters; what a mixture of experts and a model generate() decodes expose),
+    models, data                  shardax's own LM, the LM's data
     step                          the compiled train/eval step of any model under any layout
     model_parallel, model_state,  parallelize(), reshard(), a model's state; named parts of a run;
     parts, compat                 artifex's data-parallel API
@@ -24,7 +25,7 @@ LAYERS = [
     {"errors", "vocabulary", "mesh", "distributed", "launch", "cpu_devices"},
     {"sharding"},
     {"runtime"},
-    {"layers", "blocks", "adapters", "experts", "models", "data"},
+    {"layers", "blocks", "adapters", "experts", "decoding", "models", "data"},
     {"step"},
     {"model_parallel", "model_state", "parts", "compat"},
     {"hf", "generation"},

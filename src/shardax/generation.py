@@ -1,4 +1,5 @@
-"""Generation from shardax's transformer with a key/value cache, sharded like the model.
+"""Generation with a key/value cache, sharded like the model, from any model that implements
+``shardax.decoding.CachedDecoder`` (shardax's ``TransformerLM`` does).
 
     tokens = shardax.generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)            # greedy
     tokens = shardax.generate(model, prompts, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=1)
@@ -38,9 +39,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.blocks import init_cache
+from shardax.decoding import CachedDecoder, DecodeSpec, decode_spec_of
 from shardax.errors import UsageError
-from shardax.models.transformer import TransformerLM
 from shardax.vocabulary import MODEL
 
 PROMPT_BUCKET = 16  # prompts are padded to a multiple of this; the cache grows from it by doubling
@@ -63,29 +63,27 @@ def _mesh_of(model: nnx.Module) -> Mesh | None:
     return None
 
 
-def cache_dtype_name(model: TransformerLM, cache_dtype: Any) -> str:
+def cache_dtype_name(spec: DecodeSpec, cache_dtype: Any) -> str:
     """The name of the dtype the cache holds keys and values in: ``cache_dtype``, or the model's
-    compute dtype where it is None; refused unless a float the cache may hold."""
+    compute dtype (``spec.dtype``) where it is None; refused unless a float the cache may hold."""
     try:
-        name = jnp.dtype(model.config.dtype if cache_dtype is None else cache_dtype).name
+        name = jnp.dtype(spec.dtype if cache_dtype is None else cache_dtype).name
     except TypeError:
         name = None
     if name not in CACHE_DTYPES:
         raise UsageError(f"cache_dtype={cache_dtype!r} is not a dtype the key/value cache holds; use one of "
                          f"{', '.join(CACHE_DTYPES)} (None: the model's compute dtype, "
-                         f"{jnp.dtype(model.config.dtype).name})")
+                         f"{jnp.dtype(spec.dtype).name})")
     return name
 
 
 def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, cache_dtype: Any = None) -> None:
     """What ``generate`` refuses, refused before anything is computed (or printed)."""
-    if not isinstance(model, TransformerLM):
-        raise UsageError("generate() decodes shardax's TransformerLM (its own, or a Hugging Face "
-                         f"checkpoint's via shardax.hf.load(...).model()); got {type(model).__name__}")
+    spec = decode_spec_of(model)
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise UsageError("generate() needs at least one prompt, each of at least one token")
-    vocab = model.config.vocab_size
+    vocab = spec.vocab_size
     for row, prompt in enumerate(prompts):
         wrong = [int(t) for t in prompt if not 0 <= int(t) < vocab]
         if wrong:
@@ -97,12 +95,12 @@ def check_request(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: 
         raise UsageError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
                          f"{temperature}, {top_k} and {top_p} (temperature 0 is greedy, top_k 0 and top_p 1 "
                          "keep every token)")
-    cache_dtype_name(model, cache_dtype)
+    cache_dtype_name(spec, cache_dtype)
     longest = max(len(prompt) for prompt in prompts)
-    if longest + max_new_tokens > model.config.seq_len:
+    if longest + max_new_tokens > spec.seq_len:
         raise UsageError(f"a prompt of {longest} tokens and {max_new_tokens} new ones need "
                          f"{longest + max_new_tokens} positions, more than the model's "
-                         f"{model.config.seq_len}; shorten the prompt or ask for fewer new tokens")
+                         f"{spec.seq_len}; shorten the prompt or ask for fewer new tokens")
 
 
 def _draw(logits: jax.Array, key: jax.Array, rows: jax.Array, temperature: float, top_k: int,
@@ -154,7 +152,7 @@ class CacheLayout:
 
     def bytes_per_device(self, config: Any, length: int | None = None) -> int:
         """Bytes of the keys and values of every layer on one device, at ``length`` positions
-        (default: the last)."""
+        (default: the last); ``config``: the model's ``DecodeSpec`` (or a ``TransformerConfig``)."""
         length = self.length if length is None else length
         held = sum(min(length, self.ring) if self.ring and window else length
                    for window in config.layer_windows)
@@ -166,22 +164,22 @@ class CacheLayout:
         return whole // split
 
 
-def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: int,
+def cache_layout(model: CachedDecoder, rows: int, longest: int, max_new_tokens: int,
                  cache_dtype: Any = None) -> CacheLayout:
     """How ``generate`` lays out the cache for ``rows`` prompts of at most ``longest`` tokens: rows
     over the mesh's data axes, key/value heads over ``model`` where they divide, held as
     ``cache_dtype`` (None: the model's compute dtype)."""
-    config, mesh = model.config, _mesh_of(model)
+    spec, mesh = decode_spec_of(model), _mesh_of(model)
     data_axes: tuple[str, ...] = ()
     heads_axis = None
     if mesh is not None:  # rows over every axis but model (a pipeline's stages and a context axis too)
         data_axes = tuple(axis for axis in mesh.axis_names if axis != MODEL and mesh.shape[axis] > 1)
-        if mesh.shape.get(MODEL, 1) > 1 and config.kv_heads % mesh.shape[MODEL] == 0:
+        if mesh.shape.get(MODEL, 1) > 1 and spec.kv_heads % mesh.shape[MODEL] == 0:
             heads_axis = MODEL
     batch = _round_up(rows, math.prod(mesh.shape[axis] for axis in data_axes) if mesh is not None else 1)
-    last = min(_round_up(longest + max_new_tokens, PROMPT_BUCKET), config.seq_len)
+    last = min(_round_up(longest + max_new_tokens, PROMPT_BUCKET), spec.seq_len)
     prompt_length = min(_round_up(longest, PROMPT_BUCKET), last)
-    windows, ring = set(config.layer_windows), None
+    windows, ring = set(spec.layer_windows), None
     if windows - {0}:  # a windowed layer needs its window (and the prompt, written at once): a ring of that
         ring = max(_round_up(max(windows), PROMPT_BUCKET), prompt_length)
     if 0 not in windows:  # every layer windowed alike: the whole cache is the ring (Attention)
@@ -192,7 +190,7 @@ def cache_layout(model: TransformerLM, rows: int, longest: int, max_new_tokens: 
     lengths = [length for length in lengths if length >= prompt_length]
     return CacheLayout(mesh, batch, tuple(min(length, last) for length in lengths), prompt_length,
                        (data_axes or None, heads_axis, None, None), ring if ring and ring < last else None,
-                       cache_dtype_name(model, cache_dtype))
+                       cache_dtype_name(spec, cache_dtype))
 
 
 _STEPS: dict[Any, Any] = {}
@@ -222,18 +220,17 @@ def _step(graphdef: nnx.GraphDef, mesh: Mesh | None, cache_shardings: Any, tempe
     return _STEPS[key]
 
 
-def _decoder(model: TransformerLM, layout: CacheLayout) -> tuple[nnx.GraphDef, Any, Any]:
+def _decoder(model: CachedDecoder, layout: CacheLayout) -> tuple[nnx.GraphDef, Any, Any]:
     """``(graphdef, cache, weights)`` of a copy of ``model`` in eval mode with an empty cache laid
     out as ``layout`` says (``model`` itself is not changed)."""
-    config, mesh = model.config, layout.mesh
+    mesh = layout.mesh
     graphdef, state = nnx.split(model)
     work = nnx.merge(graphdef, state)  # a copy of the structure over the same arrays
     work.eval()
     placed = None if mesh is None else (
         lambda shape: NamedSharding(mesh, PartitionSpec(*(None,) * (len(shape) - 4), *layout.spec)
                                     if len(shape) >= 4 else PartitionSpec()))
-    init_cache(work, layout.batch, layout.lengths[0], config.kv_heads, config.head_dim, layout.dtype, placed,
-               windows=config.layer_windows, ring=layout.ring)
+    work.init_cache(layout.batch, layout.lengths[0], layout.dtype, placed, ring=layout.ring)
     graphdef, cache, weights = nnx.split(work, nnx.Cache, ...)
     del work
     if mesh is not None:  # the same layout on the mesh's Auto twin (no copy where it already is)
@@ -339,7 +336,7 @@ def _stop_sequences(stop: int | Sequence[int | Sequence[int]] | None) -> list[tu
             isinstance(s, (int, np.integer)) or len(s)]
 
 
-def generate(model: TransformerLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+def generate(model: CachedDecoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop: int | Sequence[int | Sequence[int]] | None = None, vocab: int | None = None,
              on_token: Callable[[int, list[int]], None] | None = None, cache_dtype: Any = None) -> Generated:

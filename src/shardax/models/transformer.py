@@ -31,7 +31,16 @@ import numpy as np
 from flax import nnx
 
 from shardax.adapters import LORA_TARGETS, LoRA  # noqa: F401 (also importable from here)
-from shardax.blocks import Attention, LayerSetting, LayerStack, attention_kernel, blocks_of, sequence_split
+from shardax.blocks import (
+    Attention,
+    LayerSetting,
+    LayerStack,
+    attention_kernel,
+    blocks_of,
+    init_cache as cache_every_attention,
+    sequence_split,
+)
+from shardax.decoding import CacheSharding, DecodeSpec
 from shardax.errors import UsageError
 from shardax.layers import annotated_param, metadata_only
 from shardax.models import ops
@@ -213,6 +222,19 @@ class TransformerLM(nnx.Module):
         projections it names (checked by the config)."""
         config = lora.applied(self.config)
         return lambda rngs: TransformerLM(config, rngs=rngs)
+
+    def decode_spec(self) -> DecodeSpec:
+        """What ``shardax.generate`` reads of this model (``shardax.decoding.CachedDecoder``)."""
+        c = self.config
+        return DecodeSpec(c.vocab_size, c.seq_len, c.kv_heads, c.head_dim, c.dtype, c.layer_windows)
+
+    def init_cache(self, batch: int, length: int, dtype: Any, sharding: CacheSharding = None, *,
+                   ring: int | None = None) -> None:
+        """An empty key/value cache in every attention layer, each layer's window its own
+        (``shardax.blocks.init_cache``), for ``shardax.generate``."""
+        c = self.config
+        cache_every_attention(self, batch, length, c.kv_heads, c.head_dim, dtype, sharding,
+                              windows=c.layer_windows, ring=ring)
 
     def _build(self, config: TransformerConfig, rngs: nnx.Rngs) -> None:
         self.config = config
