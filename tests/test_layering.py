@@ -67,6 +67,26 @@ def test_every_module_imports_only_its_own_layer_or_below():
     assert not upward, upward
 
 
+# work for any model, so import nothing of shardax's own LM (models/), its job (lm/) or its checkpoints (hf/)
+GENERIC = {"model_parallel", "generation", "parts", "step", "trainer"}
+LANGUAGE_MODEL = {"models", "lm", "hf"}
+# left, for the trainer's owner: Trainer(init_from=<a checkpoint directory>) reads it by shardax.hf.factory
+NOT_YET = {"trainer/models.py imports shardax.hf"}
+
+
+def test_the_generic_layers_know_no_language_model():
+    """parallelize, generate, parts, the step and the trainer know a language model only through
+    protocols any model may follow (``shardax.experts.ExpertMixture``, ``shardax.decoding.CachedDecoder``)
+    and what is plugged in from above; any model's LoRA adapters are ``shardax.adapters``."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[0] in GENERIC:
+            found |= {f"{'/'.join(parts)}.py imports shardax.{name}"
+                      for name in shardax_imports(path) & LANGUAGE_MODEL}
+    assert found <= NOT_YET, sorted(found - NOT_YET)
+
+
 def test_the_layer_list_covers_the_package():
     tops = {path.relative_to(PACKAGE).with_suffix("").parts[0]
             for path in PACKAGE.rglob("*.py")} - {"__init__"}
