@@ -139,6 +139,64 @@ def test_a_procedure_of_parts_trains_like_plain_nnx_on_one_device(procedure, str
     assert set(metrics) == {"d_accuracy"} if procedure == "gan" else {"agreement"}
 
 
+def policy_step(parts, batch):
+    """A policy trained on next tokens, held near a frozen reference model (a KL term): DPO's and
+    RL's pair of parts."""
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    reference = jax.nn.log_softmax(parts["reference"](inputs))
+
+    def loss(policy):
+        logits = jax.nn.log_softmax(policy(inputs))
+        nll = -jax.numpy.take_along_axis(logits, targets[..., None], axis=-1).mean()
+        return nll + 0.5 * (jax.numpy.exp(logits) * (logits - reference)).sum(-1).mean()
+
+    value, grads = nnx.value_and_grad(loss)(parts["policy"])
+    parts.update("policy", grads)
+    return {"loss": value}
+
+
+def language_models():
+    from small_models import tiny_transformer_config
+
+    from shardax.models.transformer import TransformerLM
+
+    config = tiny_transformer_config()
+    return {"policy": Part(lambda rngs: TransformerLM(config, rngs=rngs), sgd()),
+            "reference": Part(lambda rngs: TransformerLM(config, rngs=rngs))}
+
+
+@pytest.mark.parametrize("strategy, mesh_shape", [("pp_tp", "stage=2,data=2,model=2"),
+                                                  ("fsdp", "data=2,context=4")])
+def test_a_policy_beside_its_frozen_reference_trains_like_one_device_pipelined_or_split_by_context(
+        strategy, mesh_shape):
+    """Parts take every strategy a lone model takes: both language models staged over a pipeline
+    (each stage holding its layers of both), or their sequences split over a context axis; the
+    policy's every parameter moves as plain NNX on one device moves it (SGD)."""
+    from small_models import token_batches
+
+    parts = language_models()
+    batches = list(token_batches(3))
+    expected, ref_models, _ = plain_parts_run(
+        {name: part.model for name, part in parts.items()}, {"policy": sgd()}, policy_step, batches,
+        seeds={name: part_seed(0, name) for name in parts})
+    trainer = Trainer(parts=parts, step=policy_step, strategy=strategy, mesh=mesh_shape)
+    initial = by_path(nnx.state(trainer.part("policy", trainer.init()), nnx.Param))
+    result = trainer.fit(batches, steps=3, log_every=1, summary=False)
+    np.testing.assert_allclose([r["loss"] for r in result.history], [e["loss"] for e in expected], rtol=2e-5)
+    ours, theirs = by_path(nnx.state(trainer.part("policy"), nnx.Param)), by_path(
+        nnx.state(ref_models["policy"], nnx.Param))
+    assert ours.keys() == theirs.keys()
+    for path in ours:
+        moved, ref_moved = ours[path] - initial[path], theirs[path] - initial[path]
+        np.testing.assert_allclose(moved, ref_moved, rtol=0, atol=1e-4 * float(np.abs(ref_moved).max()),
+                                   err_msg=path)
+    if strategy == "pp_tp":  # each stage holds its own layer of each model
+        kernel = result.state.params["reference"]["blocks"]["layers"]["mlp_in"]
+        assert kernel.addressable_shards[0].data.shape[0] == 1
+    else:
+        assert trainer.context_attention == "all-gather"
+
+
 def test_a_run_of_parts_resumes_exactly_and_restores_with_orbax_alone(tmp_path):
     batches = list(gan_batches(6))
 
@@ -210,7 +268,11 @@ GAN_BATCH = next(gan_batches(1))
     (lambda: Trainer(parts={"teacher": Part(Teacher)}, step=gan_step),
      "every part is frozen, so nothing would train"),
     (lambda: Trainer(parts=gan_parts(), step=gan_step, strategy="pp", mesh="data=4,stage=2"),
-     "a run of several parts uses dp, zero1, zero2, fsdp, hsdp, tp or fsdp_tp"),
+     "part 'generator': strategy 'pp' cuts a stack of layers into stages over 'stage', and this model has "
+     "none"),
+    (lambda: Trainer(parts=gan_parts(), step=gan_step, mesh="data=2,context=4"),
+     "part 'generator': a 'context' mesh axis splits sequences for models that attend through "
+     "shardax.blocks.Attention"),
     (lambda: Trainer(parts=gan_parts(), step=_wrong_grads, example_batch=GAN_BATCH),
      ("parts.update('generator', grads): grads hold 8 arrays that are not the gradients of part 'generator' "
       "(7 trained parameters)")),

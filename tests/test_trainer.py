@@ -90,12 +90,12 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
 
     def draw(model, step):  # six 5x8 "images": the hidden layer's activations of six inputs
         drawn[step] = (model, jax.device_get(nnx.state(model, nnx.Param)))
-        return jax.nn.sigmoid(model.hidden(held_out[0]["inputs"][:6])).reshape(6, 5, 8)
+        return jax.nn.sigmoid(model.hidden(held_out[0]["inputs"][:6, model.pairs])).reshape(6, 5, 8)
 
     fitting = trainer(trackers=trackers)
     run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
                       metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb", on_log=logged.append,
-                      samples=draw, sample_every=3, samples_dir=tmp_path / "samples", eval_ema=True)
+                      samples=draw, sample_every=3, run_dir=tmp_path, eval_ema=True)  # samples: run_dir/samples
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -121,11 +121,12 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     assert sorted(drawn) == [3, 6] and drawn[6][0].dropout.deterministic
     averaged = jax.device_get(nnx.state(fitting.model(ema=True), nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.leaves(drawn[6][1]), jax.tree.leaves(averaged))
-    import matplotlib.image
+    from PIL import Image
 
     for step in (3, 6):
-        image = matplotlib.image.imread(tmp_path / "samples" / f"samples_step_{step:06d}.png")
-        assert image.shape[:2] == (2 * 6 + 1, 3 * 9 + 1) and f"samples_step_{step:06d}.png" in out
+        with Image.open(tmp_path / "samples" / f"samples_step_{step:06d}.png") as image:
+            assert image.mode == "L" and image.size == (3 * 9 + 1, 2 * 6 + 1)  # grey, as drawn
+        assert f"samples_step_{step:06d}.png" in out
     assert tensorboard_scalars(tmp_path / "tb")[("samples/samples", 6)] == ("image", 13, 28)
     images = wandb_history(tmp_path / "wandb")
     assert images[("samples/samples/_type", 3)] == "image-file" and images[("samples/samples/width", 6)] == 28
@@ -297,7 +298,9 @@ def one_pass():
      "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh "
      "data=8 times `grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))),
-     "samples= needs samples_dir=DIR"),
+     "samples= needs a place for its PNG grids: give run_dir=DIR (they go to DIR/samples) or samples_dir=DIR"),
+    (lambda t, d: t.fit(BATCHES, step=2),
+     "fit() got step=2, which is no setting of a run; the closest is steps; the settings are run_dir, steps,"),
     (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1,
                                                                                eval_ema=True),
      "eval_ema=True evaluates the moving average of the weights, and the optimizer keeps none; chain"),
@@ -344,7 +347,7 @@ class _Wider(DropoutMLP):
         super().__init__(rngs)
         from flax import nnx
 
-        self.hidden = nnx.Linear(12, 48, rngs=rngs)
+        self.hidden = nnx.Linear(24, 48, rngs=rngs)
         self.out = nnx.Linear(48, 5, rngs=rngs)
 
 

@@ -46,12 +46,14 @@ from shardax.sharding.compute import layer_specs
 from shardax.sharding.layout import Layout
 from shardax.sharding.place import place_batch, spec_axes
 from shardax.sharding.strategies import Strategy
-from shardax.step.ema import averaged
+from shardax.step.ema import averaged, keeps_average
 from shardax.step.loss import LossFn
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
 from shardax.step.train import build_eval_step, build_train_step
 from shardax.vocabulary import LAYERS
+
+LONE = "model"  # the name of a lone model as a part of its run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +252,37 @@ class ParallelModel:
     def ema_model(self, state: TrainState) -> nnx.Module:
         """``merge`` of ``ema_state``: the model with the moving average of its weights."""
         return self.merge(self.ema_state(state))
+
+    # What a run of parts offers too (``shardax.parts.ParallelRun``): a lone model is the one part
+    # named ``model``.
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (LONE,)
+
+    def frozen(self) -> tuple[str, ...]:
+        return ()
+
+    def classes(self) -> dict[str, str]:
+        """The model's class name, by part name."""
+        return {LONE: type(self._abstract_model()).__name__}
+
+    def layouts(self) -> dict[str, Layout]:
+        """Each part's layout by the prefix its paths are reported under (a lone model's: none)."""
+        return {"": self.layout}
+
+    def averaged_parts(self, state: TrainState) -> list[str]:
+        """``["model"]`` when the optimizer keeps a moving average of the weights, else none."""
+        return [LONE] if keeps_average(state.opt_state) else []
+
+    def view(self, state: TrainState, name: str = LONE, *, ema: bool = False) -> nnx.Module:
+        """The model holding ``state``'s arrays (the moving average with ``ema``) in Variables of
+        its own, in eval mode."""
+        if name != LONE:
+            raise UsageError(f"this run trains one model, part {LONE!r}; there is no part {name!r}")
+        model = self.ema_model(state) if ema else self.merge(state)
+        model.eval()
+        return model
 
 
 def parallelize(factory: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh | str | None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardax.errors import UsageError
 from shardax.model_parallel import ParallelModel
 from shardax.model_state import ModelFactory, build_state, trained_part, warn_if_updates_round_away
+from shardax.runtime.pipeline import Schedule
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_split_axes
 from shardax.sharding.layout import Layout
@@ -37,7 +38,6 @@ from shardax.step.ema import averaged, keeps_average
 from shardax.step.parts import PartPlan, StepFn, build_parts_eval_step, build_parts_step
 from shardax.step.settings import StepSettings
 from shardax.step.state import TrainState
-from shardax.vocabulary import CONTEXT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +129,42 @@ def _like(tree: Any, template: Any) -> Any:
     return jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(tree))
 
 
+class ParallelRun(Protocol):
+    """What the Trainer runs on: a lone model laid out (``ParallelModel``, the one part named
+    ``model``) or several parts (``ParallelParts``), through one interface."""
+
+    mesh: Mesh
+    strategy: Strategy
+    layout: Layout  # the (first) part's: the batch's sharding is every part's
+    abstract_state: TrainState
+    state_shardings: TrainState
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+    def frozen(self) -> tuple[str, ...]: ...
+
+    def classes(self) -> dict[str, str]: ...
+
+    def init(self, seed: int = 0) -> TrainState: ...
+
+    def train_step(self, fn: Any, *, nonfinite: str = "stop") -> Callable[[TrainState, Any], Any]: ...
+
+    def eval_step(self, fn: Any) -> Callable[[TrainState, Any], dict]: ...
+
+    def schedule(self) -> Schedule | None: ...
+
+    def context_attention(self) -> str | None: ...
+
+    def layouts(self) -> dict[str, Layout]: ...
+
+    def averaged_parts(self, state: TrainState) -> list[str]: ...
+
+    def ema_state(self, state: TrainState) -> TrainState: ...
+
+    def view(self, state: TrainState, name: str, *, ema: bool = False) -> nnx.Module: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelParts:
     """Named parts laid out on one mesh by one strategy; ``models`` holds each part's layout."""
@@ -142,17 +178,17 @@ class ParallelParts:
     def create(cls, parts: Mapping[str, Part], settings: StepSettings, *, axis_names: AxisNames = None,
                example_batch: Any = None) -> ParallelParts:
         parts = check_parts(parts)
-        if settings.strategy.pipeline_axis is not None or settings.mesh.shape.get(CONTEXT, 1) > 1:
-            raise UsageError(f"strategy {settings.strategy.name!r} on mesh {dict(settings.mesh.shape)} "
-                             "pipelines or splits sequences of one model; a run of several parts uses dp, "
-                             "zero1, zero2, fsdp, hsdp, tp or fsdp_tp on a mesh without a context axis")
         models = {}
         for name, part in parts.items():
             derive = part.forward is not None and example_batch is not None
-            models[name] = ParallelModel.create(
-                part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
-                loss_fn=_as_loss(part.forward) if derive else None,
-                example_batch=example_batch if derive else None, trainable=part.trainable, check_tensor=False)
+            try:
+                models[name] = ParallelModel.create(
+                    part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
+                    loss_fn=_as_loss(part.forward) if derive else None,
+                    example_batch=example_batch if derive else None, trainable=part.trainable,
+                    check_tensor=False)
+            except UsageError as error:
+                raise UsageError(f"part {name!r}: {error}") from None
         _check_split_axes(parts, models, example_batch)
         trained = [name for name, part in parts.items() if part.optimizer is not None]
         mesh = next(iter(models.values())).mesh
@@ -234,11 +270,32 @@ class ParallelParts:
             state = state.replace(rest={**state.rest, name: rest})
         return state
 
+    def schedule(self) -> Schedule | None:
+        """The pipeline schedule every part runs on (None unless the strategy pipelines), checked
+        against each part's stack of layers."""
+        schedules = [model.schedule() for model in self.models.values()]
+        return schedules[0]
+
+    def context_attention(self) -> str | None:
+        """How each part's attention spans a sequence split over ``context`` (None: no such axis);
+        a part that attends through no ``shardax.blocks.Attention`` is refused, naming it."""
+        variants = {}
+        for name, model in self.models.items():
+            try:
+                variants[name] = model.context_attention()
+            except UsageError as error:
+                raise UsageError(f"part {name!r}: {error}") from None
+        return next(iter(variants.values()))
+
     def plans(self) -> dict[str, PartPlan]:
+        """Each part's structure, told how this step runs (its stack's pipeline and sequence split,
+        as a lone model's), its optimizer and layouts."""
         plans = {}
+        schedule, context = self.schedule(), self.context_attention()
         for name, model in self.models.items():
             params = model.abstract_state.params
-            plans[name] = PartPlan(model.configured(), self.parts[name].optimizer, model.trainable,
+            plans[name] = PartPlan(model.configured(schedule, context), self.parts[name].optimizer,
+                                   model.trainable,
                                    model.state_shardings.params, model.layout.compute(params),
                                    model.layout.gradients(params))
         return plans
@@ -252,8 +309,10 @@ class ParallelParts:
         for name, model in self.models.items():
             if self.parts[name].optimizer is not None:  # a frozen part is as good in 16 bits
                 warn_if_updates_round_away(model.abstract_state.params, model.trainable, f"part {name!r}")
+        # on TPUs a dropped update is a select, except under a pipeline (see keep_where)
+        select = self.mesh.devices.flat[0].platform == "tpu" and self.strategy.pipeline_axis is None
         step = build_parts_step(self.plans(), step_fn, nonfinite=nonfinite, layer_layout=self._under_mesh,
-                                select_update=self.mesh.devices.flat[0].platform == "tpu")
+                                select_update=select)
         return jax.jit(step, in_shardings=(self.state_shardings, self.layout.batch()),
                        out_shardings=(self.state_shardings, NamedSharding(self.mesh, PartitionSpec())),
                        donate_argnums=(0,) if donate else ())
@@ -281,6 +340,31 @@ class ParallelParts:
             params[name] = jax.device_put(nnx.merge_state(params[name], average),
                                           model.state_shardings.params)
         return state.replace(params=params)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.parts)
+
+    def frozen(self) -> tuple[str, ...]:
+        return tuple(name for name, part in self.parts.items() if part.optimizer is None)
+
+    def classes(self) -> dict[str, str]:
+        """Each part's class name, by part name."""
+        return {name: type(model._abstract_model()).__name__ for name, model in self.models.items()}
+
+    def layouts(self) -> dict[str, Layout]:
+        """Each part's layout by the prefix its paths are reported under (``generator/``)."""
+        return {f"{name}/": model.layout for name, model in self.models.items()}
+
+    def view(self, state: TrainState, name: str, *, ema: bool = False) -> nnx.Module:
+        """Part ``name`` holding ``state``'s arrays (its moving average with ``ema``) in Variables
+        of its own, in eval mode."""
+        if ema and name not in self.averaged_parts(state):
+            raise UsageError(f"part {name!r} keeps no moving average of its weights; chain "
+                             "shardax.ema_params(decay) last in its optimizer, or take it with ema=False")
+        model = self.part(self.ema_state(state) if ema else state, name)
+        model.eval()
+        return model
 
     def part(self, state: TrainState, name: str) -> nnx.Module:
         """Part ``name`` as an ``nnx.Module`` holding ``state``'s arrays (sharded as they are) in

@@ -299,7 +299,7 @@ class FitRun:
         written = []
         for name, images in batches.items():
             image = grid(images)
-            written.append(str(write_grid(Path(self.settings.samples_dir), name, step, image)))
+            written.append(str(write_grid(Path(self.settings.samples_path), name, step, image)))
             for tracker in self.trackers:
                 if callable(getattr(tracker, "write_image", None)):
                     tracker.write_image(f"samples/{name}", image, step)

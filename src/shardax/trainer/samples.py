@@ -62,20 +62,19 @@ def grid(images: np.ndarray, padding: int = 1) -> np.ndarray:
 
 
 def write_grid(directory: Path, name: str, step: int, image: np.ndarray) -> Path:
-    """``image`` (a grid) as ``<directory>/<name>_step_<step>.png``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """``image`` (a uint8 grid) as ``<directory>/<name>_step_<step>.png``, in its own mode: grey
+    (one channel), RGB or RGBA."""
+    from PIL import Image  # matplotlib's own dependency
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}_step_{step:06d}.png"
-    plt.imsave(path, image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0, vmax=255)
+    Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image).save(path)
     return path
 
 
-def check_samples(samples: Any, sample_every: int, samples_dir: str | None) -> None:
-    """Refuse, in one line, a hook that cannot run or has nowhere to write."""
+def check_samples(samples: Any, sample_every: int, samples_dir: str | None, samples_path: str | None) -> None:
+    """Refuse, in one line, a hook that cannot run or has nowhere to write (``samples_path``: the
+    folder it writes to, ``samples_dir`` or the run directory's)."""
     if samples is None:
         if sample_every or samples_dir is not None:
             raise UsageError("sample_every/samples_dir were given without samples=draw(model, step) -> "
@@ -84,5 +83,6 @@ def check_samples(samples: Any, sample_every: int, samples_dir: str | None) -> N
     if not callable(samples):
         raise UsageError(f"samples is a {type(samples).__name__}; give a function draw(model, step) -> "
                          "images in [0, 1]")
-    if samples_dir is None:
-        raise UsageError("samples= needs samples_dir=DIR, where the PNG grids are written")
+    if samples_path is None:
+        raise UsageError("samples= needs a place for its PNG grids: give run_dir=DIR (they go to "
+                         "DIR/samples) or samples_dir=DIR")

@@ -8,6 +8,8 @@ takes the object as it is. How each step is computed is ``shardax.step.settings.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from pathlib import Path
 from typing import Any
 
 from shardax.errors import UsageError
@@ -19,6 +21,9 @@ class FitSettings:
     """``Trainer.fit``'s settings.
 
     Attributes:
+      run_dir: the folder the run writes into; what is not given elsewhere goes there: checkpoints
+        in ``run_dir/checkpoints``, metrics in ``run_dir/metrics.jsonl`` (its plot beside it),
+        samples in ``run_dir/samples``.
       steps: the step to train to (counted from the very start, resumes included); ``None``:
         until the data runs out.
       eval_every: steps between evaluations of ``eval_data`` (0: only at the end).
@@ -50,6 +55,7 @@ class FitSettings:
         the weights, as diffusion models are evaluated.
     """
 
+    run_dir: str | None = None
     steps: int | None = None
     eval_every: int = 0
     log_every: int = 10
@@ -70,6 +76,10 @@ class FitSettings:
     eval_ema: bool = False
 
     def __post_init__(self) -> None:
+        if self.run_dir is not None:  # the run's folder: what has no place of its own goes under it
+            for name, under in (("checkpoint_dir", "checkpoints"), ("metrics", "metrics.jsonl")):
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, str(Path(self.run_dir) / under))
         for name, least in (("log_every", 1), ("eval_every", 0), ("checkpoint_every", 0),
                             ("keep_checkpoints", 1), ("sample_every", 0)):
             check_at_least(name, getattr(self, name), least)
@@ -78,6 +88,13 @@ class FitSettings:
         check_nonfinite(self.on_nonfinite)
         if self.resume and self.checkpoint_dir is None:
             raise UsageError("`resume=True` needs checkpoint_dir (where the run's checkpoints are)")
+
+    @property
+    def samples_path(self) -> str | None:
+        """Where samples go: ``samples_dir``, else ``run_dir/samples`` (None: nowhere given)."""
+        if self.samples_dir is None and self.run_dir is not None:
+            return str(Path(self.run_dir) / "samples")
+        return self.samples_dir
 
     def due(self, step: int, first: bool, evaluating: bool, saving: bool,
             sampling: bool = False) -> dict[str, bool]:
@@ -90,17 +107,25 @@ class FitSettings:
                 "save": saving and ((self.checkpoint_every and step % self.checkpoint_every == 0) or last)}
 
 
-def settings_given(settings: Any, keywords: FitSettings) -> FitSettings:
-    """``fit``'s settings: ``settings`` (a ``FitSettings``) when given, else its ``keywords``;
-    both at once is refused, naming the first keyword given."""
+FIELDS = tuple(field.name for field in dataclasses.fields(FitSettings))
+
+
+def settings_given(settings: Any, keywords: dict[str, Any]) -> FitSettings:
+    """``fit``'s settings: ``settings`` (a ``FitSettings``) when given, else one of ``keywords``
+    (``FitSettings``'s fields); both at once is refused, naming the first keyword given, and so
+    is a keyword that is no setting, with the closest one."""
+    for name in keywords:
+        if name not in FIELDS:
+            close = difflib.get_close_matches(name, FIELDS, n=1)
+            hint = f"the closest is {close[0]}; " if close else ""
+            raise UsageError(f"fit() got {name}={keywords[name]!r}, which is no setting of a run; {hint}the "
+                             f"settings are {', '.join(FIELDS)} (shardax.FitSettings)")
     if settings is None:
-        return keywords
+        return FitSettings(**keywords)
     if not isinstance(settings, FitSettings):
         raise UsageError(f"fit(settings=...) takes a shardax.FitSettings; got {type(settings).__name__}")
-    given = [field.name for field in dataclasses.fields(FitSettings)
-             if getattr(keywords, field.name) != field.default]
-    if given:
-        raise UsageError("fit() got settings=FitSettings(...) and "
-                         f"{given[0]}={getattr(keywords, given[0])!r}; give {given[0]} inside the "
-                         f"FitSettings (dataclasses.replace(settings, {given[0]}=...))")
+    if keywords:
+        name, value = next(iter(keywords.items()))
+        raise UsageError(f"fit() got settings=FitSettings(...) and {name}={value!r}; give {name} inside the "
+                         f"FitSettings (dataclasses.replace(settings, {name}=...))")
     return settings

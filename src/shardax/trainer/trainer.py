@@ -31,13 +31,12 @@ from shardax.adapters import LoRA
 from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
-from shardax.model_parallel import ModelFactory, ParallelModel
-from shardax.parts import ParallelParts, Part
+from shardax.model_parallel import LONE, ModelFactory, ParallelModel
+from shardax.parts import ParallelParts, ParallelRun, Part
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy
-from shardax.step.ema import keeps_average
 from shardax.step.loss import WEIGHT, LossFn
 from shardax.step.parts import StepFn
 from shardax.step.settings import StepSettings
@@ -133,21 +132,21 @@ class Trainer:
         self.weights = first_weights(init_from)
         self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from,
                                      lora, grad_accum)
-        self.parallel: ParallelModel | ParallelParts
+        # one interface from here on (shardax.parts.ParallelRun): a lone model is the part "model"
+        # whose step is its loss, gradient and update
+        self.parallel: ParallelRun
         if self.parts is not None:
             self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=axis_names,
                                                  example_batch=example_batch)
-            self.schedule, self.context_attention = None, None
+            self._train_fn, self._eval_fn = step, eval_fn
         else:
             self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer,
                                                  self.settings, axis_names=axis_names, loss_fn=loss_fn,
                                                  example_batch=example_batch)
-            # checked here, at the start
-            self.schedule = self.parallel.schedule()
-            # None: no context axis
-            self.context_attention = self.parallel.context_attention()
-        self.loss_fn, self.eval_loss_fn = loss_fn, eval_loss_fn or loss_fn
-        self.step_fn, self.eval_fn = step, eval_fn
+            self._train_fn, self._eval_fn = loss_fn, eval_loss_fn or loss_fn
+        self.schedule = self.parallel.schedule()  # checked here, at the start
+        self.context_attention = self.parallel.context_attention()  # None: no context axis
+        self.loss_fn = loss_fn
         self.seed, self.name, self.learning_rate = seed, name, learning_rate
         self._state: TrainState | None = None
         self._run: FitRun | None = None  # the fit under way: its state is the trainer's
@@ -198,20 +197,16 @@ class Trainer:
 
     def train_step(self, on_nonfinite: str = "stop") -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
         """The compiled ``(state, placed batch) -> (state, metrics)`` that ``fit`` calls."""
-        if on_nonfinite not in self._steps and self.parts is not None:
-            self._steps[on_nonfinite] = self.parallel.train_step(self.step_fn, nonfinite=on_nonfinite)
         if on_nonfinite not in self._steps:
-            self._steps[on_nonfinite] = self.parallel.train_step(self.loss_fn, nonfinite=on_nonfinite)
+            self._steps[on_nonfinite] = self.parallel.train_step(self._train_fn, nonfinite=on_nonfinite)
         return self._steps[on_nonfinite]
 
     def eval_step(self) -> Callable[[TrainState, Any], dict]:
-        if "eval" not in self._steps and self.parts is not None:
-            if self.eval_fn is None:
+        if "eval" not in self._steps:
+            if self._eval_fn is None:
                 raise UsageError("this run of parts has no evaluation step; give Trainer(eval_fn=lambda "
                                  "parts, batch: {'name': scalar, ...}) to evaluate, or leave eval_data out")
-            self._steps["eval"] = self.parallel.eval_step(self.eval_fn)
-        if "eval" not in self._steps:
-            self._steps["eval"] = self.parallel.eval_step(self.eval_loss_fn)
+            self._steps["eval"] = self.parallel.eval_step(self._eval_fn)
         return self._steps["eval"]
 
     def place(self, batch: Any) -> Any:
@@ -243,58 +238,48 @@ class Trainer:
         return {name: total / weight if weight else 0.0 for name, total in totals.items()}
 
     def model(self, state: TrainState | None = None, *, ema: bool = False) -> nnx.Module:
-        """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded); with
-        ``ema=True``, holding the moving average of its weights (``shardax.ema_params``)."""
-        if self.parts is not None:
-            raise UsageError(f"this trainer holds parts ({', '.join(self.parts)}); take one with "
-                             f"trainer.part({next(iter(self.parts))!r})")
-        state = state if state is not None else self.state
-        model = self.parallel.ema_model(state) if ema else self.parallel.merge(state)
-        model.eval()
-        return model
+        """The trained model as an ``nnx.Module`` in eval mode (its arrays stay sharded, in
+        Variables of its own: what it changes never reaches the run); with ``ema=True``, holding
+        the moving average of its weights (``shardax.ema_params``)."""
+        names = self.parallel.names
+        if len(names) > 1:
+            raise UsageError(f"this trainer holds parts ({', '.join(names)}); take one with "
+                             f"trainer.part({names[0]!r})")
+        return self.part(names[0], state, ema=ema)
 
     def part(self, name: str, state: TrainState | None = None, *, ema: bool = False) -> nnx.Module:
-        """Part ``name`` of a run of parts as an ``nnx.Module`` in eval mode (its arrays stay
-        sharded); with ``ema=True``, holding the moving average of its weights when it keeps one."""
-        if self.parts is None:
-            raise UsageError("this trainer trains one model, not parts; take it with trainer.model()")
+        """Part ``name`` as an ``nnx.Module`` in eval mode (its arrays stay sharded, in Variables
+        of its own); with ``ema=True``, holding the moving average of its weights when it keeps
+        one. A lone model is the part named ``model``."""
         state = state if state is not None else self.state if self.state is not None else self.init()
-        if ema and name in self.parallel.averaged_parts(state):
-            state = self.parallel.ema_state(state)
-        elif ema:
+        if ema and name in self.parallel.names and name not in self.parallel.averaged_parts(state):
             raise UsageError(f"part {name!r} keeps no moving average of its weights; chain "
                              "shardax.ema_params(decay) last in its optimizer, or take it with ema=False")
-        model = self.parallel.part(state, name)
-        model.eval()
-        return model
+        return self.parallel.view(state, name, ema=ema)
 
     def for_sampling(self, state: TrainState | None = None) -> Any:
         """What to draw samples from: the model in eval mode with the moving average of its weights
         when its optimizer keeps one (``shardax.ema_params``), else its weights; in a run of parts,
         each part so, by name."""
         state = state if state is not None else self.state
-        if self.parts is not None:
-            averaged = self.parallel.averaged_parts(state)
-            return {name: self.part(name, state, ema=name in averaged) for name in self.parts}
-        return self.model(state, ema=keeps_average(state.opt_state))
+        averaged = self.parallel.averaged_parts(state)
+        views = {name: self.part(name, state, ema=name in averaged) for name in self.parallel.names}
+        return views if self.parts is not None else views[LONE]
 
-    def _check_hooks(self, samples: Any, sample_every: int, samples_dir: Any, eval_ema: bool) -> None:
+    def _check_hooks(self, samples: Any, settings: FitSettings) -> None:
         """``fit``'s samples hook and ``eval_ema``, refused in one line before the run if they cannot work."""
-        check_samples(samples, sample_every, samples_dir)
-        abstract = self.parallel.abstract_state
-        averaged = (self.parallel.averaged_parts(abstract) if self.parts is not None
-                    else keeps_average(abstract.opt_state))
-        if eval_ema and not averaged:
+        check_samples(samples, settings.sample_every, settings.samples_dir, settings.samples_path)
+        if settings.eval_ema and not self.parallel.averaged_parts(self.parallel.abstract_state):
             raise UsageError("eval_ema=True evaluates the moving average of the weights, and the optimizer "
                              "keeps none; chain shardax.ema_params(decay) last in it, or drop eval_ema")
 
     def _models(self) -> str:
         """What is trained: the model's class, or each part's name and class."""
+        classes, frozen = self.parallel.classes(), self.parallel.frozen()
         if self.parts is None:
-            return type(self.parallel._abstract_model()).__name__
-        return ", ".join(f"{name} ({type(model._abstract_model()).__name__}"
-                         f"{', frozen' if self.parts[name].optimizer is None else ''})"
-                         for name, model in self.parallel.models.items())
+            return classes[LONE]
+        return ", ".join(f"{name} ({cls}{', frozen' if name in frozen else ''})"
+                         for name, cls in classes.items())
 
     def title(self) -> str:
         """One line naming the run for plots: name, model, size, strategy, mesh."""
@@ -333,8 +318,7 @@ class Trainer:
                      if getattr(self.loss_fn, "sequence_order", None) == "zig-zag"
                      else "in order (one contiguous share each)")
             lines.append(f"context: each sequence split {shards} ways over context, {order}, {how}")
-        layouts = ({"": self.parallel.layout} if self.parts is None else
-                   {f"{name}/": model.layout for name, model in self.parallel.models.items()})
+        layouts = self.parallel.layouts()
         fallbacks = [f"{part}{leaf.path}: {'; '.join(leaf.notes)}" for part, layout in layouts.items()
                      for leaf in layout.leaves.values() if leaf.notes]
         tensor = self.strategy.tensor_axis(self.mesh)
@@ -343,15 +327,9 @@ class Trainer:
                  for reason, paths in layout.whole_on_tensor_axis().items()]
         return lines + [f"  replicated or moved: {note}" for note in fallbacks[:5]] + whole
 
-    def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None, eval_every: int = 0,
-            log_every: int = 10, checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-            resume: bool = False, keep_checkpoints: int = 3, on_nonfinite: str = "stop",
-            metrics: str | None = None, tensorboard: str | None = None,
-            on_log: Callable[[dict[str, Any]], None] | None = None, tokens_per_example: int | None = None,
-            record: dict[str, Any] | None = None, header: Sequence[str] = (), summary: bool = True,
-            loss_unit: str | None = None, baselines: dict[str, float] | None = None,
-            samples: SampleFn | None = None, sample_every: int = 0, samples_dir: str | None = None,
-            eval_ema: bool = False, settings: FitSettings | None = None) -> FitResult:
+    def fit(self, data: Any, *, steps: int | None = None, eval_data: Any = None,
+            samples: SampleFn | None = None, on_log: Callable[[dict[str, Any]], None] | None = None,
+            header: Sequence[str] = (), settings: FitSettings | None = None, **options: Any) -> FitResult:
         """Train on ``data`` until step ``steps`` (or until the data runs out when ``steps`` is None).
 
         Args:
@@ -363,22 +341,20 @@ class Trainer:
           on_log: called with each record (every process, the same record).
           header: extra lines printed after the set-up lines.
           samples: ``draw(model, step) -> images`` in [0, 1], called every ``sample_every`` steps
-            and at the end with the model in eval mode (its moving average when kept; in a run of
-            parts a dict of them), written as PNG grids into ``samples_dir`` and to the trackers
+            and at the end with a copy of the model in eval mode (its moving average when kept; in
+            a run of parts a dict of them: drawing never changes the run), written as PNG grids
+            into ``samples_dir`` (default ``run_dir/samples``) and to the trackers
             (``shardax.trainer.samples``).
-
-        The other keywords are the run's ``FitSettings``, each described there, and checked
-        before anything runs or is written; or give them as one, ``settings=FitSettings(...)``
-        (then none of them as keywords).
+          settings, options: the run's ``FitSettings`` (``run_dir``, ``eval_every``, ``log_every``,
+            ``checkpoint_dir``, ``checkpoint_every``, ``resume``, ``metrics``, ...), each described
+            there and checked before anything runs or is written: as one object,
+            ``settings=FitSettings(...)``, or as keywords (then ``steps`` too), not both.
 
         SIGTERM or SIGINT (on any process) stops the run after the current step, with a
         checkpoint of it, by raising ``Preempted``: a ``SystemExit`` with code 75.
         """
-        settings = settings_given(settings, FitSettings(
-            steps, eval_every, log_every, checkpoint_dir, checkpoint_every, resume, keep_checkpoints,
-            on_nonfinite, metrics, tensorboard, tokens_per_example, record, summary, loss_unit, baselines,
-            sample_every, samples_dir, eval_ema))
-        self._check_hooks(samples, settings.sample_every, settings.samples_dir, settings.eval_ema)
+        settings = settings_given(settings, {**({} if steps is None else {"steps": steps}), **options})
+        self._check_hooks(samples, settings)
         source = batch_source(data)
         evaluations = evaluation_batches(eval_data) if eval_data is not None else None
         if not self.checked and (example := source.first_batch()) is not None:
