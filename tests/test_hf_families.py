@@ -297,7 +297,9 @@ def test_capped_scores_under_ring_attention_and_an_unsaveable_model_are_one_line
             loaded.state, loaded.parallel.place_batch({"tokens": TOKENS}))
     odd = dataclasses.replace(loaded.config, post_norms=False, attention_softcap=None, logits_softcap=None,
                               attention_scale=None, sliding_window=0, sliding_layers=None, norm="rms")
-    with pytest.raises(UsageError, match=r"this model's mlp='geglu' has no place in a llama config.json"):
+    # the error names the family nearest to it: Gemma's with an RMSNorm of its own
+    with pytest.raises(UsageError, match=r"this model's norm='rms' has no place in a gemma config.json \(it "
+                                         r"would load as 'rms_plus_one'\)"):
         hf.config_json(odd)
 
 

@@ -18,9 +18,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from shardax.errors import UsageError
-from shardax.hf.families import read_config
+from shardax.hf.config import checkpoint_family, read_config
 from shardax.hf.files import SafeTensors, give_back_freed_memory, new_memory, stored_dtype
 from shardax.hf.names import check_tensor_names, is_adapter, layer_sources, normalize_index, parameter_source
+from shardax.hf.registry import Family
 from shardax.hf.save import save
 from shardax.model_parallel import ParallelModel, parallelize
 from shardax.model_state import trained_part
@@ -161,14 +162,15 @@ def _copied(block: np.ndarray, device: Any) -> jax.Array:
 
 
 def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTensors,
-          config: TransformerConfig, keypath: Any, leaf: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+          config: TransformerConfig, family: Family, keypath: Any, leaf: jax.ShapeDtypeStruct,
+          sharding: Any) -> jax.Array:
     """The parameter at ``keypath`` in ``sharding``: each distinct slice this process's devices
     hold is read into ``staging`` (by ``pool``'s threads, a layer of a stack each, or a slice
     whole) and put on the devices that hold it."""
     name = path_to_str(keypath)
-    source, layer, below = parameter_source(name, config)
+    source, layer, below = parameter_source(name, config, family)
     if source is None and layer is not None:
-        source = layer_sources(config, layer)[below]
+        source = layer_sources(config, layer, family)[below]
     by_slice: dict[tuple[tuple[int, int], ...], list[Any]] = {}
     for device, index in sharding.addressable_devices_indices_map(leaf.shape).items():
         index = normalize_index(index, leaf.shape)
@@ -182,7 +184,8 @@ def _fill(pool: concurrent.futures.Executor, staging: _Staging, tensors: SafeTen
             tensors.release()
 
         def one_layer(stacked: int) -> None:  # layer ``stacked`` of a scanned stack
-            layer_sources(config, stacked)[below].read(tensors, index[1:], block[stacked - index[0].start])
+            layer_sources(config, stacked, family)[below].read(tensors, index[1:],
+                                                               block[stacked - index[0].start])
             tensors.release()
 
         # read by the pool's threads only, whose transpose buffers end with them (the slices one at
@@ -226,9 +229,9 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
     ``TransformerLM`` of its config, scanned or looped, any remat or precision, with or
     without LoRA adapters, which start from ``seed`` as ``parallel.init`` makes them)."""
     path = Path(path)
-    config = _checkpoint_config(parallel, path)
+    config, family = _checkpoint_config(parallel, path), checkpoint_family(path)
     tensors = SafeTensors(path)
-    check_tensor_names(tensors, config)
+    check_tensor_names(tensors, config, family)
     leaves = [(keypath, leaf, sharding) for (keypath, leaf), sharding in
               zip(jax.tree_util.tree_leaves_with_path(parallel.abstract_state.params),
                   jax.tree.leaves(parallel.state_shardings.params)) if not is_adapter(path_to_str(keypath))]
@@ -236,7 +239,7 @@ def initial_state(parallel: ParallelModel, path: str | Path, seed: int = 0) -> t
     staging = _Staging(max(math.prod(shape) for shape in tensors.shapes.values()) *
                        max(np.dtype(leaf.dtype).itemsize for _, leaf, _ in leaves))
     with concurrent.futures.ThreadPoolExecutor(READERS) as pool:  # numpy lets the other threads run
-        arrays = [_fill(pool, staging, tensors, config, *entry) for entry in leaves]
+        arrays = [_fill(pool, staging, tensors, config, family, *entry) for entry in leaves]
     staging.done()
     give_back_freed_memory()
     loaded = {path_to_str(keypath): array for (keypath, _, _), array in zip(leaves, arrays)}

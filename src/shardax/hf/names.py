@@ -1,5 +1,6 @@
-"""Hugging Face's names and config for shardax's ``TransformerLM``: ``config.json`` read and
-written, and where each parameter of the model comes from among the checkpoint's tensors."""
+"""Hugging Face's names for shardax's ``TransformerLM``: where each parameter of the model comes
+from among the checkpoint's tensors, named as transformers' Llama names them and renamed by the
+checkpoint's family (``Family.tensor_name``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from shardax.errors import UsageError
-from shardax.hf.families import family_of
+from shardax.hf.config import saved_as
 from shardax.hf.files import thread_buffer
+from shardax.hf.registry import Family
 from shardax.models.transformer import TransformerConfig
 
 if TYPE_CHECKING:
@@ -136,18 +138,21 @@ class Experts(Source):
             self.one(expert).read(tensors, index[1:], out[at])
 
 
+def _named(sources: dict[str, Source], family: Family) -> dict[str, Source]:
+    """``sources`` with each tensor named as ``family`` names it."""
+    return {key: dataclasses.replace(source, names=tuple(family.tensor_name(name) for name in source.names))
+            for key, source in sources.items()}
+
+
 def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
-    """A mixture of experts' router and experts (Mixtral's names, or Qwen3-MoE's)."""
+    """A mixture of experts' router and experts (Qwen2-MoE's names)."""
     d, e, f, s = config.d_model, config.n_experts, config.ff_width, config.shared_expert_d_ff
-    if family_of(config) == "mixtral":
-        moe, gate, up, down = at + "block_sparse_moe.", "w1", "w3", "w2"
-    else:  # Qwen2-MoE and Qwen3-MoE
-        moe, gate, up, down = at + "mlp.", "gate_proj", "up_proj", "down_proj"
+    moe = at + "mlp."
     expert = moe + "experts.{e}."
     sources = {"experts/router": Source((moe + "gate.weight",), (d,), (e,)),
-               "experts/gate_up": Experts((expert + gate + ".weight", expert + up + ".weight"), (d,), (f,),
-                                          axis=1, count=e),
-               "experts/down": Experts((expert + down + ".weight",), (f,), (d,), count=e)}
+               "experts/gate_up": Experts((expert + "gate_proj.weight", expert + "up_proj.weight"), (d,),
+                                          (f,), axis=1, count=e),
+               "experts/down": Experts((expert + "down_proj.weight",), (f,), (d,), count=e)}
     if s:
         shared = moe + "shared_expert."
         sources.update({
@@ -158,8 +163,9 @@ def _expert_sources(config: TransformerConfig, at: str) -> dict[str, Source]:
     return sources
 
 
-def layer_sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
-    """Each per-layer parameter of ``TransformerLM`` (its path below the layer) and its tensors."""
+def layer_sources(config: TransformerConfig, layer: int, family: Family) -> dict[str, Source]:
+    """Each per-layer parameter of ``TransformerLM`` (its path below the layer) and its tensors,
+    named as ``family`` names them."""
     d, n, k, h, f = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.d_ff
     at = f"model.layers.{layer}."
     attn, mlp = at + "self_attn.", at + "mlp."
@@ -193,24 +199,30 @@ def layer_sources(config: TransformerConfig, layer: int) -> dict[str, Source]:
     if config.qk_norm:
         sources["q_norm/scale"] = Source((attn + "q_norm.weight",), (), (h,))
         sources["k_norm/scale"] = Source((attn + "k_norm.weight",), (), (h,))
-    return sources
+    return _named(sources, family)
 
 
-def _global_sources(config: TransformerConfig) -> dict[str, Source]:
+def global_sources(config: TransformerConfig, family: Family) -> dict[str, Source]:
+    """The parameters of ``TransformerLM`` outside its layers and their tensors, as ``family`` names them."""
     d, v = config.d_model, config.vocab_size
     sources = {"embedding": Source(("model.embed_tokens.weight",), (v,), (d,), transpose=False),
                "final_norm/scale": Source(("model.norm.weight",), (), (d,))}
     if not config.tie_embeddings:
         sources["head"] = Source(("lm_head.weight",), (d,), (v,))
-    return sources
+    return _named(sources, family)
 
 
-def check_tensor_names(tensors: SafeTensors, config: TransformerConfig) -> None:
+def all_sources(config: TransformerConfig, family: Family) -> list[Source]:
+    """Every parameter's source: those outside the layers, then each layer's."""
+    return [*global_sources(config, family).values(),
+            *(s for layer in range(config.n_layers) for s in layer_sources(config, layer, family).values())]
+
+
+def check_tensor_names(tensors: SafeTensors, config: TransformerConfig, family: Family) -> None:
     """One line for a tensor the model needs that is missing, one whose shape is not what
     ``config.json`` says, or one the model has no place for."""
     expected = {}
-    for source in [*_global_sources(config).values(),
-                   *(s for layer in range(config.n_layers) for s in layer_sources(config, layer).values())]:
+    for source in all_sources(config, family):
         for name, _ in source.components():
             expected[name] = source.hf_shape()
     for name, shape in expected.items():
@@ -221,7 +233,7 @@ def check_tensor_names(tensors: SafeTensors, config: TransformerConfig) -> None:
             raise UsageError(f"{tensors.path}: {name} has shape {list(tensors.shape(name))} but config.json "
                              f"implies {list(shape)}; the checkpoint and its config.json do not match")
     unknown = sorted(name for name in tensors.where if name not in expected and not name.endswith(IGNORED)
-                     and not (config.tie_embeddings and name == "lm_head.weight"))
+                     and not (config.tie_embeddings and name == family.tensor_name("lm_head.weight")))
     if unknown:
         raise UsageError(f"{tensors.path}: tensor {unknown[0]} has no place in the {config.n_layers}-layer "
                          f"model its config.json describes ({len(unknown)} such tensors); the checkpoint is "
@@ -242,10 +254,11 @@ TARGETS = {("qkv", 0): "q", ("qkv", 1): "k", ("qkv", 2): "v", ("q", 0): "q", ("k
            ("attn_out", 0): "o", ("mlp_gate_up", 0): "gate", ("mlp_gate_up", 1): "up", ("mlp_out", 0): "down"}
 
 
-def parameter_source(path: str, config: TransformerConfig) -> tuple[Source | None, int | None, str]:
+def parameter_source(path: str, config: TransformerConfig,
+                     family: Family) -> tuple[Source | None, int | None, str]:
     """Where a parameter of ``TransformerLM`` comes from: (its source when it is not a layer's;
     the layer of a looped stack's parameter, None for a scanned stack's; its path below the layer)."""
-    glob = _global_sources(config)
+    glob = global_sources(config, family)
     if path in glob:
         return glob[path], None, path
     parts = path.split("/")
@@ -256,10 +269,10 @@ def parameter_source(path: str, config: TransformerConfig) -> tuple[Source | Non
     return None, None, "/".join(parts[2:])
 
 
-def hf_names(config: TransformerConfig) -> Sequence[str]:
-    """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests)."""
-    sources = [*_global_sources(config).values(),
-               *(s for layer in range(config.n_layers) for s in layer_sources(config, layer).values())]
+def hf_names(config: TransformerConfig, family: Family | None = None) -> Sequence[str]:
+    """Every Hugging Face tensor name a model of ``config`` reads (for inspection and tests), as
+    ``family`` names them (default: the family it is saved as)."""
+    sources = all_sources(config, family or saved_as(config)[0])
     return [name for source in sources for name, _ in source.components()]
 
 

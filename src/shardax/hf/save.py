@@ -12,9 +12,10 @@ import jax
 import numpy as np
 
 from shardax.errors import UsageError
-from shardax.hf.families import config_json
+from shardax.hf.config import saved_as
 from shardax.hf.files import DTYPES, begin_write, check_output, finish_write, write_safetensors
 from shardax.hf.names import MODULES, TARGETS, Source, hf_names, is_adapter, layer_sources, parameter_source
+from shardax.hf.registry import Family
 from shardax.models.transformer import TransformerConfig
 from shardax.sharding.paths import path_to_str
 
@@ -56,21 +57,21 @@ def _lora_delta(config: TransformerConfig, adapters: dict[str, jax.Array], name:
 
 
 def _entries(arrays: dict[str, jax.Array], adapters: dict[str, jax.Array], config: TransformerConfig,
-             merge: bool) -> list[tuple[Any, ...]]:
+             family: Family, merge: bool) -> list[tuple[Any, ...]]:
     """Every Hugging Face tensor to write as ``(name, shape, array, layer index, source, component,
     merged delta or None)``, in Hugging Face's order: embedding, layers, norm, head."""
     entries = []
     for name, array in arrays.items():
-        source, layer, below = parameter_source(name, config)
+        source, layer, below = parameter_source(name, config, family)
         layers = [layer] if layer is not None else [None] if source is not None else range(config.n_layers)
         for at in layers:
-            one = source or layer_sources(config, at)[below]
+            one = source or layer_sources(config, at, family)[below]
             index = None if source is not None or layer is not None else at
             for tensor, component in one.components():
                 merged = (functools.partial(_lora_delta, config, adapters, name, below, component, index)
                           if merge and source is None else None)
                 entries.append((tensor, one.hf_shape(), array, index, one, component, merged))
-    order = {name: i for i, name in enumerate(hf_names(config))}
+    order = {name: i for i, name in enumerate(hf_names(config, family))}
     entries.sort(key=lambda entry: order[entry[0]])
     return entries
 
@@ -122,11 +123,11 @@ def save(out: str | Path, params: Any, config: TransformerConfig, *, hf_config: 
     out = Path(out)
     check_output(out, dtype)
     _check_merge(config, merge)
-    raw = config_json(config, hf_config)
+    family, raw = saved_as(config, hf_config)
     arrays = {path_to_str(keypath): leaf for keypath, leaf in jax.tree_util.tree_leaves_with_path(params)}
     adapters = {name: arrays.pop(name) for name in list(arrays) if is_adapter(name)}
     itemsize = np.dtype(DTYPES[dtype][1]).itemsize
-    files = _shard(_entries(arrays, adapters, config, merge), itemsize, max_shard_bytes)
+    files = _shard(_entries(arrays, adapters, config, family, merge), itemsize, max_shard_bytes)
     writing, partial = begin_write(out)
     names = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
