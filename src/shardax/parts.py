@@ -28,7 +28,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.model_parallel import ParallelModel
-from shardax.model_state import ModelFactory, build_state, trained_part, warn_if_updates_round_away
+from shardax.model_state import (
+    ModelFactory,
+    build_state,
+    holding_arrays,
+    trained_part,
+    warn_if_updates_round_away,
+)
 from shardax.runtime.pipeline import Schedule
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_split_axes
@@ -49,7 +55,8 @@ class Part:
       optimizer: its optax transformation; None: frozen (no gradient, no optimizer state).
       forward: ``lambda model, batch: model(batch["x"])``: how the step calls it. Under ``tp``
         and ``fsdp_tp`` the weights without logical names are split as Megatron would, read off
-        this call on the trainer's ``example_batch`` (as the one-model Trainer reads its loss).
+        what the run's step computes with the part on the trainer's ``example_batch``; give
+        ``forward`` to read them off this call alone instead.
       trainable: an NNX filter of the parameters its optimizer updates (default: every one, or
         its ``nnx.LoRAParam`` adapters alone when it holds some).
       seed: its initialisation; default one drawn from the trainer's seed and the part's name
@@ -107,14 +114,70 @@ def _as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.Module,
     return loss
 
 
-def _check_split_axes(parts: dict[str, Part], models: dict[str, ParallelModel], example_batch: Any) -> None:
+class _Reading:
+    """The parts as the user's step sees them while shardax reads a part's use off it: modules
+    by name; ``update`` keeps the gradients given (what a step that reports no metric computes)."""
+
+    def __init__(self, modules: dict[str, nnx.Module]) -> None:
+        self._modules, self.given = modules, []
+
+    def __getitem__(self, name: str) -> nnx.Module:
+        if name not in self._modules:
+            raise UsageError(f"the step asked for part {name!r}; the parts are "
+                             f"{', '.join(map(repr, self._modules))}")
+        return self._modules[name]
+
+    def __getattr__(self, name: str) -> nnx.Module:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._modules)
+
+    def update(self, name: str, grads: Any) -> None:
+        self.given.append(grads)
+
+
+def _stand_in(leaf: Any) -> jax.Array:
+    """An array of ``leaf``'s shape and dtype (RNG keys included) for another part's weights."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        key = jax.random.key(0)
+        return jnp.broadcast_to(key, leaf.shape) if leaf.shape else key
+    return jnp.zeros(leaf.shape, leaf.dtype)
+
+
+def _step_as_loss(step_fn: StepFn, name: str, parts: dict[str, Part]) -> Callable[..., jax.Array]:
+    """A scalar of what the user's ``step_fn`` computes, as a loss of part ``name`` (the other
+    parts enter as zeros of their shapes): tensor-parallel splits are read off the step itself,
+    so that no part needs its ``forward`` spelled out."""
+    shapes: dict[str, tuple[nnx.GraphDef, Any, Any]] = {}
+
+    def loss(model: nnx.Module, batch: Any) -> jax.Array:
+        if not shapes:
+            for other, part in parts.items():
+                shapes[other] = nnx.split(nnx.eval_shape(lambda p=part: holding_arrays(p.model)(nnx.Rngs(0))),
+                                          nnx.Param, ...)
+        modules = {}
+        for other, (graphdef, params, rest) in shapes.items():
+            stand_ins = [jax.tree.map(_stand_in, tree) for tree in (params, rest)]
+            modules[other] = model if other == name else nnx.merge(graphdef, *stand_ins, copy=True)
+            trained = parts[other].optimizer is not None
+            modules[other].train() if trained else modules[other].eval()
+        reading = _Reading(modules)
+        metrics = jax.tree.leaves(step_fn(reading, batch))
+        outputs = metrics or jax.tree.leaves(reading.given)  # a step that reports nothing: its updates
+        return sum((jnp.sum(leaf.astype(jnp.float32)) for leaf in outputs
+                    if jnp.issubdtype(leaf.dtype, jnp.inexact)), jnp.zeros((), jnp.float32))
+
+    return loss
+
+
+def _check_split_axes(models: dict[str, ParallelModel], read_off: bool) -> None:
     """Refuse a tensor or expert axis that splits no weight of any part (one part left whole is
     listed in ``describe`` with its reason, as a lone model's whole weights are)."""
-    name = next(iter(models))
-    read_off = parts[name].forward is not None and example_batch is not None
     check_split_axes([model.layout for model in models.values()], read_off,
-                     hint="give each part forward=lambda model, batch: model(...) and the Trainer "
-                          "example_batch, so shardax reads the split off their calls")
+                     hint="give the Trainer example_batch, so shardax reads the split off the step")
 
 
 def _described(tree: Any) -> list[tuple[str, tuple[int, ...]]]:
@@ -176,20 +239,25 @@ class ParallelParts:
 
     @classmethod
     def create(cls, parts: Mapping[str, Part], settings: StepSettings, *, axis_names: AxisNames = None,
-               example_batch: Any = None) -> ParallelParts:
+               example_batch: Any = None, step: StepFn | None = None) -> ParallelParts:
+        """Lay each part out by ``settings``; under ``tp``, ``fsdp_tp`` and ``pp_tp`` the weights
+        without logical names are split as Megatron would, read off each part's ``forward``, or
+        else off the user's ``step`` (traced on ``example_batch``'s shapes, no FLOP spent)."""
         parts = check_parts(parts)
         models = {}
         for name, part in parts.items():
-            derive = part.forward is not None and example_batch is not None
+            read_off = (_as_loss(part.forward) if part.forward is not None else
+                        _step_as_loss(step, name, parts) if step is not None else None)
+            derive = read_off is not None and example_batch is not None
             try:
                 models[name] = ParallelModel.create(
                     part.model, part.optimizer or optax.identity(), settings, axis_names=axis_names,
-                    loss_fn=_as_loss(part.forward) if derive else None,
-                    example_batch=example_batch if derive else None, trainable=part.trainable,
-                    check_tensor=False)
+                    loss_fn=read_off if derive else None, example_batch=example_batch if derive else None,
+                    trainable=part.trainable, check_tensor=False)
             except UsageError as error:
                 raise UsageError(f"part {name!r}: {error}") from None
-        _check_split_axes(parts, models, example_batch)
+        _check_split_axes(models, example_batch is not None and (step is not None or all(
+            part.forward is not None for part in parts.values())))
         trained = [name for name, part in parts.items() if part.optimizer is not None]
         mesh = next(iter(models.values())).mesh
         scalar = NamedSharding(mesh, PartitionSpec())

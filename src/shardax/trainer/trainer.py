@@ -137,7 +137,7 @@ class Trainer:
         self.parallel: ParallelRun
         if self.parts is not None:
             self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=axis_names,
-                                                 example_batch=example_batch)
+                                                 example_batch=example_batch, step=step)
             self._train_fn, self._eval_fn = step, eval_fn
         else:
             self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer,

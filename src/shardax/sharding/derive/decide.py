@@ -29,6 +29,19 @@ class Derived:
     whole: dict[str, str]
 
 
+def _live(jaxpr: Any) -> Any:
+    """``jaxpr`` with only what its output depends on: a step that computes gradients and keeps
+    them elsewhere leaves its backward pass out (read as a program of its own it would tie
+    dimensions the forward pass never ties). Every input stays. Without JAX's dead-code pass (an
+    internal one) the program is read whole."""
+    try:
+        from jax._src.interpreters import partial_eval
+
+        return partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+    except (ImportError, AttributeError, TypeError):
+        return jaxpr
+
+
 def derive_split(loss_of_params: Callable[[Any, Any, Any], Any], params: Any, rest: Any, batch: Any,
                  model_size: int, expert_size: int = 1) -> Derived:
     """Megatron's split of ``params`` (a tree of abstract arrays) over a ``model`` axis of
@@ -37,7 +50,7 @@ def derive_split(loss_of_params: Callable[[Any, Any, Any], Any], params: Any, re
     paths = [path_to_str(keypath) for keypath, _ in jax.tree_util.tree_leaves_with_path(params)]
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
         x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)), batch)
-    jaxpr = jax.make_jaxpr(loss_of_params)(params, rest, batch).jaxpr
+    jaxpr = _live(jax.make_jaxpr(loss_of_params)(params, rest, batch).jaxpr)
     classes = DimensionClasses()
     walker = Walker(classes)
     count_params = len(paths)
