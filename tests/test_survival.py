@@ -22,11 +22,12 @@ from cli_helpers import QUICK, WORKERS, last_logged_step, read_metrics, shardax,
 from user_models import DropoutMLP, classification_loss, on_host, vector_batches
 
 from shardax import Trainer
-from shardax.cli import main
-from shardax.errors import NonFiniteError
+from shardax.cli import main, signals
+from shardax.errors import NonFiniteError, Stopped
 from shardax.trainer import manifest
 from shardax.trainer.checkpoint import saved_arrays, saved_steps
 from shardax.trainer.lock import LOCK_NAME
+from shardax.trainer.preemption import StopSignals
 
 pytestmark = pytest.mark.xdist_group("test_survival")
 
@@ -410,9 +411,71 @@ def test_a_signal_stops_after_a_checkpoint_and_the_resumed_run_is_bit_identical(
         np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 
 
+@pytest.fixture
+def command_line_signals():
+    """The command line's stop handlers installed, as ``shardax`` installs them; the test's own after."""
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    signals.install()
+    try:
+        yield
+    finally:
+        signals.finish()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+class SignalledInItsFinalizer:
+    def __init__(self, sig):
+        self.sig = sig
+
+    def __del__(self):
+        signal.raise_signal(self.sig)
+
+
+def swallowed_signal(sig=signal.SIGTERM):
+    """``sig`` arrives while a finalizer runs (as JAX's garbage-collection hook does, often): the
+    exception the handler raises there is lost."""
+    SignalledInItsFinalizer(sig)
+
+
+def test_a_stop_swallowed_before_training_is_honoured_as_the_trainer_takes_the_signals(
+        command_line_signals, monkeypatch):
+    monkeypatch.setattr(signals, "RETRY_S", 3600.0)  # only the hand-over here
+    swallowed_signal()
+    assert signals.received == ["SIGTERM"]
+    with pytest.raises(Stopped, match="stopped by SIGTERM"):
+        with StopSignals():
+            pytest.fail("training began after a stop signal")
+    assert signal.getsignal(signal.SIGTERM) is signals._stop  # nothing was installed
+    with StopSignals() as stops:  # handed over once
+        assert stops.received is None
+
+
+def test_a_stop_swallowed_anywhere_is_raised_again_within_seconds(command_line_signals, monkeypatch, capfd):
+    monkeypatch.setattr(signals, "RETRY_S", 0.1)
+    swallowed_signal()
+    assert signals.received == ["SIGTERM"] and capfd.readouterr().err == ""  # no traceback of it either
+    start = time.monotonic()
+    with pytest.raises(Stopped, match="stopped by SIGTERM"):  # (raised again, not a second signal: no exit)
+        while time.monotonic() - start < 20:  # the command goes on, in Python
+            sum(range(1000))
+    signals.finish()  # the command ends by it
+    assert time.monotonic() - start < 10
+    signals.install()  # the next command: where JAX starts, a signal waits, and is raised as that ends
+    slept = []
+    with pytest.raises(Stopped, match="stopped by SIGINT"):
+        with signals.deferred():
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.5)
+            slept.append(True)
+    signals.finish()
+    assert slept
+
+
 # how a run signalled at each moment ends: (exit code, the line it ends with, the checkpoints left)
 AT_EACH_MOMENT = {
     "before-jax": ("stopped", "stopped by {sig} before training began: this run wrote nothing", []),
+    "swallowed": ("stopped", "stopped by {sig} before training began: this run wrote nothing", []),
     "restore": (75, "stopped by {sig} after step 3: checkpoint of step 3 in {ckpt}; resume from it to go on",
                 [2, 3]),
     "first-step": (75,

@@ -4,6 +4,8 @@
 
 MOMENT is one of:
 - ``before-jax``: the command has started, JAX has not (``shardax train`` about to start it);
+- ``swallowed``: the model is about to be laid out, and the exception the signal raises there is
+  lost (as inside a finalizer or a library's callback): the command goes on, the signal still pending;
 - ``restore``: a checkpoint is about to be restored (``--resume``);
 - ``first-step``: the first step is about to be compiled and run;
 - ``final-save``: the last step's checkpoint is about to be written.
@@ -21,6 +23,7 @@ from pathlib import Path
 import jax
 
 from shardax.cli import signals
+from shardax.errors import Stopped
 from shardax.trainer import checkpoint, trainer
 
 # the module (the package's `train` is the function)
@@ -51,7 +54,20 @@ def before(function, moment, when=lambda *args, **kwargs: True):
     return paused
 
 
+def swallowing(function, moment):
+    def paused(*args, **kwargs):
+        if MOMENT == moment and not READY.exists():
+            try:
+                pause()
+            except Stopped:
+                pass
+        return function(*args, **kwargs)
+
+    return paused
+
+
 train_command._join_cluster = before(train_command._join_cluster, "before-jax")
+trainer.Trainer.__init__ = swallowing(trainer.Trainer.__init__, "swallowed")
 checkpoint.Checkpointer.restore = before(checkpoint.Checkpointer.restore, "restore")
 original_train_step = trainer.Trainer.train_step
 

@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "command ran to its end)"))
         return code
     finally:
+        signals.finish()
         for number, handler in previous.items():
             if threading.current_thread() is threading.main_thread():
                 signal.signal(number, handler)

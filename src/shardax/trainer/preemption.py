@@ -10,6 +10,11 @@ same everywhere: JAX's preemption service (started by ``jax.distributed.initiali
 SIGTERM in any process, tells the others, and ``reached_preemption_sync_point(step)`` becomes
 true at the same step on every process. SIGINT (Ctrl-C) is turned into that same SIGTERM. A
 second SIGINT on one process interrupts at once (``KeyboardInterrupt``).
+
+The handlers replaced may hold a stop they could not act upon: the command line's raise an
+exception where the signal comes, and something (a finalizer, a library's callback) may have
+swallowed it. A replaced handler with a ``take_pending_stop()`` that names a signal hands it over,
+and training does not begin: ``Stopped`` is raised before anything of the run is done.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Any
 
 import jax
 
+from shardax.errors import Stopped
+
 
 class StopSignals:
     """A context in which SIGTERM/SIGINT ask the training loop to stop after the current step."""
@@ -33,6 +40,7 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return self  # signals reach the main thread only; a loop elsewhere is stopped by its owner
+        _honour_pending_stop()
         if jax.process_count() > 1:  # SIGTERM stays with JAX's preemption service
             self._install(signal.SIGINT, self._to_sigterm)
         else:
@@ -70,3 +78,12 @@ class StopSignals:
                 self.received = "SIGTERM"
             return stop
         return self.received is not None
+
+
+def _honour_pending_stop() -> None:
+    """A stop signal the handlers about to be replaced received and could not act upon, now."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        take = getattr(signal.getsignal(number), "take_pending_stop", None)
+        pending = take() if callable(take) else None
+        if pending is not None:
+            raise Stopped(pending)
