@@ -32,6 +32,11 @@ def _add_model_flags(group: Any) -> None:
     add("--preset",
         help="model size: tiny, small, medium, large, 1b (default tiny; each Llama-shaped, so every run "
              "exports with shardax export --hf)")
+    add("--model", metavar="MODULE:FACTORY",
+        help="train your own model instead of shardax's transformer: the function FACTORY of MODULE "
+             "(importable from the current directory or PYTHONPATH), called FACTORY(vocab_size=V, seq_len=T, "
+             "rngs=nnx.Rngs) and returning an nnx.Module whose __call__(tokens) gives (batch, T, V) logits; "
+             "--preset then only sets the run's defaults")
     add("--init-from", metavar="DIR",
         help="fine-tune a Hugging Face checkpoint (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, "
              "mixtral, qwen2_moe, qwen3_moe; a run's own export too): its model, weights (read straight into "
@@ -170,8 +175,8 @@ GROUPS = (("model", "the model: its size or checkpoint, LoRA, and how it compute
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     """The ``train`` subcommand's parser; its flags come in ``GROUPS``, in ``--help``'s order."""
     parser = subparsers.add_parser(
-        "train", help="train the transformer LM on text",
-        description="Train a transformer LM on text with any parallelism strategy.")
+        "train", help="train the transformer LM (or your own, --model) on text",
+        description="Train a transformer LM (or your own LM, --model) on text with any parallelism strategy.")
     for title, description, add_flags in GROUPS:
         add_flags(parser.add_argument_group(title, description))
     return parser

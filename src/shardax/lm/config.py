@@ -20,6 +20,7 @@ from typing import Any
 
 from shardax.data.python_chats import BUILT_IN_SETS
 from shardax.errors import UsageError
+from shardax.lm.models import check_flags
 from shardax.lm.settings import PLACES, SECTIONS, TrainConfig, setting_types
 from shardax.models.presets import blocks_in_a_loop, get_preset
 from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
@@ -36,7 +37,7 @@ from shardax.vocabulary import (
 DEFAULT_VOCAB = 1024
 
 # Settings that define the run: a resumed run takes them from its checkpoint.
-DEFINING_SETTINGS = ("preset", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len",
+DEFINING_SETTINGS = ("preset", "model", "init_from", "lora_rank", "lora_alpha", "lora_targets", "seq_len",
                      "scan_layers", "seed", "batch_size", "steps", "lr", "ema", "data", "tokenizer",
                      "vocab_size", "field", "chat_template", "data_format", "packing", "dpo_beta",
                      "dpo_label_smoothing")
@@ -134,6 +135,7 @@ def check_values(config: TrainConfig) -> None:
     if run.resume and not (run.checkpoint_dir or run.run_dir):
         raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its "
                          "--checkpoint-dir)")
+    check_flags(flat)  # --model beside the transformer's flags: said before what they would say together
     check_model_choice(model.preset, model.init_from, model.lora_rank, model.lora_alpha, model.lora_targets)
     if optimizer.ema is not None and not 0 < optimizer.ema < 1:
         raise UsageError(f"--ema {optimizer.ema} is not between 0 and 1 (exclusive); use e.g. 0.999, an "
@@ -203,20 +205,30 @@ class RunDefinition:
     dpo_label_smoothing: float | None = None
     data_format: str | None = None  # as prepare's --format (None: read off the files)
     packing: bool | None = None  # conversations: False lays one a row
+    factory: str | None = None  # --model: the user's model (``model`` then carries its seq_len alone)
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint keeps of the run (JSON)."""
         model = self.model
-        return {"preset": self.preset, "init_from": self.init_from, "lora_rank": model.lora_rank,
+        return {"preset": self.preset, "model": self.factory, "init_from": self.init_from,
+                "lora_rank": model.lora_rank,
                 "lora_alpha": model.lora_alpha if model.lora_rank else None,
                 "lora_targets": ",".join(model.lora_targets) if model.lora_rank else None,
-                "seq_len": self.model.seq_len, "scan_layers": self.model.scan_layers,
+                "seq_len": self.model.seq_len,
+                "scan_layers": None if self.factory else self.model.scan_layers,
                 "seed": self.seed, "batch_size": self.batch_size, "steps": self.steps, "lr": self.lr,
                 "data": self.data, "train_to": self.train_to, "tokenizer": self.tokenizer,
                 "vocab_size": self.vocab_size, "field": self.field, "ema": self.ema,
                 "chat_template": self.chat_template, "dpo_beta": self.dpo_beta,
                 "dpo_label_smoothing": self.dpo_label_smoothing, "data_format": self.data_format,
                 "packing": self.packing}
+
+    def model_record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the model: shardax's transformer's config, or of a model of
+        ``--model``, its vocabulary and sequence length (``vocab_size`` is set once the data is open)."""
+        if self.factory is not None:
+            return {"vocab_size": self.model.vocab_size, "seq_len": self.model.seq_len}
+        return dataclasses.asdict(self.model)
 
 
 def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: str = "cpu") -> RunDefinition:
@@ -228,6 +240,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
     elif config.data.paths is None and config.data.tokenizer is None and config.model.init_from is None:
         # the built-in corpus: a BPE trained on it (once, cached) gives the default run text made of words
         config = config.replace(tokenizer="bpe", vocab_size=config.data.vocab_size or DEFAULT_VOCAB)
+    check_flags(config.flat())  # --model (given, or the checkpoint's) beside the transformer's flags
     chosen, data, optimizer = config.model, config.data, config.optimizer
     preset = get_preset(chosen.preset or "tiny")
     overrides: dict[str, Any] = {"compute_dtype": chosen.precision, "attention": chosen.attention}
@@ -247,7 +260,7 @@ def resolve(config: TrainConfig, saved: dict[str, Any] | None = None, platform: 
         vocab_size=data.vocab_size, field=data.field, init_from=chosen.init_from, ema=optimizer.ema,
         chat_template=None if data.chat_template is None else str(Path(data.chat_template).absolute()),
         dpo_beta=optimizer.dpo_beta, dpo_label_smoothing=optimizer.dpo_label_smoothing,
-        data_format=data.data_format, packing=data.packing)
+        data_format=data.data_format, packing=data.packing, factory=chosen.factory)
 
 
 def _with_sources(config: TrainConfig) -> TrainConfig:
@@ -278,8 +291,9 @@ def _from_record(config: TrainConfig, saved: dict[str, Any]) -> TrainConfig:
                              f"length); to train on past step {saved.get('train_to', kept)}, use --extend-to "
                              f"{given}")
         elif given != kept:
+            kept_shown = "none (shardax's transformer)" if name == "model" and kept is None else _show(kept)
             raise UsageError(f"{flag(name)} {_show(given)} contradicts the checkpoint's {flag(name)} "
-                             f"{_show(kept)}; drop {flag(name)} to resume that run, or start a new run in "
+                             f"{kept_shown}; drop {flag(name)} to resume that run, or start a new run in "
                              "another --checkpoint-dir")
     return config.replace(**updates)
 

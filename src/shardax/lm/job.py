@@ -22,6 +22,7 @@ from rich.markup import escape as rich_escape
 from shardax.errors import Preempted, Stopped, UsageError
 from shardax.lm.config import RunDefinition, check_values, resolve
 from shardax.lm.data import ByteText, Conversations, Preferences, TokenShards, open_data
+from shardax.lm.models import lm_model
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
 from shardax.lm.sampling import sample_tokens
 from shardax.lm.settings import TrainConfig
@@ -31,7 +32,6 @@ from shardax.models.preference import dpo_loss
 from shardax.models.presets import adapter_count, parameter_count
 from shardax.models.transformer import (
     TransformerConfig,
-    TransformerLM,
     attention_implementation,
     weighted_next_token_loss,
 )
@@ -99,7 +99,8 @@ def _checkpoints_flag(config: TrainConfig) -> str:
 
 def loop_note(config: TrainConfig, saved: dict[str, Any] | None, model: TransformerConfig) -> list[str]:
     """A line saying so when a new run lays its blocks in a loop by default (``blocks_in_a_loop``)."""
-    if saved is not None or config.model.scan_layers is not None or model.scan_layers:
+    chosen = config.model
+    if saved is not None or chosen.scan_layers is not None or model.scan_layers or chosen.factory:
         return []
     return [f"blocks: in a Python loop, the default on GPUs under {config.parallelism.strategy} (steps "
             "1.14-1.27x faster than scanned on an H100, benchmark 24); --scan-layers scans them, compiling "
@@ -165,11 +166,11 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
 
 
 def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int,
-            init_from: str | None = None) -> list[str]:
+            init_from: str | None = None, factory: str | None = None) -> list[str]:
     unit = "bytes" if isinstance(data, ByteText) else "tokens"
     kernel, why = attention_implementation(model)
-    lines = [data.header(),
-             f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}; attention: {kernel} ({why})"]
+    computed = "" if factory else f"; attention: {kernel} ({why})"  # a model of --model: its own
+    lines = [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}{computed}"]
     if init_from is not None:
         lines.insert(0,
                      f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, "
@@ -208,15 +209,17 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDe
     _check_same_model(record, run, step, config)
     tx, schedule = optimizer(run.lr, run.steps, run.ema)
     model = run.model
-    loss = _loss(data, run)
+    build, adapted, about = lm_model(run, data)  # shardax's transformer, or --model's
+    loss = adapted(_loss(data, run))
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32)
                for key in data.batch_keys}
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
-    trainer = Trainer(lambda rngs: TransformerLM(model, rngs=rngs), tx, loss,
-                      **config.parallelism.step_options(), seed=run.seed, eval_loss_fn=data.eval_loss,
+    trainer = Trainer(build, tx, loss, **config.parallelism.step_options(), seed=run.seed,
+                      eval_loss_fn=adapted(data.eval_loss),
                       learning_rate=schedule, name="shardax train", example_batch=example,
                       init_from=run.init_from, trackers=_trackers(config.run.tracker))
-    return trainer, data, run, loop_note(config, saved, model) + _changes(record, config, trainer.mesh, model)
+    changes = _changes(record, config, trainer.mesh, model)
+    return trainer, data, run, about + loop_note(config, saved, model) + changes
 
 
 def _check_packing(data: ByteText | TokenShards) -> None:
@@ -348,8 +351,8 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, con
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
                 "strategy": config.parallelism.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
-                "grad_accum": config.parallelism.grad_accum, "model": dataclasses.asdict(model)},
-        header=_header(data, model, run.train_to, batch, run.init_from) + changes
+                "grad_accum": config.parallelism.grad_accum, "model": run.model_record()},
+        header=_header(data, model, run.train_to, batch, run.init_from, run.factory) + changes
         + [f"run directory: {where.path} (resume it with: {where.resume_command()})"],
         summary=False, loss_unit=data.unit, baselines=data.baselines(),
     )

@@ -20,7 +20,11 @@ class ModelSettings:
     """What model is trained."""
 
     preset: str | None = None
-    """The model's size (``shardax.models.presets``; default ``tiny``)."""
+    """The model's size (``shardax.models.presets``; default ``tiny``); with ``model``, the run's
+    defaults alone (sequence length, batch size, steps, learning rate)."""
+    factory: str | None = dataclasses.field(default=None, metadata={"flag": "model"})
+    """Your own model instead of shardax's transformer: ``pkg.module:factory``, called
+    ``factory(vocab_size=, seq_len=, rngs=)`` (``--model``; ``shardax.lm.models``)."""
     init_from: str | None = None
     """A Hugging Face checkpoint (Llama, Qwen, Mistral, Gemma or MoE families) to fine-tune: its
     model and tokenizer."""
