@@ -8,7 +8,8 @@ copied; a run of a preset gets the ``tokenizer.json`` its run directory holds, w
 ``tokenizer_config.json`` naming its end-of-document token, so that transformers loads both and
 ``shardax train --init-from`` fine-tunes the export. A LoRA
 run (``--lora-rank``) exports its adapters alone in PEFT's layout, or with ``--merge`` the
-weights with the adapters merged in.
+weights with the adapters merged in. A run of a model of the user's own (``shardax train
+--model``) is refused in one line: there is no Hugging Face layout to write it in.
 """
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ def checkpoints_of(directory: str) -> Path:
 def restore_run(checkpoint_dir: str, step: int | None, check: Any = None,
                 ema: bool = False) -> tuple[int, dict, Any, Any, Any]:
     """A ``shardax train`` checkpoint restored FSDP over the local devices: (its step, the run's
-    record, the model's config, the ``ParallelModel``, the state). ``check(config, step)`` runs
-    before anything is read. With ``ema``, the state's parameters are the moving average the run
-    kept (``--ema``), refused in one line if it kept none."""
+    record, the model's config (None: a model of ``--model``, built by its factory), the
+    ``ParallelModel``, the state). ``check(config, step)`` runs before anything is read. With
+    ``ema``, the state's parameters are the moving average the run kept (``--ema``), refused in
+    one line if it kept none."""
     from shardax.lm.job import optimizer
+    from shardax.lm.models import load_factory
     from shardax.model_parallel import parallelize
     from shardax.models.transformer import TransformerConfig, TransformerLM
     from shardax.trainer.checkpoint import Checkpointer
@@ -80,15 +83,20 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None,
             raise UsageError(f"{checkpoint_dir} step {step} was not written by shardax train (no run "
                              "record); use the Trainer's model in Python")
         fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-        model = {k: tuple(v) if isinstance(v, list) else v for k, v in model.items() if k in fields}
-        config = TransformerConfig(**model)
+        spec = run.get("model")  # shardax train --model: the user's factory builds it
+        config = None if spec else TransformerConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                        for k, v in model.items() if k in fields})
         if check is not None:
             check(config, step)
         if ema and run.get("ema") is None:
             raise UsageError(f"--ema: step {step} of {checkpoint_dir} keeps no moving average of the weights "
                              "(it was trained without shardax train --ema DECAY); drop --ema")
         tx, _ = optimizer(run["lr"], run["steps"], run.get("ema"))
-        parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
+        if spec:
+            factory, sizes = load_factory(spec), {k: model[k] for k in ("vocab_size", "seq_len")}
+            parallel = parallelize(lambda rngs: factory(**sizes, rngs=rngs), tx, None, "fsdp")
+        else:
+            parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
         state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
     return step, run, config, parallel, parallel.ema_state(state) if ema else state
 
@@ -102,6 +110,11 @@ def export_command(args: argparse.Namespace) -> int:
     out = Path(args.hf)
 
     def check(config: Any, step: int) -> None:
+        if config is None:
+            raise UsageError(f"step {step} of {args.checkpoint_dir} trained a model of your own (shardax "
+                             "train --model), and shardax export writes shardax's transformer in Hugging "
+                             "Face's layout; save your model's parameters from Python (shardax.Trainer, "
+                             "resumed from its checkpoints)")
         hf.config_json(config)  # a model without a Hugging Face layout: said before anything is read
         if args.merge and not config.lora_rank:
             raise UsageError(f"--merge merges LoRA adapters, and step {step} of {args.checkpoint_dir} "
