@@ -114,6 +114,23 @@ CASES = [
     (["--no-packing"], "--no-packing lays conversations one a row, and --data holds documents; leave it out"),
     (["--dpo-beta", "0.5"], "--dpo-beta tunes DPO, and --data holds no preference pairs"),
     (["--data", "{root}/bad/noreply.jsonl"], "noreply.jsonl line 2: the conversation has no assistant turn"),
+    # --model: a model of the user's own (tests/user_lm.py)
+    (["--model", "user_lm"], "--model user_lm: expected module:function, e.g. my_lm:build"),
+    (["--model", "no_such_lm:build"],
+     "--model no_such_lm:build: the module no_such_lm does not import: ModuleNotFoundError: No module named "
+     "'no_such_lm' (is it in the current directory or on PYTHONPATH?)"),
+    (["--model", "user_lm:nothing"], "user_lm.py) has no function nothing"),
+    (["--model", "user_lm:failing"],
+     "--model user_lm:failing: failing(vocab_size=320, seq_len=32, rngs=...) failed: ValueError: width 30 "
+     "does not split into 4 heads"),
+    (["--model", "user_lm:not_a_module"], "returned a dict; return an nnx.Module whose __call__(tokens)"),
+    (["--model", "user_lm:wrong_shape"], "its TinyLM gave float32 logits of shape (16, 32, 321) for tokens"),
+    (["--model", "user_lm:factory", "--init-from", "{root}/text"],
+     "--init-from {root}/text shapes shardax's transformer, and --model user_lm:factory trains your own"),
+    (["--model", "user_lm:factory", "--lora-rank", "4"], "--lora-rank 4 shapes shardax's transformer"),
+    (["--model", "user_lm:factory", "--no-scan-layers"], "--scan-layers False shapes shardax's transformer"),
+    (["--checkpoint-dir", "{root}/other_run", "--resume", "--model", "user_lm:factory"],
+     "--model user_lm:factory contradicts the checkpoint's --model none (shardax's transformer)"),
     # YAML files
     (["--config", "{root}/missing.yaml"], "cannot read it (No such file or directory)"),
     (["--config", "{root}/broken.yaml"], "not valid YAML"),
