@@ -5,13 +5,14 @@ multi-host slices, the batch search, and the one-line errors."""
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
-from cli_helpers import shardax
+from cli_helpers import shardax, subprocess_env
 from small_models import tiny_transformer_config
 
 from shardax.analysis.fit import batch_granule, fit
@@ -66,6 +67,22 @@ def test_missing_compiler_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # what an install without the extra sees
     with pytest.raises(UsageError, match=r'libtpu.*pip install "shardax\[tpu-plan\]"'):
         require_tpu_compiler()
+
+
+def test_a_command_on_a_machine_without_a_tpu_prints_nothing_of_libtpu(tmp_path):
+    """libtpu, installed for the TPU compiler, is not started as a backend where there is no TPU: a
+    command that starts JAX (generate, refused after JAX started) prints its line and nothing else."""
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        pytest.skip("this machine has a TPU: JAX starts libtpu as its backend")
+    env = {name: value for name, value in subprocess_env().items() if name != "JAX_PLATFORMS"}  # as a user
+    result = subprocess.run([sys.executable, "-m", "shardax.cli", "generate", "--checkpoint",
+                             str(tmp_path / "none"), "--prompt", "hi"], capture_output=True, text=True,
+                            timeout=300, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("shardax generate: error: ") and "TPU" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("strategy, mesh", [("dp", "data=4"), ("zero2", "data=4"), ("fsdp", "data=4"),

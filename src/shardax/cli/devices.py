@@ -1,10 +1,11 @@
-"""JAX's set-up before it starts: simulated CPU devices and quiet logs."""
+"""JAX's set-up before it starts: simulated CPU devices, the platforms it may start, quiet logs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from typing import Any
 
 from shardax.cli import signals
 from shardax.cli.errors import UsageError
@@ -12,11 +13,14 @@ from shardax.cpu_devices import simulate_cpu_devices
 
 
 def configure_jax(devices: int, *, start: bool = False) -> None:
-    """Before JAX starts: simulated CPU devices, quiet logs; with ``start``, JAX's backends started
-    too. Signals wait for the end of it (``signals.deferred``): JAX's import and start load
-    compiled extensions that an exception raised inside would crash."""
+    """Before JAX starts: simulated CPU devices, no accelerator platform that is not there, quiet
+    logs; with ``start``, JAX's backends started too. Signals wait for the end of it
+    (``signals.deferred``): JAX's import and start load compiled extensions that an exception raised
+    inside would crash."""
     with signals.deferred():
         import jax
+
+        _only_cpu_without_accelerators(jax)
 
         if devices < 1:
             raise UsageError(f"--devices {devices} must be at least 1")
@@ -32,6 +36,28 @@ def configure_jax(devices: int, *, start: bool = False) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if start:
             jax.devices()
+
+
+def _only_cpu_without_accelerators(jax: Any) -> None:
+    """On a machine with neither a TPU chip nor a GPU, JAX starts its CPU backend only
+    (``JAX_PLATFORMS=cpu``): it would otherwise start the TPU plugin that the tpu-plan extra installs
+    (libtpu), which finds no chip and says so in lines on stderr, for every command. Platforms the
+    user chose (``JAX_PLATFORMS``, ``JAX_FORCE_TPU_INIT``) are kept; ``shardax plan --target tpu-...``
+    loads XLA:TPU's compiler by itself, without the TPU backend."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ or jax.config.jax_platforms:
+        return
+    try:
+        from jax._src import hardware_utils, xla_bridge  # what JAX itself reads to find accelerators
+
+        if xla_bridge.backends_are_initialized():  # JAX already started here (shardax used as a library)
+            return
+        present = (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+                   or hardware_utils.has_visible_nvidia_gpu()
+                   or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
+    except (ImportError, AttributeError, OSError):  # not where JAX 0.10 keeps them: JAX looks for itself
+        return
+    if not present:
+        jax.config.update("jax_platforms", "cpu")
 
 
 def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
