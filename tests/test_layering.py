@@ -8,8 +8,8 @@
     experts, decoding,            adapters; what a mixture of experts and a model generate() decodes expose),
     models, data                  shardax's own LM, the LM's data
     step                          the compiled train/eval step of any model under any layout
-    model_parallel, model_state,  parallelize(), reshard(), a model's state; named parts of a run;
-    parts, compat                 artifex's data-parallel API
+    model_parallel, model_state,  parallelize(), reshard(), a model's state; named parts of a run
+    part_use, parts, compat       (and what each computes, read off the step); artifex's data-parallel API
     hf, generation                Hugging Face checkpoints in and out, into and from shards; generate()
     trainer                       the loop for any model: data sources, eval, metrics, checkpoints
     lm, analysis                  the LM job (a client of the trainer); plan, lint, audits
@@ -27,7 +27,7 @@ LAYERS = [
     {"runtime"},
     {"layers", "blocks", "adapters", "experts", "decoding", "models", "data"},
     {"step"},
-    {"model_parallel", "model_state", "parts", "compat"},
+    {"model_parallel", "model_state", "part_use", "parts", "compat"},
     {"hf", "generation"},
     {"trainer"},
     {"lm", "analysis"},

@@ -28,13 +28,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.model_parallel import ParallelModel
-from shardax.model_state import (
-    ModelFactory,
-    build_state,
-    holding_arrays,
-    trained_part,
-    warn_if_updates_round_away,
-)
+from shardax.model_state import ModelFactory, build_state, trained_part, warn_if_updates_round_away
+from shardax.part_use import forward_as_loss, step_as_loss
 from shardax.runtime.pipeline import Schedule
 from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.checks import check_split_axes
@@ -102,75 +97,6 @@ def check_parts(parts: Any) -> dict[str, Part]:
     if all(part.optimizer is None for part in parts.values()):
         raise UsageError("every part is frozen, so nothing would train; give at least one part an optimizer")
     return dict(parts)
-
-
-def _as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.Module, Any], jax.Array]:
-    """A scalar of what ``forward`` computes, for reading tensor-parallel splits off its program."""
-
-    def loss(model: nnx.Module, batch: Any) -> jax.Array:
-        return sum((jnp.sum(leaf.astype(jnp.float32)) for leaf in jax.tree.leaves(forward(model, batch))),
-                   jnp.zeros((), jnp.float32))
-
-    return loss
-
-
-class _Reading:
-    """The parts as the user's step sees them while shardax reads a part's use off it: modules
-    by name; ``update`` keeps the gradients given (what a step that reports no metric computes)."""
-
-    def __init__(self, modules: dict[str, nnx.Module]) -> None:
-        self._modules, self.given = modules, []
-
-    def __getitem__(self, name: str) -> nnx.Module:
-        if name not in self._modules:
-            raise UsageError(f"the step asked for part {name!r}; the parts are "
-                             f"{', '.join(map(repr, self._modules))}")
-        return self._modules[name]
-
-    def __getattr__(self, name: str) -> nnx.Module:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self[name]
-
-    def __iter__(self) -> Any:
-        return iter(self._modules)
-
-    def update(self, name: str, grads: Any) -> None:
-        self.given.append(grads)
-
-
-def _stand_in(leaf: Any) -> jax.Array:
-    """An array of ``leaf``'s shape and dtype (RNG keys included) for another part's weights."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        key = jax.random.key(0)
-        return jnp.broadcast_to(key, leaf.shape) if leaf.shape else key
-    return jnp.zeros(leaf.shape, leaf.dtype)
-
-
-def _step_as_loss(step_fn: StepFn, name: str, parts: dict[str, Part]) -> Callable[..., jax.Array]:
-    """A scalar of what the user's ``step_fn`` computes, as a loss of part ``name`` (the other
-    parts enter as zeros of their shapes): tensor-parallel splits are read off the step itself,
-    so that no part needs its ``forward`` spelled out."""
-    shapes: dict[str, tuple[nnx.GraphDef, Any, Any]] = {}
-
-    def loss(model: nnx.Module, batch: Any) -> jax.Array:
-        if not shapes:
-            for other, part in parts.items():
-                shapes[other] = nnx.split(nnx.eval_shape(lambda p=part: holding_arrays(p.model)(nnx.Rngs(0))),
-                                          nnx.Param, ...)
-        modules = {}
-        for other, (graphdef, params, rest) in shapes.items():
-            stand_ins = [jax.tree.map(_stand_in, tree) for tree in (params, rest)]
-            modules[other] = model if other == name else nnx.merge(graphdef, *stand_ins, copy=True)
-            trained = parts[other].optimizer is not None
-            modules[other].train() if trained else modules[other].eval()
-        reading = _Reading(modules)
-        metrics = jax.tree.leaves(step_fn(reading, batch))
-        outputs = metrics or jax.tree.leaves(reading.given)  # a step that reports nothing: its updates
-        return sum((jnp.sum(leaf.astype(jnp.float32)) for leaf in outputs
-                    if jnp.issubdtype(leaf.dtype, jnp.inexact)), jnp.zeros((), jnp.float32))
-
-    return loss
 
 
 def _check_split_axes(models: dict[str, ParallelModel], read_off: bool) -> None:
@@ -246,8 +172,8 @@ class ParallelParts:
         parts = check_parts(parts)
         models = {}
         for name, part in parts.items():
-            read_off = (_as_loss(part.forward) if part.forward is not None else
-                        _step_as_loss(step, name, parts) if step is not None else None)
+            read_off = (forward_as_loss(part.forward) if part.forward is not None else
+                        step_as_loss(step, name, parts) if step is not None else None)
             derive = read_off is not None and example_batch is not None
             try:
                 models[name] = ParallelModel.create(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import warnings
@@ -46,18 +47,18 @@ def _only_cpu_without_accelerators(jax: Any) -> None:
     loads XLA:TPU's compiler by itself, without the TPU backend."""
     if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ or jax.config.jax_platforms:
         return
-    try:
-        from jax._src import hardware_utils, xla_bridge  # what JAX itself reads to find accelerators
-
-        if xla_bridge.backends_are_initialized():  # JAX already started here (shardax used as a library)
-            return
-        present = (hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-                   or hardware_utils.has_visible_nvidia_gpu()
-                   or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
-    except (ImportError, AttributeError, OSError):  # not where JAX 0.10 keeps them: JAX looks for itself
-        return
-    if not present:
+    if not _accelerator_present():
         jax.config.update("jax_platforms", "cpu")
+
+
+# the device files of TPU chips (accel: v2-v4; vfio: v5e and later), NVIDIA GPUs and AMD GPUs (ROCm)
+_ACCELERATOR_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def _accelerator_present() -> bool:
+    """Whether this machine shows a TPU chip or a GPU: any of their device files (what JAX's own
+    check reads too, in a private module of its own)."""
+    return any(glob.glob(pattern) for pattern in _ACCELERATOR_FILES)
 
 
 def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Var
 
 from shardax.errors import UsageError
 from shardax.sharding.derive.dimensions import DimensionClasses, Node, rank, shape_of
@@ -30,16 +31,16 @@ class Derived:
 
 
 def _live(jaxpr: Any) -> Any:
-    """``jaxpr`` with only what its output depends on: a step that computes gradients and keeps
-    them elsewhere leaves its backward pass out (read as a program of its own it would tie
-    dimensions the forward pass never ties). Every input stays. Without JAX's dead-code pass (an
-    internal one) the program is read whole."""
-    try:
-        from jax._src.interpreters import partial_eval
-
-        return partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
-    except (ImportError, AttributeError, TypeError):
-        return jaxpr
+    """``jaxpr`` with only the equations its output depends on (and those with effects): a step
+    that computes gradients and hands them elsewhere leaves its backward pass out (read as part of
+    the program it would tie dimensions the forward pass never ties). Every input stays."""
+    live = {var for var in jaxpr.outvars if isinstance(var, Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(var in live for var in eqn.outvars):
+            kept.append(eqn)
+            live.update(var for var in eqn.invars if isinstance(var, Var))
+    return jaxpr.replace(eqns=kept[::-1])
 
 
 def derive_split(loss_of_params: Callable[[Any, Any, Any], Any], params: Any, rest: Any, batch: Any,
