@@ -95,7 +95,7 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
     fitting = trainer(trackers=trackers)
     run = fitting.fit(batches, steps=6, eval_data=held_out, eval_every=3, log_every=2,
                       metrics=tmp_path / "m.jsonl", tensorboard=tmp_path / "tb", on_log=logged.append,
-                      samples=draw, sample_every=3, run_dir=tmp_path, eval_ema=True)  # samples: run_dir/samples
+                      samples=draw, sample_every=3, run_dir=tmp_path, eval_ema=True)  # samples under run_dir
     from cli_helpers import read_metrics
 
     records = read_metrics(tmp_path / "m.jsonl")
@@ -298,9 +298,11 @@ def one_pass():
      "a global batch of 12 rows (`batch_size=12`) does not split over the batch axes ('data',) of mesh "
      "data=8 times `grad_accum=1` (= 8); use a multiple of 8, e.g. 8"),
     (lambda t, d: t.fit(BATCHES, steps=1, samples=lambda m, s: np.zeros((2, 4, 4))),
-     "samples= needs a place for its PNG grids: give run_dir=DIR (they go to DIR/samples) or samples_dir=DIR"),
+     "samples= needs a place for its PNG grids: give run_dir=DIR (they go to DIR/samples) or "
+     "samples_dir=DIR"),
     (lambda t, d: t.fit(BATCHES, step=2),
-     "fit() got step=2, which is no setting of a run; the closest is steps; the settings are run_dir, steps,"),
+     "fit() got step=2, which is no setting of a run; the closest is steps; the settings are run_dir, "
+     "steps,"),
     (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1,
                                                                                eval_ema=True),
      "eval_ema=True evaluates the moving average of the weights, and the optimizer keeps none; chain"),
