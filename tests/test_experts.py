@@ -36,11 +36,19 @@ def reference():
     return one_device()
 
 
-@pytest.mark.parametrize("strategy, mesh", [("fsdp_ep", "data=2,expert=4"),
-                                            ("ep_tp", "data=2,expert=2,model=2"),
-                                            ("ep", "data=2,expert=2,context=2"), ("pp", "stage=2,data=4"),
-                                            ("pp_tp", "stage=2,data=2,model=2")])
-def test_every_expert_axis_strategy_takes_one_devices_first_step(strategy, mesh, reference):
+# every strategy family on one tiny model (a mixture of experts, so that the expert axis has
+# something to split): data, ZeRO, FSDP, hybrid, tensor, pipeline, context and expert parallelism;
+# each case is in the fast tier (every_case)
+FAMILIES = [("dp", "data=8"), ("zero1", "data=8"), ("zero2", "data=8"), ("fsdp", "data=8"),
+            ("hsdp", "replica=2,data=4"), ("tp", "data=4,model=2"), ("fsdp_tp", "data=2,model=4"),
+            ("pp", "stage=2,data=4"), ("pp_tp", "stage=2,data=2,model=2"), ("fsdp", "data=2,context=4"),
+            ("fsdp_ep", "data=2,expert=4"), ("ep_tp", "data=2,expert=2,model=2"),
+            ("ep", "data=2,expert=2,context=2")]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("strategy, mesh", FAMILIES, ids=[f"{s}-{m}" for s, m in FAMILIES])
+def test_every_strategy_family_takes_one_devices_first_step(strategy, mesh, reference):
     """SGD with rate 1: each parameter moves by minus its gradient, which equals one device's per
     tensor (1e-5 of the tensor's largest), router losses included; each device holds E / X
     experts (its own), and the loss and router metrics are one device's. Under a pipeline the
