@@ -163,6 +163,8 @@ TRAIN_CASES = [("dp", "data=2,context=4", "all-gather", "learned"),
 
 @pytest.mark.parametrize("strategy, mesh_shape, variant, positions", TRAIN_CASES,
                          ids=[f"{s}-{m}-{v}" for s, m, v, _ in TRAIN_CASES])
+# the fast tier's strategy families (tests/test_experts.py) compare a context axis with one device
+@pytest.mark.slow
 def test_context_parallel_trains_like_one_device(strategy, mesh_shape, variant, positions):
     config = tiny_transformer_config(positions=positions)
     if positions not in _REFERENCE:

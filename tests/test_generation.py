@@ -103,6 +103,8 @@ def test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy(strategy, 
 
 @pytest.mark.parametrize("name, strategy, mesh", [("gemma2", "fsdp_tp", "data=4,model=2"),
                                                   ("qwen2-loop", "tp", "data=4,model=2")])
+# the fast tier decodes through a cache in test_greedy_decoding_is_the_full_forward_argmax_on_every_strategy
+@pytest.mark.slow
 def test_a_16_bit_cache_decodes_as_the_same_values_held_in_float32(name, strategy, mesh):
     """A bfloat16 model's cache (held as the floats' bits: shardax.runtime.kv_cache.BITS) decodes
     the tokens that a float32 cache of the same keys and values does, in half the bytes, through a

@@ -58,6 +58,8 @@ CASES = [("pp", "stage=8", m, 1) for m in (8, 16, 32)] + \
 
 @pytest.mark.parametrize("strategy, mesh_shape, microbatches, repeats", CASES,
                          ids=[f"{s}-{m}-M{mb}-R{r}" for s, m, mb, r in CASES])
+# the fast tier's strategy families (tests/test_experts.py) compare pp and pp_tp with one device
+@pytest.mark.slow
 def test_pipeline_trains_like_one_device(strategy, mesh_shape, microbatches, repeats):
     ref_losses, ref_state, _ = reference()
     losses, state, parallel = train(strategy, mesh_shape, microbatches=microbatches, pipeline_repeats=repeats)
