@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.errors import UsageError
 from shardax.model_state import holding_arrays
-from shardax.step.parts import StepFn
+from shardax.step.parts import NamedModules, StepFn
 
 
 def forward_as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.Module, Any], jax.Array]:
@@ -30,26 +29,12 @@ def forward_as_loss(forward: Callable[[nnx.Module, Any], Any]) -> Callable[[nnx.
     return loss
 
 
-class Reading:
+class Reading(NamedModules):
     """The parts as the user's step sees them while shardax reads a part's use off it: modules
     by name; ``update`` keeps the gradients given (what a step that reports no metric computes)."""
 
     def __init__(self, modules: dict[str, nnx.Module]) -> None:
         self._modules, self.given = modules, []
-
-    def __getitem__(self, name: str) -> nnx.Module:
-        if name not in self._modules:
-            raise UsageError(f"the step asked for part {name!r}; the parts are "
-                             f"{', '.join(map(repr, self._modules))}")
-        return self._modules[name]
-
-    def __getattr__(self, name: str) -> nnx.Module:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self[name]
-
-    def __iter__(self) -> Any:
-        return iter(self._modules)
 
     def update(self, name: str, grads: Any) -> None:
         self.given.append(grads)

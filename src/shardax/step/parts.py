@@ -55,7 +55,27 @@ class PartPlan:
         return tree if self.trainable is None else nnx.split_state(tree, self.trainable, ...)[0]
 
 
-class Parts:
+class NamedModules:
+    """Modules by part name: ``parts["name"]`` or ``parts.name``, and iteration over the names."""
+
+    _modules: dict[str, nnx.Module]
+
+    def __getitem__(self, name: str) -> nnx.Module:
+        if name not in self._modules:
+            raise UsageError(f"the step asked for part {name!r}; the parts are "
+                             f"{', '.join(map(repr, self._modules))}")
+        return self._modules[name]
+
+    def __getattr__(self, name: str) -> nnx.Module:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self[name]
+
+    def __iter__(self) -> Any:
+        return iter(self._modules)
+
+
+class Parts(NamedModules):
     """What the user's step receives: ``parts["name"]`` (or ``parts.name``) is that part's
     ``nnx.Module``; ``parts.update(name, grads)`` applies the part's optimizer."""
 
@@ -73,20 +93,6 @@ class Parts:
         self.metrics: Metrics = {}
         self.applied = jnp.ones((), bool)
         self.updated: set[str] = set()
-
-    def __getitem__(self, name: str) -> nnx.Module:
-        if name not in self._modules:
-            raise UsageError(f"the step asked for part {name!r}; the parts are "
-                             f"{', '.join(map(repr, self._modules))}")
-        return self._modules[name]
-
-    def __getattr__(self, name: str) -> nnx.Module:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self[name]
-
-    def __iter__(self) -> Any:
-        return iter(self._modules)
 
     def update(self, name: str, grads: Any) -> None:
         """One optimizer step of part ``name`` with ``grads`` (``nnx.grad`` of a loss with respect
