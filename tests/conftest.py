@@ -3,15 +3,6 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The tests compile a thousand small programs: much of each compile was LLVM optimising the CPU code
-# at its highest level. At level 1 XLA's program (its HLO, partitioning, collectives, buffers and
-# memory analysis) is the same and its code as fast on these models (level 0 compiled faster still,
-# but ran a 4-layer transformer's step 2.2x slower). Subprocesses inherit it.
-_QUICK_COMPILE = ("--xla_backend_optimization_level=1",)
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                    *(flag for flag in _QUICK_COMPILE
-                                      if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""))]).strip()
-
 import jax  # noqa: E402
 
 from shardax import simulate_cpu_devices  # noqa: E402
