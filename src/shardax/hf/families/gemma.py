@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardax.hf.families.common import TANH_GELU, layer_types_json, listed_sliding, window_fields
+from shardax.hf.families.config_fields import TANH_GELU, layer_types_json, listed_sliding, window_fields
 from shardax.hf.families.llama import Llama
 from shardax.hf.registry import register_family
 from shardax.models.transformer import TransformerConfig

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardax.hf.families.common import rope_fields, rope_json, shape_fields, shape_json, window_fields
+from shardax.hf.families.config_fields import rope_fields, rope_json, shape_fields, shape_json, window_fields
 from shardax.hf.registry import Family, refuse, register_family, registered
 from shardax.models.transformer import TransformerConfig
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from shardax.hf.families.common import expert_fields, expert_json, window_fields
+from shardax.hf.families.config_fields import expert_fields, expert_json, window_fields
 from shardax.hf.families.llama import Llama
 from shardax.hf.registry import refuse, register_family
 from shardax.models.transformer import TransformerConfig

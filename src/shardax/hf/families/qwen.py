@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardax.hf.families.common import layer_types_json, listed_sliding, window_fields
+from shardax.hf.families.config_fields import layer_types_json, listed_sliding, window_fields
 from shardax.hf.families.llama import Llama
 from shardax.hf.registry import register_family
 from shardax.models.transformer import TransformerConfig

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shardax.hf.families.common import expert_fields, expert_json, window_fields
+from shardax.hf.families.config_fields import expert_fields, expert_json, window_fields
 from shardax.hf.families.llama import Llama
 from shardax.hf.families.mixtral import check_experts
 from shardax.hf.registry import refuse, register_family
