@@ -58,7 +58,9 @@ class Part:
         (``part_seed``), so that adding, removing or reordering other parts leaves it as it was.
       init_from: weights to start from instead of ``seed``'s: a trained ``nnx.Module`` of the
         same structure (a teacher, a reference model), or its ``nnx.state``; each device takes
-        its own slices of a copy of them (the module given stays usable).
+        its own slices of a copy of them (the module given stays usable). Or an object with
+        ``initial_state(parallel, seed)`` (``shardax.hf.factory(path)``: a checkpoint's weights,
+        each device's slices read straight from the files into the part's layout).
     """
 
     model: ModelFactory
@@ -233,7 +235,11 @@ class ParallelParts:
 
         state = jax.jit(build, out_shardings=self.state_shardings)()
         for name, part in self.parts.items():
-            if part.init_from is not None:
+            if callable(getattr(part.init_from, "initial_state", None)):  # read into the part's own layout
+                loaded = part.init_from.initial_state(self.models[name], seeds[name])
+                state = state.replace(params={**state.params, name: loaded.params},
+                                      rest={**state.rest, name: loaded.rest})
+            elif part.init_from is not None:
                 state = self._start_from(state, name, part.init_from)
         return state
 

@@ -97,8 +97,26 @@ def restore_run(checkpoint_dir: str, step: int | None, check: Any = None,
             parallel = parallelize(lambda rngs: factory(**sizes, rngs=rngs), tx, None, "fsdp")
         else:
             parallel = parallelize(lambda rngs: TransformerLM(config, rngs=rngs), tx, None, "fsdp")
-        state, _ = checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)
+        state = _restored(checkpointer, step, parallel, record.get("parts"))
     return step, run, config, parallel, parallel.ema_state(state) if ema else state
+
+
+def _restored(checkpointer: Any, step: int, parallel: Any, parts: dict[str, Any] | None) -> Any:
+    """The state of ``step`` for ``parallel``'s model; of a run of parts (full DPO: the model
+    trained beside a frozen copy of it), the trained part's alone."""
+    if not parts:
+        return checkpointer.restore(step, parallel.abstract_state, parallel.state_shardings)[0]
+    [trained], frozen = parts["trained"], parts["frozen"]
+
+    def of_parts(state: Any) -> Any:  # every part is the model: the trained one with its optimizer
+        names = [trained, *frozen]
+        return state.replace(params={name: state.params for name in names},
+                             rest={name: state.rest for name in names}, opt_state={trained: state.opt_state})
+
+    abstract, shardings = of_parts(parallel.abstract_state), of_parts(parallel.state_shardings)
+    saved, _ = checkpointer.restore(step, abstract, shardings)
+    return saved.replace(params=saved.params[trained], rest=saved.rest[trained],
+                         opt_state=saved.opt_state[trained])
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -84,6 +84,12 @@ def dpo_loss(beta: float = 0.1, label_smoothing: float = 0.0) -> Callable[[Any, 
     return loss_fn
 
 
+def with_reference(reference: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with the ``reference`` model's log-probabilities of its pairs (no gradient to it)."""
+    return {**batch, **{f"reference_{side}": jax.lax.stop_gradient(
+        sequence_logprobs(reference, batch[side], batch[f"{side}_mask"])) for side in ("chosen", "rejected")}}
+
+
 def dpo_step(beta: float = 0.1, label_smoothing: float = 0.0, *, policy: str = "policy",
              reference: str = "reference") -> Callable[[Any, dict[str, Any]], dict[str, jax.Array]]:
     """A step over parts (``Trainer(parts=..., step=dpo_step())``): DPO of the ``policy`` part
@@ -93,12 +99,21 @@ def dpo_step(beta: float = 0.1, label_smoothing: float = 0.0, *, policy: str = "
     loss_fn = dpo_loss(beta, label_smoothing)
 
     def step(parts: Any, batch: dict[str, Any]) -> dict[str, jax.Array]:
-        frozen = parts[reference]
-        given = {**batch, **{f"reference_{side}": jax.lax.stop_gradient(
-            sequence_logprobs(frozen, batch[side], batch[f"{side}_mask"]))
-                             for side in ("chosen", "rejected")}}
+        given = with_reference(parts[reference], batch)
         (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(parts[policy], given)
         parts.update(policy, grads)
         return {"loss": loss, **metrics}
 
     return step
+
+
+def dpo_eval_step(beta: float = 0.1, label_smoothing: float = 0.0, *, policy: str = "policy",
+                  reference: str = "reference") -> Callable[[Any, dict[str, Any]], dict[str, jax.Array]]:
+    """What ``dpo_step``'s run evaluates (``Trainer(eval_fn=...)``): its loss and rewards."""
+    loss_fn = dpo_loss(beta, label_smoothing)
+
+    def evaluate(parts: Any, batch: dict[str, Any]) -> dict[str, jax.Array]:
+        loss, metrics = loss_fn(parts[policy], with_reference(parts[reference], batch))
+        return {"loss": loss, **metrics}
+
+    return evaluate
