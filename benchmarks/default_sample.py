@@ -56,7 +56,8 @@ for seed in range({SAMPLES}):
                         seed=seed)
     samples.append(data.decode(ids))
 print("RESULT " + json.dumps({{"samples": samples, "wall_s": wall, "val_loss": result.final_val_loss,
-                              "unigram": result.unigram_loss, "tokenizer": run.tokenizer, "vocab": data.vocab,
+                              "unigram": result.baselines["unigram"], "tokenizer": run.tokenizer,
+                              "vocab": data.vocab,
                               "batch_size": run.batch_size, "steps": run.steps,
                               "temperature": config.sample_temperature, "top_k": config.sample_top_k}}))
 """

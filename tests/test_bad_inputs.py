@@ -114,6 +114,10 @@ CASES = [
     (["--no-packing"], "--no-packing lays conversations one a row, and --data holds documents; leave it out"),
     (["--dpo-beta", "0.5"], "--dpo-beta tunes DPO, and --data holds no preference pairs"),
     (["--data", "{root}/bad/noreply.jsonl"], "noreply.jsonl line 2: the conversation has no assistant turn"),
+    # --format: a data format's name, or one of the user's (module:Class, a shardax.data.registry.DataFormat)
+    (["--format", "pairs"], "--format 'pairs' is not one of auto, documents, conversations, preferences"),
+    (["--format", "user_lm:factory"], "--format user_lm:factory: user_lm.factory is a function, not a data"),
+    (["--format", "no_such_formats:QA"], "--format no_such_formats:QA: the module no_such_formats does not"),
     # --model: a model of the user's own (tests/user_lm.py)
     (["--model", "user_lm"], "--model user_lm: expected module:function, e.g. my_lm:build"),
     (["--model", "no_such_lm:build"],

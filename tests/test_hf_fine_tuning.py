@@ -212,7 +212,8 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
     """``shardax train --init-from DIR --data pairs.jsonl --lora-rank R``: DPO with the base
     weights as the reference. The first step's loss is log 2 with zero rewards (B starts at
     zero: the policy is the reference), the rewards move after it, and the validation pairs are
-    scored; DPO without LoRA, and DPO's flags without pairs, are one line each."""
+    scored. Without LoRA (full DPO) the policy and its frozen reference both start as the
+    checkpoint, read into each; DPO's flags without pairs are one line."""
     from cli_helpers import read_metrics, shardax
 
     from shardax.data.python_chats import preference_pairs
@@ -236,9 +237,18 @@ def test_shardax_train_tunes_preference_pairs_with_dpo_against_the_base_weights(
     assert last["chosen_reward"] != 0 and last["rejected_reward"] != 0  # the adapters moved the policy
     evaluated = next(r for r in metrics if "val_loss" in r)
     assert math.isfinite(evaluated["val_loss"]) and 0 <= evaluated["val_reward_accuracy"] <= 1
-    full = shardax(*run, "--steps", 1, check=False)
-    assert (full.returncode == 2
-            and "DPO from shardax train takes the model's base weights as its reference" in full.stderr)
+    full = shardax(*run, "--steps", 1, "--metrics", tmp_path / "full.jsonl",
+                   "--checkpoint-dir", tmp_path / "full")
+    assert "parts: policy (TransformerLM), reference (TransformerLM, frozen)" in full.stdout
+    assert read_metrics(tmp_path / "full.jsonl")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    from safetensors.numpy import load_file
+
+    from shardax.trainer.checkpoint import saved_arrays
+
+    loaded = load_file(chat_model / "model.safetensors")["model.embed_tokens.weight"]
+    at_step_1 = saved_arrays(tmp_path / "full", 1)
+    for part in ("policy", "reference"):  # the warmup's first learning rate is 0: both as loaded
+        np.testing.assert_array_equal(at_step_1[f"params.{part}.embedding"], loaded)
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"prompt": "2 + 2 =", "completion": " 4"}) + "\n"
                      + json.dumps({"prompt": "3 + 3 =", "completion": " 6"}) + "\n")

@@ -1,7 +1,8 @@
 """The names a user may give, in one place: strategies, remat policies, attention kernels,
-context attentions, what to do with a non-finite step, compute precisions, what ``--data``
-holds. JAX-free, so that the command line's parsers, the configurations and the library check
-against the same tuples (each a ``Literal`` type for annotations and its tuple of values).
+context attentions, what to do with a non-finite step, compute precisions. JAX-free, so that the
+command line's parsers, the configurations and the library check against the same tuples (each a
+``Literal`` type for annotations and its tuple of values). What ``--data`` holds is a data
+format's, named by the formats' registry (``shardax.data.registry``).
 
 The strategies themselves live in ``shardax.sharding.strategies``; a test keeps their names and
 ``STRATEGY_NAMES`` the same.
@@ -18,7 +19,6 @@ AttentionKernel = Literal["auto", "xla", "cudnn"]
 ContextAttention = Literal["all-gather", "ring"]
 NonFinite = Literal["stop", "skip"]
 Precision = Literal["float32", "bfloat16"]
-DataFormat = Literal["documents", "conversations", "preferences"]
 
 STRATEGY_NAMES: tuple[str, ...] = get_args(StrategyName)
 REMAT_POLICIES: tuple[str, ...] = get_args(RematPolicy)
@@ -26,7 +26,6 @@ ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 CONTEXT_ATTENTIONS: tuple[str, ...] = get_args(ContextAttention)
 NONFINITE_MODES: tuple[str, ...] = get_args(NonFinite)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-DATA_FORMATS: tuple[str, ...] = get_args(DataFormat)
 
 # the projections LoRA adapts, by their Hugging Face names (q_proj, ..., down_proj)
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

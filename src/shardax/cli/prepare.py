@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardax.vocabulary import DATA_FORMATS
-
 
 def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
@@ -24,8 +22,9 @@ def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="bytes (default), bpe (trained on the corpus) or a tokenizer.json file")
     add("--vocab-size", type=int, help="with --tokenizer bpe: vocabulary size (default 4096)")
     add("--field", default="text", help="the text field of .jsonl and .parquet inputs (default text)")
-    add("--format", default="auto", choices=("auto", *DATA_FORMATS),
-        help="documents or conversations (default: told by each file's first record)")
+    add("--format", default="auto",
+        help="documents, conversations or preferences, or MODULE:CLASS, a data format of your own (default: "
+             "told by each file's first record)")
     add("--chat-template", help="conversations: a checkpoint's folder or a .jinja file to render them with "
                                 "(default: the one beside --tokenizer, else shardax's built-in template)")
     add("--validation-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
@@ -36,6 +35,7 @@ def add_prepare_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def prepare_command(args: argparse.Namespace) -> int:
     from shardax.data.prepare import prepare
+    from shardax.data.registry import prepared_format
 
     if args.workers is not None and args.workers < 1:
         from shardax.errors import UsageError
@@ -48,13 +48,14 @@ def prepare_command(args: argparse.Namespace) -> int:
     if not done.built:
         print(f"{done.root}: {done.reason}; nothing to do")
         return 0
-    kind = "conversations" if done.index.get("kind") == "conversations" else "documents"
+    kind = prepared_format(done.index.get("kind"), done.root)
     for split in ("train", "validation"):
         counts = splits[split]
         learned = f" ({counts['trained']:,} to learn)" if "trained" in counts else ""
-        print(f"{split}: {counts['documents']:,} {kind}, {counts['tokens']:,} tokens{learned}, "
+        examples = counts["documents"] // kind.sequences_per_example
+        print(f"{split}: {examples:,} {kind.what}, {counts['tokens']:,} tokens{learned}, "
               f"{counts['bytes']:,} bytes in {len(counts['shards'])} shards")
-    if kind == "conversations":
+    if kind.examples:
         print(f"rendered with {done.index['chat_template']}")
     skipped = done.index.get("skipped") or []
     print(f"{done.root}: {done.index['tokenizer_name']} tokens ({done.reason})"

@@ -19,7 +19,6 @@ from shardax.errors import Stopped
 from shardax.vocabulary import (
     ATTENTION_KERNELS,
     CONTEXT_ATTENTIONS,
-    DATA_FORMATS,
     NONFINITE_MODES,
     PRECISIONS,
     REMAT_POLICIES,
@@ -78,9 +77,10 @@ def _add_data_flags(group: Any) -> None:
         help="with --tokenizer bpe: vocabulary to train (default 4096; 1024 for the "
              "built-in corpus)")
     add("--field", help="the text field of .jsonl / .parquet inputs (default text)")
-    add("--format", dest="data_format", choices=DATA_FORMATS,
-        help="documents, conversations or preference pairs "
-             "(default: read off each file's first record)")
+    add("--format", dest="data_format", metavar="FORMAT",
+        help="documents, conversations or preferences (pairs, trained with DPO), or MODULE:CLASS, a data "
+             "format of your own (shardax.data.registry.DataFormat); default: read off each file's first "
+             "record")
     add("--no-packing", dest="packing", action="store_const", const=False,
         help="conversations: one a row (default: whole conversations packed into rows, kept apart)")
     add("--dpo-beta", type=float, help="preference pairs (prompt, chosen, rejected): DPO's beta, how far the "
@@ -248,7 +248,11 @@ def train(args: argparse.Namespace) -> int:
 
     quiet_failed_writers()  # this process is the command line's: a failed write is said once
     result = run(config)
-    if result.final_val_loss is not None and not result.final_val_loss < result.unigram_loss:
-        print(f"warning: validation loss {result.final_val_loss:.4f} is not below the unigram baseline "
-              f"{result.unigram_loss:.4f}; train longer or raise --lr", file=sys.stderr)
+    # the data format's own baseline, in its loss's unit (DPO's log 2 nats/pair, a unigram's nats/token)
+    baseline = next(iter(result.baselines.items()), None)
+    if result.final_val_loss is not None and baseline is not None and not result.final_val_loss < baseline[1]:
+        name, value = baseline
+        unit = result.loss_unit
+        print(f"warning: validation loss {result.final_val_loss:.4f} {unit} is not below the {name} baseline "
+              f"{value:.4f} {unit}; train longer or raise --lr", file=sys.stderr)
     return 0

@@ -71,3 +71,8 @@ def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, count:
             for i in range(0, len(ids) - batch_size + 1, batch_size)] or [
         sampler.rows(np.arange(batch_size) % sampler.windows)
     ]
+
+
+def global_rows(rows: np.ndarray, sharding: Sharding) -> jax.Array:
+    """Rows every process knows in full, as a global array (each process fills its own devices)."""
+    return jax.make_array_from_callback(rows.shape, sharding, lambda index: rows[index])

@@ -27,9 +27,8 @@ from typing import Any
 import numpy as np
 
 from shardax.data.chat import ChatTemplate, chat_template, check_messages
-from shardax.data.documents import detect_format
+from shardax.data.registry import detect_format, get_format
 from shardax.errors import UsageError
-from shardax.vocabulary import DATA_FORMATS
 
 FORMATS = ("messages", "prompt/completion")
 
@@ -188,19 +187,18 @@ def supervised_rows(examples: Sequence[tuple[np.ndarray, np.ndarray]], length: i
 
 
 def conversation_settings(files: Sequence[Path], field: str, data_format: str, given_template: str | None,
-                   request: dict[str, Any]) -> tuple[dict[str, Any], ChatTemplate | None]:
-    """For conversations (detected, or ``data_format``), the settings that define their shards and
-    the chat template they render with; ``({}, None)`` for documents."""
-    if data_format not in ("auto", *DATA_FORMATS):
-        raise UsageError(f"--format {data_format!r} is not one of auto, {', '.join(DATA_FORMATS)}")
-    kind = detect_format(files, field) if data_format == "auto" else data_format
-    if kind == "documents":
+                          request: dict[str, Any]) -> tuple[Any, dict[str, Any], ChatTemplate | None]:
+    """The data format of ``files`` (``data_format``: a name or ``module:Class``, or ``auto``:
+    detected) and, for a format of examples, the settings that define their shards and the chat
+    template they render with (``{}`` and None for documents)."""
+    kind = detect_format(files, field) if data_format == "auto" else get_format(data_format)
+    if not kind.examples:
         if given_template is not None:
             raise UsageError(f"--chat-template {given_template} applies to conversations, and --data holds "
-                             "documents; leave it out, or give .jsonl/.parquet files of messages")
-        return {}, None
+                             f"{kind.what}; leave it out, or give .jsonl/.parquet files of messages")
+        return kind, {}, None
     if request["kind"] == "bpe":
-        raise UsageError(f"--tokenizer bpe trains on documents, and --data holds {kind}; give the "
+        raise UsageError(f"--tokenizer bpe trains on documents, and --data holds {kind.name}; give the "
                          "checkpoint's tokenizer.json (or bytes)")
     template = chat_template(given_template, request.get("path"))
-    return {"kind": kind, "chat_template": template.fingerprint}, template
+    return kind, {"kind": kind.name, "chat_template": template.fingerprint}, template

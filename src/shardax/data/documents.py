@@ -2,7 +2,7 @@
 
 A text file is one document; a JSON-lines file holds one document per line (its ``field``);
 a Parquet file one per row (its ``field`` column). JSON lines and Parquet rows may instead hold
-conversations (``messages``, or ``prompt`` and ``completion``): ``detect_format`` tells which.
+conversations or other records of a data format (``shardax.data.registry.detect_format`` tells which).
 Units are cut at fixed input sizes (never by the number of workers), so the shards ``prepare``
 writes do not depend on how many processes wrote them.
 """
@@ -35,7 +35,7 @@ class Piece:
     size: int = 0  # input bytes, for progress and unit sizes
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     suffix = path.suffix.lower()
     return "jsonl" if suffix in JSON_LINES else "parquet" if suffix in PARQUET else "text"
 
@@ -109,7 +109,7 @@ def plan_units(files: Sequence[Path], field: str | None) -> list[list[Piece]]:
     of conversations, no text column to check)."""
     pieces: list[Piece] = []
     for path in files:
-        kind, size = _kind(path), path.stat().st_size
+        kind, size = file_kind(path), path.stat().st_size
         if kind == "jsonl":
             pieces.extend(_jsonl_pieces(path, size))
         elif kind == "parquet":
@@ -136,9 +136,9 @@ def _decoded(data: bytes, where: str) -> str:
                          "it out") from None
 
 
-def _first_record(path: Path) -> Any:
+def first_record(path: Path) -> Any:
     """The first record of a JSON-lines or Parquet file (None when there is none, or it is not JSON)."""
-    if _kind(path) == "parquet":
+    if file_kind(path) == "parquet":
         import pyarrow.parquet as pq
 
         rows = pq.ParquetFile(path).iter_batches(batch_size=1)
@@ -152,30 +152,6 @@ def _first_record(path: Path) -> Any:
                 except ValueError:
                     return None
     return None
-
-
-def _record_kind(record: Any, field: str) -> str:
-    if not isinstance(record, dict) or field in record:
-        return "documents"
-    if {"chosen", "rejected"} <= set(record):
-        return "preferences"
-    return "conversations" if "messages" in record or {"prompt", "completion"} <= set(record) else "documents"
-
-
-def detect_format(files: Sequence[Path], field: str) -> str:
-    """``"documents"`` (text files, or records with a ``field``), ``"conversations"`` (records
-    with ``messages``, or ``prompt`` and ``completion``) or ``"preferences"`` (pairs: ``chosen``
-    and ``rejected``, with a ``prompt``), read off each file's first record; inputs of two kinds
-    are refused in one line naming one file of each."""
-    kinds: dict[str, Path] = {}
-    for path in files:
-        kinds.setdefault(_record_kind(_first_record(path), field) if _kind(path) != "text" else "documents",
-                         path)
-    if len(kinds) > 1:
-        (one, first), (other, second) = list(kinds.items())[:2]
-        raise UsageError(f"--data mixes {one} ({first}) and {other} ({second}); prepare them into separate "
-                         "directories")
-    return next(iter(kinds))
 
 
 def read_records(piece: Piece) -> Iterator[tuple[str, Any]]:

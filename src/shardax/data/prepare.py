@@ -37,12 +37,7 @@ from typing import Any
 import numpy as np
 
 from shardax.data.chat import ChatTemplate
-from shardax.data.conversations import (
-    assistant_text,
-    conversation_settings,
-    preference_texts,
-    supervised_tokens,
-)
+from shardax.data.conversations import conversation_settings, supervised_tokens
 from shardax.data.documents import Piece, input_files, plan_units, read_piece, read_records
 from shardax.data.index import (
     FORMAT,
@@ -56,6 +51,7 @@ from shardax.data.index import (
     shard_digest,
     shard_files,
 )
+from shardax.data.registry import DataFormat, get_format
 from shardax.data.staging import clear_abandoned, staging
 from shardax.data.tokenizer import (
     END_OF_DOCUMENT,
@@ -126,15 +122,14 @@ _WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
 
 
 def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str, template: ChatTemplate | None,
-             kind: str) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None]]:
+             kind: type[DataFormat]) -> Iterator[tuple[str, str, np.ndarray, np.ndarray | None]]:
     """Each document of ``unit`` as (the text its split is drawn from, its text, its ids, None);
-    with a chat ``template``, each conversation as (..., its loss mask), and each preference pair
-    as its chosen then its rejected sequence, both in the split of the chosen one's text."""
-    if template is not None:
+    for a format of examples, each sequence of each record as (..., its loss mask), the sequences
+    of one example (a pair's chosen and rejected) in the split of the first one's text."""
+    if kind.examples:
         for piece in unit:
             for where, record in read_records(piece):
-                sides = (preference_texts(record, template, where) if kind == "preferences"
-                         else [assistant_text(record, template, where)])
+                sides = kind.sequences(record, template, where)
                 for text, spans in sides:
                     yield (sides[0][0], text, *supervised_tokens(tokenizer, text, spans))
         return
@@ -151,9 +146,10 @@ def _encoded(unit: Sequence[Piece], tokenizer: Tokenizer, field: str, template: 
 
 def _tokenize_unit(number: int, unit: Sequence[Piece], tokenizer_json: str, end_of_document: str, field: str,
                    fraction: float, folder: str, dtype: str, template: ChatTemplate | None = None,
-                   kind: str = "documents") -> dict[str, dict[str, int]]:
+                   kind: type[DataFormat] | None = None) -> dict[str, dict[str, int]]:
     """Write ``train-NNNNN`` and ``validation-NNNNN`` for one unit (with a ``.mask`` of the tokens
-    the loss learns, for conversations); their counts."""
+    the loss learns, for a format of examples; ``kind`` None: documents); their counts."""
+    kind = kind or get_format("documents")
     if tokenizer_json not in _WORKER_TOKENIZERS:
         _WORKER_TOKENIZERS[tokenizer_json] = from_json(tokenizer_json, "tokenizer.json", end_of_document)
     tokenizer = _WORKER_TOKENIZERS[tokenizer_json]
@@ -196,15 +192,17 @@ def _all_in_train(folder: Path, splits: dict[str, list[dict[str, Any]]]) -> None
         shard["name"] = new
 
 
-def _hold_out_examples(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, whole: int) -> None:
-    """Conversations (``whole`` 1) or preference pairs (2 sequences): when hashing held none out,
-    the last one is the validation split, never a piece of one."""
+def _hold_out_examples(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str,
+                       kind: type[DataFormat]) -> None:
+    """Examples of ``kind`` (each of its ``sequences_per_example`` sequences): when hashing held
+    none out, the last one is the validation split, never a piece of one."""
     _all_in_train(folder, splits)
     last = splits["train"][-1]
     offsets = np.load(folder / f"{last['name']}.docs.npy")
+    whole = kind.sequences_per_example
     if len(offsets) - 1 <= whole:
-        raise UsageError(f"--data holds a single {'pair' if whole == 2 else 'conversation'}; give at least "
-                         "two (one is held out to validate on)")
+        raise UsageError(f"--data holds a single {kind.example}; give at least two (one is held out to "
+                         "validate on)")
     cut, name = int(offsets[-1 - whole]), last["name"].replace("train-", "validation-")
     for suffix, kind in ((".tokens", dtype), (".mask", np.uint8)):
         values = np.fromfile(folder / f"{last['name']}{suffix}", kind)
@@ -245,18 +243,19 @@ def _hold_out_tail(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype:
                 bytes=int(round(last["bytes"] * (1 - share))))
 
 
-def _hold_out(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int, kind: str) -> None:
+def _hold_out(folder: Path, splits: dict[str, list[dict[str, Any]]], dtype: str, eod: int,
+              kind: type[DataFormat]) -> None:
     """A validation split where hashing made none: the last document's tail, or the last example."""
-    if kind == "documents":
-        _hold_out_tail(folder, splits, dtype, eod)
+    if kind.examples:
+        _hold_out_examples(folder, splits, dtype, kind)
     else:
-        _hold_out_examples(folder, splits, dtype, 2 if kind == "preferences" else 1)
+        _hold_out_tail(folder, splits, dtype, eod)
 
 
 def _run_units(units: list[list[Piece]], tokenizer: Tokenizer, field: str, fraction: float, folder: Path,
                dtype: str, workers: int, show_progress: bool,
                template: ChatTemplate | None = None,
-               kind: str = "documents") -> list[dict[str, dict[str, int]]]:
+               kind: type[DataFormat] | None = None) -> list[dict[str, dict[str, int]]]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -330,14 +329,16 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
             workers: int | None = None, overwrite: bool = False, show_progress: bool = True,
             data_format: str = "auto", template: str | None = None) -> Prepared:
     """Tokenize ``inputs`` into shards under ``out`` (see the module docstring); nothing to do when
-    ``out`` already holds them for these inputs and settings. Conversations (``data_format``, or
-    detected) render with ``template`` (a folder or ``.jinja`` file; default: the tokenizer's)."""
+    ``out`` already holds them for these inputs and settings. ``data_format``: a data format's
+    name or ``module:Class`` (``shardax.data.registry``), or ``auto`` (read off the files);
+    examples (conversations, pairs) render with ``template`` (a folder or ``.jinja`` file;
+    default: the tokenizer's)."""
     if not 0 < validation_fraction < 1:
         raise UsageError(f"--validation-fraction {validation_fraction} must be between 0 and 1, e.g. 0.05")
     root = Path(out)
     request = _tokenizer_request(tokenizer, vocab_size)
     files, skipped = input_files(inputs)
-    extra, chat = conversation_settings(files, field, data_format, template, request)
+    kind, extra, chat = conversation_settings(files, field, data_format, template, request)
     settings = {"format": FORMAT, "tokenizer": request, "field": field,
                 "validation_fraction": validation_fraction, **extra}
     listing = input_listing(files)
@@ -350,13 +351,12 @@ def prepare(inputs: Sequence[str | Path], out: str | Path, *, tokenizer: str = "
     dtype = "uint16" if chosen.vocab_size <= 2**16 else "uint32"
     with staging(root) as folder:
         counts = _run_units(units, chosen, field, validation_fraction, folder, dtype,
-                            workers or os.cpu_count() or 1, show_progress, chat,
-                            extra.get("kind", "documents"))
+                            workers or os.cpu_count() or 1, show_progress, chat, kind)
         splits = _collect_splits(folder, counts)
         if not splits["train"] and not splits["validation"]:
             raise UsageError(f"--data {' '.join(map(str, inputs))}: no document holds any text")
         if not splits["validation"] or not splits["train"]:
-            _hold_out(folder, splits, dtype, chosen.eod_id, extra.get("kind", "documents"))
+            _hold_out(folder, splits, dtype, chosen.eod_id, kind)
         for shard in (shard for shards in splits.values() for shard in shards):
             shard["blake2b"] = shard_digest(folder / f"{shard['name']}.tokens")
             if chat is not None:

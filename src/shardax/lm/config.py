@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.data.python_chats import BUILT_IN_SETS
+from shardax.data.registry import get_format
 from shardax.errors import UsageError
 from shardax.lm.models import check_flags
 from shardax.lm.settings import PLACES, SECTIONS, TrainConfig, setting_types
@@ -27,7 +28,6 @@ from shardax.models.transformer import LORA_TARGETS, LoRA, TransformerConfig
 from shardax.vocabulary import (
     ATTENTION_KERNELS,
     CONTEXT_ATTENTIONS,
-    DATA_FORMATS,
     NONFINITE_MODES,
     PRECISIONS,
     REMAT_POLICIES,
@@ -46,8 +46,7 @@ AT_LEAST = {"steps": 1, "batch_size": 1, "grad_accum": 1, "microbatches": 1, "pi
             "keep_checkpoints": 1, "extend_to": 1, "devices": 1, "sample_bytes": 0, "seed": 0,
             "vocab_size": 258, "sample_top_k": 0, "sample_temperature": 0, "lora_rank": 0}
 CHOICES = {"precision": PRECISIONS, "on_nonfinite": NONFINITE_MODES, "remat": REMAT_POLICIES,
-           "attention": ATTENTION_KERNELS, "context_attention": CONTEXT_ATTENTIONS,
-           "data_format": DATA_FORMATS}
+           "attention": ATTENTION_KERNELS, "context_attention": CONTEXT_ATTENTIONS}
 
 
 def flag(name: str) -> str:
@@ -135,6 +134,8 @@ def check_values(config: TrainConfig) -> None:
     if run.resume and not (run.checkpoint_dir or run.run_dir):
         raise UsageError("--resume continues a saved run: name it with --run-dir DIR (or its "
                          "--checkpoint-dir)")
+    if config.data.data_format is not None:
+        get_format(config.data.data_format)  # a name, or module:Class: imported (and registered) here
     check_flags(flat)  # --model beside the transformer's flags: said before what they would say together
     check_model_choice(model.preset, model.init_from, model.lora_rank, model.lora_alpha, model.lora_targets)
     if optimizer.ema is not None and not 0 < optimizer.ema < 1:
@@ -203,7 +204,7 @@ class RunDefinition:
     chat_template: str | None = None  # conversations' template, when not the tokenizer's
     dpo_beta: float | None = None  # preference pairs: DPO's beta and label smoothing
     dpo_label_smoothing: float | None = None
-    data_format: str | None = None  # as prepare's --format (None: read off the files)
+    data_format: str | None = None  # a data format's name or module:Class (None: read off the files)
     packing: bool | None = None  # conversations: False lays one a row
     factory: str | None = None  # --model: the user's model (``model`` then carries its seq_len alone)
 

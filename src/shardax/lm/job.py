@@ -2,8 +2,10 @@
 
 ``run(TrainConfig(...))`` is what ``shardax train`` calls. It is one client of ``Trainer``: it
 checks the settings and the checkpoint directory, opens the data (bytes in memory, or token
-shards; see ``lm/data.py``), hands the Trainer a batch function of the step (the data position
-is the step) and the validation batches, and ends with a seeded sample of text.
+shards; see ``lm/data.py``), asks its format what to train (a loss; or, for full DPO, a step
+over the model and a frozen copy of its first weights, two parts of the run), hands the Trainer a
+batch function of the step (the data position is the step) and the validation batches, and ends
+with a seeded sample of text from the model trained.
 """
 
 from __future__ import annotations
@@ -19,22 +21,19 @@ import optax
 from jax.sharding import Mesh
 from rich.markup import escape as rich_escape
 
+from shardax.data.registry import DataFormat
 from shardax.errors import Preempted, Stopped, UsageError
 from shardax.lm.config import RunDefinition, check_values, resolve
-from shardax.lm.data import ByteText, Conversations, Preferences, TokenShards, open_data
+from shardax.lm.data import open_data
 from shardax.lm.models import lm_model
+from shardax.lm.procedures import parts_record, procedure_of, run_trainer, trained_model
 from shardax.lm.rundir import CHECKPOINTS, RunDirectory, run_directory, write_config, write_tokenizer
-from shardax.lm.sampling import sample_tokens
+from shardax.lm.sampling import sample_model
 from shardax.lm.settings import TrainConfig
 from shardax.mesh import describe_mesh, resolve_mesh_shape
-from shardax.model_parallel import ParallelModel
-from shardax.models.preference import dpo_loss
 from shardax.models.presets import adapter_count, parameter_count
-from shardax.models.transformer import (
-    TransformerConfig,
-    attention_implementation,
-    weighted_next_token_loss,
-)
+from shardax.models.transformer import TransformerConfig, attention_implementation
+from shardax.parts import ParallelRun
 from shardax.step.ema import ema_params
 from shardax.trainer.checkpoint import Checkpointer
 from shardax.trainer.display import say, show_summary
@@ -50,9 +49,10 @@ class TrainResult:
     tokens_per_sec: float
     best_val_loss: float | None
     final_val_loss: float | None
-    unigram_loss: float
+    baselines: dict[str, float]  # the data format's, in its loss's unit: the first is the one to beat
+    loss_unit: str
     state: Any
-    parallel: ParallelModel
+    parallel: ParallelRun  # the model laid out (or, for full DPO, the policy and its reference)
     directory: RunDirectory
 
 
@@ -153,7 +153,7 @@ def _check_not_finished(run: RunDefinition, step: int | None, config: TrainConfi
                          f"{run.lr / 10:g})")
 
 
-def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None, step: int | None,
+def _check_tokenizer(data: DataFormat, saved: dict[str, Any] | None, step: int | None,
                      config: TrainConfig) -> None:
     """A resumed run reads data of the tokenizer it was trained with."""
     kept = (saved or {}).get("tokenizer_fingerprint")
@@ -165,12 +165,12 @@ def _check_tokenizer(data: ByteText | TokenShards, saved: dict[str, Any] | None,
                          f"{data.model_vocab}); resume with the data and tokenizer it was trained on")
 
 
-def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, batch: int,
+def _header(data: DataFormat, model: TransformerConfig, steps: int, batch: int,
             init_from: str | None = None, factory: str | None = None) -> list[str]:
-    unit = "bytes" if isinstance(data, ByteText) else "tokens"
     kernel, why = attention_implementation(model)
     computed = "" if factory else f"; attention: {kernel} ({why})"  # a model of --model: its own
-    lines = [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {unit}{computed}"]
+    lines = [data.header(), f"run: {steps} steps x {batch} sequences x {model.seq_len} {data.counted}"
+             + computed]
     if init_from is not None:
         lines.insert(0,
                      f"model: fine-tuning the Hugging Face checkpoint {init_from} ({model.n_layers} layers, "
@@ -185,7 +185,7 @@ def _header(data: ByteText | TokenShards, model: TransformerConfig, steps: int, 
     return lines
 
 
-def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDefinition, list[str]]:
+def prepare(config: TrainConfig) -> tuple[Trainer, DataFormat, RunDefinition, list[str]]:
     """Check every setting and lay the model out, before any step or file write; with the lines
     that say what a resumed run changes."""
     check_values(config)
@@ -197,8 +197,7 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDe
     data = open_data(run.data, run.tokenizer, run.vocab_size, run.field, run.model.seq_len, run.chat_template,
                      run.data_format)
     if run.packing is not None:
-        _check_packing(data)
-        data.packing = run.packing
+        data.use_packing(run.packing)
     _check_tokenizer(data, saved, step, config)
     if run.init_from is None:
         run = dataclasses.replace(run, model=dataclasses.replace(run.model, vocab_size=data.model_vocab))
@@ -207,48 +206,17 @@ def prepare(config: TrainConfig) -> tuple[Trainer, ByteText | TokenShards, RunDe
                          f"{run.init_from} embeds {run.model.vocab_size}; give the tokenizer the model was "
                          "trained with")
     _check_same_model(record, run, step, config)
-    tx, schedule = optimizer(run.lr, run.steps, run.ema)
     model = run.model
     build, adapted, about = lm_model(run, data)  # shardax's transformer, or --model's
-    loss = adapted(_loss(data, run))
     example = {key: jax.ShapeDtypeStruct((run.batch_size, model.seq_len + 1), jnp.int32)
                for key in data.batch_keys}
+    tx, schedule = optimizer(run.lr, run.steps, run.ema)
     # the Trainer resolves the strategy, mesh and microbatches once, and checks the batch against them
-    trainer = Trainer(build, tx, loss, **config.parallelism.step_options(), seed=run.seed,
-                      eval_loss_fn=adapted(data.eval_loss),
-                      learning_rate=schedule, name="shardax train", example_batch=example,
-                      init_from=run.init_from, trackers=_trackers(config.run.tracker))
+    common = {**config.parallelism.step_options(), "seed": run.seed, "learning_rate": schedule,
+              "name": "shardax train", "example_batch": example, "trackers": _trackers(config.run.tracker)}
+    trainer = run_trainer(procedure_of(data, run), build, adapted, tx, run, common)
     changes = _changes(record, config, trainer.mesh, model)
     return trainer, data, run, about + loop_note(config, saved, model) + changes
-
-
-def _check_packing(data: ByteText | TokenShards) -> None:
-    if not isinstance(data, Conversations) or isinstance(data, Preferences):
-        raise UsageError(
-            "--no-packing lays conversations one a row, and --data holds "
-            f"{'preference pairs (always one a row)' if isinstance(data, Preferences) else 'documents'}"
-            "; leave it out")
-
-
-def _loss(data: ByteText | TokenShards, run: RunDefinition) -> Any:
-    """What the run trains on: the LM loss (on the learned tokens), or DPO's on preference pairs,
-    with the base weights of a LoRA model as the reference (the adapters left out)."""
-    dpo = {"beta": run.dpo_beta, "label_smoothing": run.dpo_label_smoothing}
-    if not isinstance(data, Preferences):
-        given = [f"--{name.replace('_', '-')}" for name, value in
-                 (("dpo_beta", run.dpo_beta), ("dpo_label_smoothing", run.dpo_label_smoothing))
-                 if value is not None]
-        if given:
-            raise UsageError(f"{' and '.join(given)} tune{'s' * (len(given) == 1)} DPO, and --data holds no "
-                             "preference pairs; give pairs (prompt, chosen, rejected), or leave them out")
-        return weighted_next_token_loss
-    if not run.model.lora_rank:
-        raise UsageError("DPO from shardax train takes the model's base weights as its reference, which "
-                         "needs LoRA adapters: add --lora-rank R (full DPO: shardax.dpo_loss from Python, "
-                         "with the reference's log-probabilities in the batch)")
-    loss = dpo_loss(**{name: value for name, value in dpo.items() if value is not None})
-    data.use_loss(loss)
-    return loss
 
 
 def _check_mesh_uses_every_device(mesh: str | None) -> None:
@@ -293,22 +261,22 @@ def run(config: TrainConfig) -> TrainResult:
                                         f"metrics are in {where.path}") from None
 
 
-def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, config: TrainConfig,
+def _close(fit: Any, trainer: Trainer, data: DataFormat, run: RunDefinition, config: TrainConfig,
            where: RunDirectory) -> TrainResult:
     """A finished run's closing sample and summary, and what ``run`` returns."""
     model, batch = run.model, run.batch_size
     settings = config.run
     if settings.sample_bytes:  # every process takes part in the computation; process 0 prints
         prompt = _whole_lines(data, data.prompt(min(48, model.seq_len // 2)))
-        ids = sample_tokens(trainer.parallel, fit.state, prompt, settings.sample_bytes, model.seq_len,
-                            vocab=data.vocab, temperature=settings.sample_temperature,
-                            top_k=settings.sample_top_k, seed=run.seed)
+        ids = sample_model(trained_model(trainer, fit.state), prompt, settings.sample_bytes, model.seq_len,
+                           vocab=data.vocab, temperature=settings.sample_temperature,
+                           top_k=settings.sample_top_k, seed=run.seed)
         how = ("greedy" if settings.sample_temperature == 0 else
                f"temperature {settings.sample_temperature:g}, top-k {settings.sample_top_k or 'all'}, seed "
                f"{run.seed}")
         text = data.decode(ids)
         # conversations: the reply ends where the template ends a turn
-        stop = getattr(data, "end_of_turn", "")
+        stop = data.end_of_turn
         text = text[: text.index(stop) + len(stop)] if stop and stop in text else text
         say(f"[bold]sample[/bold] ({how}; the prompt, from validation text, ends at |):",
             rich_escape(data.decode(prompt) + "|" + text), "")
@@ -321,11 +289,11 @@ def _close(fit: Any, trainer: Trainer, data: ByteText | TokenShards, run: RunDef
     trained = fit.end_step - fit.start_step
     return TrainResult(trained, trained * batch * model.seq_len, fit.wall_s,
                        fit.examples_per_sec * model.seq_len, fit.best_eval_loss,
-                       fit.last_eval["loss"] if fit.last_eval else None, data.unigram_nats(), fit.state,
-                       trainer.parallel, where)
+                       fit.last_eval["loss"] if fit.last_eval else None, data.baselines(), data.unit,
+                       fit.state, trainer.parallel, where)
 
 
-def _whole_lines(data: ByteText | TokenShards, prompt: list[int]) -> list[int]:
+def _whole_lines(data: DataFormat, prompt: list[int]) -> list[int]:
     """``prompt`` cut after its last line break (the sample then starts a line), if it has one."""
     for end in range(len(prompt), 0, -1):
         if data.decode(prompt[:end]).endswith("\n"):
@@ -333,7 +301,7 @@ def _whole_lines(data: ByteText | TokenShards, prompt: list[int]) -> list[int]:
     return prompt
 
 
-def _fit(trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, config: TrainConfig,
+def _fit(trainer: Trainer, data: DataFormat, run: RunDefinition, config: TrainConfig,
          where: RunDirectory, changes: list[str]):
     """The Trainer's loop over the run's data, writing into ``where``; the summary is left to ``run``."""
     model, batch = run.model, run.batch_size
@@ -351,14 +319,15 @@ def _fit(trainer: Trainer, data: ByteText | TokenShards, run: RunDefinition, con
         record={"run": {**run.record(), "tokenizer_fingerprint": data.tokenizer_fingerprint,
                         "model_vocab": data.model_vocab},
                 "strategy": config.parallelism.strategy, "mesh": describe_mesh(trainer.parallel.mesh),
-                "grad_accum": config.parallelism.grad_accum, "model": run.model_record()},
+                "grad_accum": config.parallelism.grad_accum, "model": run.model_record(),
+                "parts": parts_record(trainer)},
         header=_header(data, model, run.train_to, batch, run.init_from, run.factory) + changes
         + [f"run directory: {where.path} (resume it with: {where.resume_command()})"],
         summary=False, loss_unit=data.unit, baselines=data.baselines(),
     )
 
 
-def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText | TokenShards,
+def _config_writer(where: RunDirectory, settings: dict[str, Any], data: DataFormat,
                    train_to: int):
     """An ``on_log`` that writes the run directory's config.yaml and tokenizer.json (process 0) once
     the first step is done: a run refused before it trains (a resume whose checkpoint will not
@@ -371,7 +340,7 @@ def _config_writer(where: RunDirectory, settings: dict[str, Any], data: ByteText
     def on_log(record: dict[str, Any]) -> None:
         if not written:
             write_config(where.config, settings, train_to)
-            template = getattr(data, "template", None)  # conversations: what generate --chat renders with
+            template = data.template  # conversations: what generate --chat renders with
             write_tokenizer(where.path, data.tokenizer.to_hf_json(), template and template.source)
             written.append(True)
 

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.errors import UsageError
-from shardax.lm.data import Preferences
 from shardax.models.transformer import TransformerLM
 
 # what shapes shardax's transformer alone, refused beside --model (the flag and whether it was given)
@@ -183,10 +182,6 @@ def lm_model(run: Any, data: Any) -> tuple[Callable[[nnx.Rngs], nnx.Module], Cal
     model of ``--model``, checked here."""
     if run.factory is None:
         return (lambda rngs: TransformerLM(run.model, rngs=rngs)), (lambda loss: loss), []
-    if isinstance(data, Preferences):
-        raise UsageError(f"--model {run.factory}: DPO from shardax train takes LoRA adapters on shardax's "
-                         "transformer as its reference, so preference pairs train without --model (from "
-                         "Python: shardax.dpo_loss with your model)")
     packed = "segments" in data.batch_keys
     user = user_model(run.factory, run.model.vocab_size, run.model.seq_len, run.batch_size, packed)
     return user.build, user.adapted, user.describe(packed)

@@ -29,12 +29,19 @@ from shardax.generation import generate
 
 def sample_tokens(parallel, state, prompt: Sequence[int], new_tokens: int, context: int, *, vocab: int,
                   temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
-    """Continue ``prompt`` by ``new_tokens`` tokens drawn from the model's next-token distribution
+    """Continue ``prompt`` by ``new_tokens`` tokens drawn from the next-token distribution of the
+    model ``parallel`` lays out holding ``state`` (see ``sample_model``)."""
+    return sample_model(parallel.merge(state), prompt, new_tokens, context, vocab=vocab,
+                        temperature=temperature, top_k=top_k, seed=seed)
+
+
+def sample_model(model: nnx.Module, prompt: Sequence[int], new_tokens: int, context: int, *, vocab: int,
+                 temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> list[int]:
+    """Continue ``prompt`` by ``new_tokens`` tokens drawn from ``model``'s next-token distribution
     (restricted to the first ``vocab`` ids: the model's padding rows are never drawn)."""
     if temperature < 0 or top_k < 0:
         raise UsageError(f"sampling needs temperature >= 0 and top_k >= 0, got {temperature} and {top_k}; "
                          "temperature 0 is greedy, top_k 0 keeps every token")
-    model = parallel.merge(state)
     if not all(callable(getattr(model, name, None)) for name in ("decode_spec", "init_cache")):
         return _uncached(model, prompt, new_tokens, context, vocab, temperature, top_k, seed)
     tokens = list(prompt[-context:])

@@ -62,7 +62,8 @@ class DataSettings:
     chat_template: str | None = None
     """Conversations: a checkpoint folder or a .jinja file (default: the tokenizer's)."""
     data_format: str | None = None
-    """documents, conversations or preferences (default: read off the files)."""
+    """A data format: documents, conversations, preferences (DPO), or ``module:Class``, one of
+    your own (``shardax.data.registry``); default: read off the files."""
     packing: bool | None = None
     """Conversations: whole examples share rows (default), or False: one a row."""
 
