@@ -75,10 +75,11 @@ def loading_share(shards: Path, steps: int, rounds: int = 5) -> dict:
     time, alone and inside the shard loop (where it shares the CPU with the step in flight)."""
     code = f"""
 import json, statistics, time, jax
+from shardax.cpu_devices import simulate_cpu_devices
 simulate_cpu_devices(8)
 from shardax.lm.settings import TrainConfig
 from shardax.lm import job
-trainer, data, run = job.prepare(TrainConfig.of(data=[{str(shards)!r}]))
+trainer, data, run, _ = job.prepare(TrainConfig.of(data=[{str(shards)!r}]))
 sharding = trainer.parallel.layout.batch()
 batches = data.batches(run.model.seq_len, run.batch_size, run.seed, sharding)
 step_fn = trainer.train_step()
