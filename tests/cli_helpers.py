@@ -47,7 +47,8 @@ def built_once(name: str, build: Callable[[Path], None]) -> Path:
 
 def subprocess_env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
+    env.update(XLA_FLAGS="--xla_backend_optimization_level=1",  # as the tests compile (conftest.py)
+               PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     return env
 
