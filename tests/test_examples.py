@@ -33,6 +33,8 @@ def example(name, *args, launch=(), timeout=300):
     return result.stdout
 
 
+# Each example learns under one strategy here, fsdp or tp, two examples each: that every strategy
+# computes what one device computes on such models is test_zoo_models' and test_parts' to show.
 @pytest.mark.slow
 def test_classify_digits_reaches_95_percent_held_out_accuracy_with_fsdp():
     out = example("classify_digits.py")
@@ -43,7 +45,7 @@ def test_classify_digits_reaches_95_percent_held_out_accuracy_with_fsdp():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["tp"])
 def test_vae_digits_improves_its_held_out_elbo(strategy):
     """Measured on this machine: -47.6 nats/image before training, -25.1 after 400 steps (zero2,
     fsdp and tp alike)."""
@@ -55,7 +57,7 @@ def test_vae_digits_improves_its_held_out_elbo(strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
     """Two parts, two optimizers, the generator's moving average. Measured on this machine (1000
     steps, fsdp and tp alike): digit score 1.21 before training, 4.13 after (real images 7.18);
@@ -79,7 +81,7 @@ def test_gan_digits_draws_digits_from_its_moving_average(strategy, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["tp"])
 def test_diffusion_digits_samples_digits_from_its_moving_average(strategy, tmp_path):
     """A U-Net with timestep embeddings, GroupNorm, attention and a concatenated skip. Measured on
     this machine (300 steps): Fréchet distance to the held-out digits 14.93 before training, 0.64
@@ -97,7 +99,7 @@ def test_diffusion_digits_samples_digits_from_its_moving_average(strategy, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_distill_digits_teaches_a_small_student_from_a_frozen_teacher(strategy):
     """Measured on this machine: teacher 0.983 held out, student 0.953, agreeing on 0.961 (fsdp)."""
     out = example("distill_digits.py", "--strategy", strategy)

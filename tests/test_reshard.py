@@ -60,7 +60,9 @@ def assert_bit_exact(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("source, target", list(itertools.permutations(
+# a round trip runs both directions between two strategies: each pair once (its two orders would
+# make the same two reshards)
+@pytest.mark.parametrize("source, target", list(itertools.combinations(
     ["dp/8", "zero1/8", "zero2/8", "fsdp/8", "tp/2x4", "fsdp_tp/2x4", "hsdp/2x4"], 2)))
 def test_round_trip_between_strategies_is_bit_exact(source, target):
     original = trained_state(source)
