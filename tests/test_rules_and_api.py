@@ -35,7 +35,8 @@ EXPECTED_API = {
     "parallelize", "reshard", "for_compute", "grouped_conv", "ShardingReport", "report", "LOGICAL_AXES",
     "STRATEGIES", "Strategy", "get_strategy", "TrainState", "ema_params", "simulate_cpu_devices",
     "ClusterSpec", "detect_cluster", "init_distributed", "Trainer", "FitResult", "LoRA", "generate",
-    "FitSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss", "dpo_step",
+    "FitSettings", "TrainerSettings", "StepSettings", "TransformerConfig", "TransformerLM", "dpo_loss",
+    "dpo_step",
 }
 COMPAT_API = {
     "DataParallel", "create_data_parallel_sharding", "data_parallel_rules", "data_parallel_train_step",

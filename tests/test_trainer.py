@@ -140,9 +140,11 @@ def test_fit_logs_evaluates_and_writes_metrics_curves_and_events(tmp_path, capsy
 @pytest.mark.slow
 def test_fit_takes_exactly_the_steps_of_the_compiled_step_by_hand():
     """The Trainer adds nothing to the arithmetic: the same losses, bit for bit, as calling the step
-    (its settings given as one ``FitSettings``)."""
+    (its settings given as one ``FitSettings``, the Trainer's as one ``TrainerSettings``)."""
     batches = list(image_batches(4))
-    by_trainer = trainer("zero2", ConvNet, grad_accum=2)
+    by_trainer = Trainer(ConvNet, optax.chain(optax.adamw(1e-2), ema_params(0.9)), classification_loss,
+                         settings=shardax.TrainerSettings(strategy="zero2", grad_accum=2))
+    assert (by_trainer.settings.grad_accum, by_trainer.strategy.name) == (2, "zero2")
     run = by_trainer.fit(batches, settings=shardax.FitSettings(steps=4, log_every=1))
     by_hand = trainer("zero2", ConvNet)
     state, step = by_hand.init(), by_hand.parallel.with_settings(grad_accum=2).train_step(classification_loss)
@@ -303,6 +305,14 @@ def one_pass():
     (lambda t, d: t.fit(BATCHES, step=2),
      "fit() got step=2, which is no setting of a run; the closest is steps; the settings are run_dir, "
      "steps,"),
+    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss, stratgy="fsdp"),
+     "Trainer() got stratgy='fsdp', which is no setting of a Trainer; the closest is strategy; the settings "
+     "are mesh, strategy,"),
+    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss, seed=1,
+                          settings=shardax.TrainerSettings()),
+     "Trainer() got settings=TrainerSettings(...) and seed=1; give seed inside the TrainerSettings"),
+    (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss, settings=shardax.FitSettings()),
+     "Trainer(settings=...) takes a shardax.TrainerSettings; got FitSettings"),
     (lambda t, d: Trainer(DropoutMLP, optax.sgd(0.1), classification_loss).fit(BATCHES, steps=1,
                                                                                eval_ema=True),
      "eval_ema=True evaluates the moving average of the weights, and the optimizer keeps none; chain"),

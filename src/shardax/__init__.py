@@ -45,6 +45,7 @@ _EXPORTS = {
     "TrainState": "shardax.step.state",
     "FitResult": "shardax.trainer.run",
     "FitSettings": "shardax.trainer.settings",
+    "TrainerSettings": "shardax.trainer.settings",
     "Trainer": "shardax.trainer.trainer",
 }
 __all__ = sorted(_EXPORTS)
@@ -122,5 +123,5 @@ if _TYPE_CHECKING:  # for type checkers and editors: the same names, imported ea
     from shardax.step.settings import StepSettings as StepSettings
     from shardax.step.state import TrainState as TrainState
     from shardax.trainer.run import FitResult as FitResult
-    from shardax.trainer.settings import FitSettings as FitSettings
+    from shardax.trainer.settings import FitSettings as FitSettings, TrainerSettings as TrainerSettings
     from shardax.trainer.trainer import Trainer as Trainer

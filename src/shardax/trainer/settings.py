@@ -1,4 +1,5 @@
-"""How one ``Trainer.fit`` runs, checked once: ``FitSettings``.
+"""How one ``Trainer.fit`` runs, checked once: ``FitSettings``; how a ``Trainer`` lays its run
+out: ``TrainerSettings``.
 
 ``Trainer.fit``'s keywords become one frozen ``FitSettings``; its checks run as it is made, so
 that a bad value is refused before anything runs or is written, and the run (``trainer/run.py``)
@@ -9,11 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardax.errors import UsageError
 from shardax.step.settings import check_at_least, check_nonfinite
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from shardax.adapters import LoRA
+    from shardax.sharding.axis_names import AxisNames
+    from shardax.sharding.strategies import Strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,25 +116,52 @@ class FitSettings:
                 "save": saving and ((self.checkpoint_every and step % self.checkpoint_every == 0) or last)}
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """How a ``Trainer`` lays its run out and starts it: everything beside the procedure (the
+    model, optimizer and loss, or the parts and step), given as ``Trainer``'s keywords or as one
+    ``settings=TrainerSettings(...)``. ``Trainer``'s docstring says what each one does."""
+
+    mesh: Mesh | str | dict | None = None
+    strategy: str | Strategy = "dp"
+    grad_accum: int = 1
+    microbatches: int | None = None
+    pipeline_repeats: int = 1
+    context_attention: str = "all-gather"
+    seed: int = 0
+    learning_rate: float | Callable[[int], Any] | None = None
+    name: str = "shardax"
+    axis_names: AxisNames = None
+    example_batch: Any = None
+    init_from: str | Path | Any = None
+    lora: LoRA | None = None
+    trackers: Sequence[Any] = ()
+
+
 FIELDS = tuple(field.name for field in dataclasses.fields(FitSettings))
 
 
-def settings_given(settings: Any, keywords: dict[str, Any]) -> FitSettings:
-    """``fit``'s settings: ``settings`` (a ``FitSettings``) when given, else one of ``keywords``
-    (``FitSettings``'s fields); both at once is refused, naming the first keyword given, and so
-    is a keyword that is no setting, with the closest one."""
+def settings_given(settings: Any, keywords: dict[str, Any], kind: type = FitSettings,
+                   call: str = "fit()") -> Any:
+    """The settings of ``call``: ``settings`` (a ``kind``, ``FitSettings`` for ``fit``) when
+    given, else one made of ``keywords`` (``kind``'s fields); both at once is refused, naming the
+    first keyword given, and so is a keyword that is no setting, with the closest one."""
+    fields = tuple(field.name for field in dataclasses.fields(kind))
+    what = f"shardax.{kind.__name__}"
     for name in keywords:
-        if name not in FIELDS:
-            close = difflib.get_close_matches(name, FIELDS, n=1)
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
             hint = f"the closest is {close[0]}; " if close else ""
-            raise UsageError(f"fit() got {name}={keywords[name]!r}, which is no setting of a run; {hint}the "
-                             f"settings are {', '.join(FIELDS)} (shardax.FitSettings)")
+            raise UsageError(f"{call} got {name}={keywords[name]!r}, which is no setting of "
+                             f"{'a run' if kind is FitSettings else 'a Trainer'}; {hint}the settings are "
+                             f"{', '.join(fields)} ({what})")
     if settings is None:
-        return FitSettings(**keywords)
-    if not isinstance(settings, FitSettings):
-        raise UsageError(f"fit(settings=...) takes a shardax.FitSettings; got {type(settings).__name__}")
+        return kind(**keywords)
+    if not isinstance(settings, kind):
+        raise UsageError(f"{call.removesuffix('()')}(settings=...) takes a {what}; got "
+                         f"{type(settings).__name__}")
     if keywords:
         name, value = next(iter(keywords.items()))
-        raise UsageError(f"fit() got settings=FitSettings(...) and {name}={value!r}; give {name} inside the "
-                         f"FitSettings (dataclasses.replace(settings, {name}=...))")
+        raise UsageError(f"{call} got settings={kind.__name__}(...) and {name}={value!r}; give {name} inside "
+                         f"the {kind.__name__} (dataclasses.replace(settings, {name}=...))")
     return settings

@@ -18,7 +18,6 @@ position) and a summary. ``shardax train`` is one client of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -27,13 +26,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from shardax.adapters import LoRA
 from shardax.cpu_devices import describe_devices
 from shardax.errors import UsageError
 from shardax.mesh import describe_mesh
 from shardax.model_parallel import LONE, ModelFactory, ParallelModel
 from shardax.parts import ParallelParts, ParallelRun, Part
-from shardax.sharding.axis_names import AxisNames
 from shardax.sharding.place import abstract_batch, place_batch
 from shardax.sharding.report import report
 from shardax.sharding.strategies import Strategy
@@ -47,7 +44,7 @@ from shardax.trainer.preemption import StopSignals
 from shardax.trainer.procedure import check_procedure
 from shardax.trainer.run import FitResult, FitRun, batch_rows, host_float
 from shardax.trainer.samples import SampleFn, check_samples
-from shardax.trainer.settings import FitSettings, settings_given
+from shardax.trainer.settings import FitSettings, TrainerSettings, settings_given
 from shardax.trainer.sources import batch_source, evaluation_batches
 from shardax.trainer.trackers import parse_tracker
 from shardax.vocabulary import CONTEXT
@@ -110,50 +107,51 @@ class Trainer:
       trackers: where each ``fit`` also logs its records, on process 0: ``"tensorboard:DIR"``,
         ``"mlflow:DIR"`` (a local MLflow file store), ``"wandb:DIR"`` (W&B in offline mode), or
         objects with ``write(record)`` and ``close()``; see ``shardax.trainer.trackers``.
+      settings: everything from ``mesh`` to ``trackers`` as one ``shardax.TrainerSettings``
+        instead of keywords (a run's layout kept in one object, as ``fit`` takes a
+        ``FitSettings``); the two together are refused, and so is a keyword that is none of them.
     """
 
     def __init__(self, model: ModelFactory | None = None,
                  optimizer: optax.GradientTransformation | None = None, loss_fn: LossFn | None = None, *,
-                 parts: Mapping[str, Part] | None = None, step: StepFn | None = None,
-                 eval_fn: StepFn | None = None, mesh: Mesh | str | dict | None = None,
-                 strategy: str | Strategy = "dp", grad_accum: int = 1, microbatches: int | None = None,
-                 pipeline_repeats: int = 1, context_attention: str = "all-gather", seed: int = 0,
-                 eval_loss_fn: LossFn | None = None,
-                 learning_rate: float | Callable[[int], Any] | None = None, name: str = "shardax",
-                 axis_names: AxisNames = None, example_batch: Any = None, init_from: str | Path | None = None,
-                 lora: LoRA | None = None, trackers: Sequence[Any] = ()) -> None:
-        for tracker in trackers:
+                 eval_loss_fn: LossFn | None = None, parts: Mapping[str, Part] | None = None,
+                 step: StepFn | None = None, eval_fn: StepFn | None = None,
+                 settings: TrainerSettings | None = None, **options: Any) -> None:
+        given = settings_given(settings, options, TrainerSettings, "Trainer()")
+        self.trainer_settings = given
+        for tracker in given.trackers:
             parse_tracker(tracker)  # a bad one refused now, before any work; each fit opens them
-        self.trackers = list(trackers)
-        self.settings = StepSettings.resolve(strategy, mesh, grad_accum=grad_accum, microbatches=microbatches,
-                                             pipeline_repeats=pipeline_repeats,
-                                             context_attention=context_attention)
-        self.init_from = init_from
-        self.weights = first_weights(init_from)
-        self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn, init_from,
-                                     lora, grad_accum)
+        self.trackers = list(given.trackers)
+        self.settings = StepSettings.resolve(given.strategy, given.mesh, grad_accum=given.grad_accum,
+                                             microbatches=given.microbatches,
+                                             pipeline_repeats=given.pipeline_repeats,
+                                             context_attention=given.context_attention)
+        self.init_from = given.init_from
+        self.weights = first_weights(given.init_from)
+        self.parts = check_procedure(model, optimizer, loss_fn, parts, step, eval_fn, eval_loss_fn,
+                                     given.init_from, given.lora, given.grad_accum)
         # one interface from here on (shardax.parts.ParallelRun): a lone model is the part "model"
         # whose step is its loss, gradient and update
         self.parallel: ParallelRun
         if self.parts is not None:
-            self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=axis_names,
-                                                 example_batch=example_batch, step=step)
+            self.parallel = ParallelParts.create(self.parts, self.settings, axis_names=given.axis_names,
+                                                 example_batch=given.example_batch, step=step)
             self._train_fn, self._eval_fn = step, eval_fn
         else:
-            self.parallel = ParallelModel.create(model_factory(model, self.weights, lora), optimizer,
-                                                 self.settings, axis_names=axis_names, loss_fn=loss_fn,
-                                                 example_batch=example_batch)
+            self.parallel = ParallelModel.create(model_factory(model, self.weights, given.lora), optimizer,
+                                                 self.settings, axis_names=given.axis_names, loss_fn=loss_fn,
+                                                 example_batch=given.example_batch)
             self._train_fn, self._eval_fn = loss_fn, eval_loss_fn or loss_fn
         self.schedule = self.parallel.schedule()  # checked here, at the start
         self.context_attention = self.parallel.context_attention()  # None: no context axis
         self.loss_fn = loss_fn
-        self.seed, self.name, self.learning_rate = seed, name, learning_rate
+        self.seed, self.name, self.learning_rate = given.seed, given.name, given.learning_rate
         self._state: TrainState | None = None
         self._run: FitRun | None = None  # the fit under way: its state is the trainer's
         self._steps: dict[str, Callable] = {}
         self.checked = False  # whether the train step was traced on a batch's shapes (check_step)
-        if example_batch is not None:
-            self.check_step(example_batch)
+        if given.example_batch is not None:
+            self.check_step(given.example_batch)
 
     def check_step(self, example_batch: Any) -> None:
         """Trace the train and eval steps on ``example_batch``'s shapes (no compile, no FLOP), so
