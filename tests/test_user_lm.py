@@ -8,6 +8,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from cli_helpers import QUICK, read_metrics, shardax
 from flax import nnx
 from user_lm import PackedLM, TinyLM
@@ -132,3 +133,27 @@ def test_a_bad_model_is_refused_in_one_line_by_the_command(small_corpus, tmp_pat
                              "321) for tokens of shape (16, 32); it must give float logits (batch, seq_len, "
                              "vocab_size) = (16, 32, 320)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # the fast tier trains the user's LM above, and full DPO in test_data_formats.py
+def test_a_users_lm_tunes_preference_pairs_with_full_dpo(tmp_path, capsys):
+    """--model with preference pairs: the user's LM is DPO's policy beside a frozen copy of its
+    first weights (the reference), two parts of one run. The first loss is log 2 with no reward
+    margin (the policy is its reference); the reference never moves, and the policy does."""
+    run = tmp_path / "dpo"
+    assert main(["train", "--model", "user_lm:factory", "--data", "python-pairs", "--seq-len", "64",
+                 "--batch-size", "8", "--steps", "3", "--log-every", "1", "--eval-every", "0",
+                 "--eval-batches", "1", "--sample-bytes", "8", "--checkpoint-every", "1",
+                 "--keep-checkpoints", "3", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "parts: policy (TinyLM), reference (TinyLM, frozen)" in out, out
+    records = read_metrics(run / "metrics.jsonl")
+    assert abs(records[0]["loss"] - math.log(2)) < 1e-6 and records[0]["reward_margin"] == 0
+    first, last = saved_arrays(run / "checkpoints", 1), saved_arrays(run / "checkpoints", 3)
+    policy = sorted(name for name in first if name.startswith("params.policy."))
+    assert policy and any("blocks" in name for name in policy), list(first)
+    for name in policy:
+        reference = name.replace(".policy.", ".reference.")
+        np.testing.assert_array_equal(first[reference], first[name], err_msg=name)  # policy = reference
+        np.testing.assert_array_equal(last[reference], first[reference], err_msg=name)  # never moves
+    assert any(not np.array_equal(last[name], first[name]) for name in policy)
