@@ -135,7 +135,7 @@ def test_a_bad_model_is_refused_in_one_line_by_the_command(small_corpus, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # the fast tier trains the user's LM above, and full DPO in test_data_formats.py
+@pytest.mark.slow  # an end-to-end run; the fast tier trains the user's LM in the test above
 def test_a_users_lm_tunes_preference_pairs_with_full_dpo(tmp_path, capsys):
     """--model with preference pairs: the user's LM is DPO's policy beside a frozen copy of its
     first weights (the reference), two parts of one run. The first loss is log 2 with no reward
