@@ -1,7 +1,8 @@
 """The package reads bottom-up: nothing imports a layer above its own.
 
-    errors, vocabulary, mesh,     the usage error; the names users give; devices and processes
-    distributed, launch, cpu_devices
+    errors, vocabulary, mesh,     the usage error; the names users give; devices and processes;
+    distributed, launch,          a plug-in named module:name
+    cpu_devices, plugins
     sharding                      rules, strategies, layouts, placement, report
     runtime                       what runs inside a step: the pipeline, context attention
     layers, blocks, adapters,     what users and we train (blocks: LayerStack, Attention; any model's LoRA
@@ -22,7 +23,7 @@ from pathlib import Path
 import shardax
 
 LAYERS = [
-    {"errors", "vocabulary", "mesh", "distributed", "launch", "cpu_devices"},
+    {"errors", "vocabulary", "mesh", "distributed", "launch", "cpu_devices", "plugins"},
     {"sharding"},
     {"runtime"},
     {"layers", "blocks", "adapters", "experts", "decoding", "models", "data"},

@@ -33,15 +33,13 @@ from the current directory or ``PYTHONPATH``, and registered).
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardax.data.documents import file_kind, first_record
 from shardax.errors import UsageError
+from shardax.plugins import import_named
 
 TEXT = "text"  # a run without a tokenizer: its documents' bytes held in memory
 DOCUMENTS = "documents"  # what a record no format claims is, and a text file
@@ -209,19 +207,7 @@ def text_format() -> type[DataFormat]:
 
 def load_format(spec: str, flag: str = "--format") -> type[DataFormat]:
     """The format class ``spec`` (``module:Class``) names, imported and registered."""
-    module_name, _, attribute = spec.partition(":")
-    if not attribute.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
-        raise UsageError(f"{flag} {spec}: expected module:Class, e.g. my_formats:QuestionAnswer (the class "
-                         "QuestionAnswer of my_formats.py, in the current directory or on PYTHONPATH)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # as `python -m` would: a module beside the user is found
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # the user's module: whatever it raises is theirs, said in one line
-        said = str(error).strip().splitlines()
-        raise UsageError(f"{flag} {spec}: the module {module_name} does not import: {type(error).__name__}"
-                         + (f": {said[0]}" if said else "")) from None
-    kind = getattr(module, attribute, None)
+    kind, module_name, attribute = import_named(spec, flag, "Class", "my_formats:QuestionAnswer")
     if not isinstance(kind, type) or not issubclass(kind, DataFormat):
         what = ("nothing" if kind is None else f"the class {kind.__name__}" if isinstance(kind, type)
                 else f"a {type(kind).__name__}")

@@ -17,9 +17,7 @@ is made once, here (``takes_segments``).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +28,7 @@ from flax import nnx
 
 from shardax.errors import UsageError
 from shardax.models.transformer import TransformerLM
+from shardax.plugins import import_named, said
 
 # what shapes shardax's transformer alone, refused beside --model (the flag and whether it was given)
 TRANSFORMER_ONLY = (("init_from", lambda v: v is not None), ("lora_rank", bool),
@@ -57,32 +56,12 @@ def _shown(value: Any) -> str:
 
 def load_factory(spec: str) -> Callable[..., Any]:
     """The function ``spec`` (``pkg.module:function``) names, imported; one line where it cannot be."""
-    module_name, colon, name = spec.partition(":")
-    if not colon or not name.isidentifier() or not all(p.isidentifier() for p in module_name.split(".")):
-        raise UsageError(f"--model {spec}: expected module:function, e.g. my_lm:build (the function build of "
-                         "my_lm.py, in the current directory or on PYTHONPATH)")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())  # as `python -m` would: a module beside the user is found
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # the user's module: whatever it raises is theirs, said in one line
-        missing = (isinstance(error, ModuleNotFoundError)  # the module itself, not one it imports
-                   and (error.name or "").split(".")[0] == module_name.split(".")[0])
-        hint = " (is it in the current directory or on PYTHONPATH?)" if missing else ""
-        raise UsageError(f"--model {spec}: the module {module_name} does not import: "
-                         f"{_said(error)}{hint}") from None
-    factory = getattr(module, name, None)
+    factory, module_name, name = import_named(spec, "--model", "function", "my_lm:build")
     if not callable(factory):
         what = "" if factory is None else f" (its {name} is a {type(factory).__name__})"
-        raise UsageError(f"--model {spec}: {module_name} ({getattr(module, '__file__', '?')}) has no "
-                         f"function {name}{what}")
+        where = getattr(sys.modules[module_name], "__file__", "?")
+        raise UsageError(f"--model {spec}: {module_name} ({where}) has no function {name}{what}")
     return factory
-
-
-def _said(error: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(error).strip().splitlines()
-    return type(error).__name__ + (f": {text[0]}" if text else "")
 
 
 def takes_segments(model: Any) -> bool:
@@ -151,7 +130,7 @@ def user_model(spec: str, vocab_size: int, seq_len: int, batch_size: int, packed
         try:
             model = factory(vocab_size=vocab_size, seq_len=seq_len, rngs=nnx.Rngs(0))
         except Exception as error:  # the user's code: said in one line
-            raise UsageError(f"{call} failed: {_said(error)}") from None
+            raise UsageError(f"{call} failed: {said(error)}") from None
         if not isinstance(model, nnx.Module):
             raise UsageError(f"{call} returned a {type(model).__name__}; return an nnx.Module whose "
                              "__call__(tokens) gives logits")
@@ -163,7 +142,7 @@ def user_model(spec: str, vocab_size: int, seq_len: int, batch_size: int, packed
             return model(tokens)
         except Exception as error:
             raise UsageError(f"--model {spec}: its {type(model).__name__} failed on tokens of shape "
-                             f"{tuple(tokens.shape)} (int32): {_said(error)}") from None
+                             f"{tuple(tokens.shape)} (int32): {said(error)}") from None
 
     with nnx.use_eager_sharding(False):
         logits = jax.eval_shape(forward, jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32))
