@@ -45,9 +45,23 @@ def built_once(name: str, build: Callable[[Path], None]) -> Path:
     return folder
 
 
+# The tests compile over a thousand small programs, and compiling is most of their time: LLVM
+# optimising XLA:CPU's machine code. The level changes neither XLA's program (its HLO after
+# partitioning, collectives, buffers and memory analysis: the same temporaries at levels 0, 1
+# and 3) nor what the tests compare; it changes how long a compile takes and how fast the code
+# runs. The tests themselves compile at level 0 (the strategy families' first-step comparison:
+# 2.3-6 s a case against 7-9 s at level 1); the `shardax` processes they start compile at
+# level 1, since many of those train for hundreds of steps (the default run: 317 s at level 0,
+# 89 s at level 1 as at the default level 3). XLA:CPU's older fusion emitter
+# (--xla_cpu_use_fusion_emitters=false) compiled faster still but fuses differently, so the
+# memory analysis changed: it is left alone.
+QUICK_COMPILE = "--xla_backend_optimization_level=0"  # the tests' own compiles (conftest.py)
+RUNS_COMPILE = "--xla_backend_optimization_level=1"  # the processes they start
+
+
 def subprocess_env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_backend_optimization_level=1",  # as the tests compile (conftest.py)
+    env.update(XLA_FLAGS=RUNS_COMPILE,
                PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     return env

@@ -1,14 +1,12 @@
 """Every test sees 8 simulated CPU devices; JAX is configured before any backend starts."""
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The tests compile over a thousand small programs: much of each compile was LLVM optimising the CPU
-# code at its highest level. At level 1 XLA's program (its HLO, partitioning, collectives, buffers
-# and memory analysis) is the same and its code as fast on these models (level 0 compiled faster
-# still, but ran a 4-layer transformer's step 2.2x slower). The `shardax` processes the tests start
-# compile the same way (cli_helpers.subprocess_env).
-QUICK_COMPILE = "--xla_backend_optimization_level=1"
+from cli_helpers import QUICK_COMPILE  # noqa: E402  (XLA's flags for the tests' compiles: see there)
+
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_COMPILE}".strip()
 import jax  # noqa: E402
@@ -93,13 +91,37 @@ def pytest_collection_modifyitems(config, items):
     """The fast tier (``pytest -m "not slow"``): a parametrized test's first case stands for the
     behaviour, and its other cases (more strategies, models, meshes) are ``slow``, unless the test
     is marked ``every_case`` (the bad-input battery: each case is its own behaviour); so are the
-    tests marked ``slow`` by hand. CI runs every test."""
+    tests marked ``slow`` by hand. CI runs every test.
+
+    Then the longest work first, so that neither worker is left with a long test at the end:
+    each module (or xdist group) keeps its tests together and in order, and the modules go by
+    the seconds their tests took in a measured run (``durations.json``; a test it does not know
+    counts a second). The order changes no test: each sets up what it needs."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         if item.get_closest_marker("every_case") is not None:
             continue
         if callspec is not None and any(index != 0 for index in callspec.indices.values()):
             item.add_marker(pytest.mark.slow)
+    items[:] = longest_first(items)
+
+
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def longest_first(items):
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    def unit(item):
+        group = item.get_closest_marker("xdist_group")
+        return group.args[0] if group is not None and group.args else item.nodeid.split("::")[0]
+
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(unit(item), []).append(item)
+    cost = {name: sum(seconds.get(item.nodeid.split("@")[0], 1.0) for item in members)
+            for name, members in units.items()}
+    return [item for name in sorted(units, key=lambda name: -cost[name]) for item in units[name]]
 
 
 @pytest.fixture(scope="session")
