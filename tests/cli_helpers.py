@@ -47,8 +47,8 @@ def built_once(name: str, build: Callable[[Path], None]) -> Path:
 
 # The tests compile over a thousand small programs, and compiling is most of their time: LLVM
 # optimising XLA:CPU's machine code. The level changes neither XLA's program (its HLO after
-# partitioning, collectives, buffers and memory analysis: the same temporaries at levels 0, 1
-# and 3) nor what the tests compare; it changes how long a compile takes and how fast the code
+# partitioning, collectives and buffers: a circular pipeline's temporaries are the same at levels
+# 0 and 1) nor what the tests compare; it changes how long a compile takes and how fast the code
 # runs. The tests themselves compile at level 0 (the strategy families' first-step comparison:
 # 2.3-6 s a case against 7-9 s at level 1); the `shardax` processes they start compile at
 # level 1, since many of those train for hundreds of steps (the default run: 317 s at level 0,
